@@ -1,0 +1,76 @@
+"""The ``torchledger`` click group. Thin: parse, call analyzers/tracer, print.
+
+Exit codes everywhere: 0 clean, 1 findings at or above ``--fail-on``, 2 bad usage or bad
+input. Bad input is one line on stderr (``torchledger: error: ...``) with no traceback
+unless ``--debug`` is given. Data goes to stdout, logs to stderr.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from .types import InputError
+
+__all__ = ["main", "cli"]
+
+
+class LedgerGroup(click.Group):
+    """A click group whose usage errors are one line and exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if args is None:
+            args = sys.argv[1:]
+        args = list(args)
+        debug = "--debug" in args or os.environ.get("TORCHLEDGER_DEBUG") == "1"
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "torchledger",
+                              complete_var=complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:           # --help, ctx.exit(n)
+            code = e.exit_code
+        except click.exceptions.Abort:
+            click.echo("torchledger: aborted", err=True)
+            code = 130
+        except click.ClickException as e:            # UsageError, BadParameter, InputError
+            if debug:
+                raise
+            click.echo(f"torchledger: error: {_one_line(e)}", err=True)
+            code = 2 if not isinstance(e, click.exceptions.FileError) else 2
+        else:
+            code = rv if isinstance(rv, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _one_line(e: click.ClickException) -> str:
+    msg = e.format_message() if not isinstance(e, click.UsageError) else e.format_message()
+    ctx = getattr(e, "ctx", None)
+    if isinstance(e, click.UsageError) and ctx is not None and not isinstance(e, InputError):
+        msg = f"{msg} (see '{ctx.command_path} --help')"
+    return " ".join(str(msg).split())
+
+
+@click.group(cls=LedgerGroup, context_settings={"help_option_names": ["-h", "--help"],
+                                                "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.version_option(package_name="torchledger", prog_name="torchledger")
+def cli(debug: bool) -> None:
+    """torchledger: do the accounting first, then write the code.
+
+    FLOPs, bytes and why, for a PyTorch training step: closed-form estimates (`estimate`),
+    measured audits of a real step (`audit`), and static checks of training code (`lint`).
+    """
+
+
+def _register() -> None:
+    from .estimate import estimate
+    cli.add_command(estimate)
+
+
+_register()
+
+
+def main() -> None:  # console script entry point
+    cli.main()

@@ -1,0 +1,52 @@
+"""click parameter types for the numbers users type (``7B``, ``80GB``, ``989.5T``)."""
+from __future__ import annotations
+
+import click
+
+from .. import units
+
+__all__ = ["InputError", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION"]
+
+
+class InputError(click.ClickException):
+    """Bad input that is not a usage error: one line, exit 2."""
+
+    exit_code = 2
+
+
+class _Number(click.ParamType):
+    def __init__(self, name, parse, *, integer=False, positive=True, upper=None, example="7B"):
+        self.name, self._parse, self._integer = name, parse, integer
+        self._positive, self._upper, self._example = positive, upper, example
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            num = float(value)
+        else:
+            try:
+                num = self._parse(value)
+            except ValueError as e:
+                self.fail(str(e), param, ctx)
+        if self._positive and num <= 0:
+            self.fail(f"expected a number > 0 such as {self._example}, got {value!r}", param, ctx)
+        if self._upper is not None and num > self._upper:
+            self.fail(f"expected a number <= {self._upper:g}, got {value!r}", param, ctx)
+        if self._integer:
+            if num != int(num):
+                self.fail(f"expected a whole number such as {self._example}, got {value!r}", param, ctx)
+            return int(num)
+        return num
+
+
+#: A positive count that may be fractional (tokens, parameters: ``7B``, ``15T``, ``1.3e9``).
+COUNT = _Number("count", units.parse_count, example="7B")
+#: A positive whole count (layers, heads, GPUs, parameters when exact).
+POS_INT = _Number("integer", units.parse_count, integer=True, example="32")
+#: A positive byte size (``80GB``, ``80GiB``).
+BYTES = _Number("size", units.parse_bytes, example="80GB")
+#: A positive FLOP/s rate (``989.5T``).
+FLOPS = _Number("flop/s", units.parse_flops, example="989.5T")
+#: A positive real number.
+POS_FLOAT = _Number("number", units.parse_count, example="0.5")
+#: A fraction in (0, 1] (MFU).
+FRACTION = _Number("fraction", units.parse_count, upper=1.0, example="0.5")
