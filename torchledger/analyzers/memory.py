@@ -1,0 +1,153 @@
+"""Static training memory: bytes per parameter by optimizer and precision, ZeRO sharding.
+
+"Static" is what lives for the whole run whatever the batch: parameters, gradients, fp32
+master weights and optimizer state (ACCOUNTING.md section 5). Activations are separate
+(:mod:`torchledger.analyzers.activations`). Units: bytes; GB = 1e9, GiB = 2**30.
+
+Precisions:
+  - ``fp32``: params 4, grads 4, no master copy, optimizer state fp32.
+  - ``mixed`` (bf16 mixed precision as in the reference table): params 2, grads 2,
+    fp32 master weights 4, optimizer state fp32.
+  - ``bf16`` (pure bf16, no master copy): params 2, grads 2, and optimizer state in the
+    params' dtype, 2 bytes per value (our choice; e.g. AdamW 4 bytes, not 8).
+Optimizer state values per parameter: sgd 0, sgd-momentum 1, adagrad 1 (sum of g^2),
+rmsprop 1 (square_avg; no momentum or centering), adam/adamw 2 (exp_avg, exp_avg_sq),
+adam8bit 2 values of 1 byte each whatever the precision.
+
+ZeRO over G data-parallel GPUs (per-GPU bytes): stage 1 shards the optimizer state and the
+master weights, stage 2 also the gradients, stage 3 also the parameters.
+
+    >>> static_memory(7e9).total_bytes            # fp32 + AdamW: 16 B/param
+    112000000000
+
+Known limitations:
+  - Adam's scalar ``step`` per tensor, 8-bit Adam's quantisation scales, buffers, the CUDA
+    context and allocator slack are not counted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from .flops import exact
+
+__all__ = ["OPTIMIZERS", "PRECISIONS", "WEIGHT_DTYPES", "bytes_per_param", "StaticMemory",
+           "static_memory", "max_params", "fits", "weight_bytes", "naive_fp32_training_bytes"]
+
+#: Optimizer -> number of state values per parameter.
+OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2,
+              "adamw": 2, "adam8bit": 2}
+_EIGHT_BIT = {"adam8bit"}
+
+#: Precision -> (param bytes, grad bytes, master bytes, optimizer-state bytes per value).
+PRECISIONS = {"fp32": (4, 4, 0, 4), "mixed": (2, 2, 4, 4), "bf16": (2, 2, 0, 2)}
+
+#: Bytes per weight for inference storage formats.
+WEIGHT_DTYPES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+_ZERO_SHARDS = {0: (), 1: ("optimizer", "master"), 2: ("optimizer", "master", "grads"),
+                3: ("optimizer", "master", "grads", "params")}
+
+
+def _check_choice(kind: str, value: str, choices) -> str:
+    key = str(value).lower()
+    if key not in choices:
+        raise ValueError(f"unknown {kind} {value!r}; expected one of {', '.join(choices)}")
+    return key
+
+
+def bytes_per_param(optimizer: str = "adamw", precision: str = "fp32") -> dict:
+    """Bytes per parameter by category: ``{"params", "grads", "master", "optimizer"}``.
+
+    ``bytes_per_param("adam8bit", "mixed")`` -> 2 + 2 + 4 + 2 = 10.
+    """
+    opt = _check_choice("optimizer", optimizer, OPTIMIZERS)
+    prec = _check_choice("precision", precision, PRECISIONS)
+    p, g, master, state = PRECISIONS[prec]
+    state = 1 if opt in _EIGHT_BIT else state
+    return {"params": p, "grads": g, "master": master, "optimizer": OPTIMIZERS[opt] * state}
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Static training memory of ``n_params`` parameters, whole model and per GPU."""
+
+    n_params: float
+    optimizer: str
+    precision: str
+    bytes_per_param: int
+    """Sum of the categories, unsharded (16 for AdamW in fp32 or mixed)."""
+    breakdown: Mapping[str, int]
+    """Bytes per category for the whole model (params, grads, master, optimizer)."""
+    total_bytes: int
+    """Whole model, all GPUs together: n_params x bytes_per_param."""
+    gpus: int = 1
+    zero: int = 0
+    per_gpu_breakdown: Mapping[str, float] = field(default_factory=dict)
+    per_gpu_bytes: float = 0.0
+    """Bytes each GPU holds after ZeRO sharding (= total_bytes with one GPU or zero=0)."""
+
+    @property
+    def per_gpu_bytes_per_param(self) -> float:
+        return self.per_gpu_bytes / self.n_params
+
+
+def _sharded(per_param: Mapping[str, int], gpus: int, zero: int) -> dict:
+    if zero not in _ZERO_SHARDS:
+        raise ValueError(f"zero must be one of 0, 1, 2, 3, got {zero!r}")
+    return {k: (v / gpus if k in _ZERO_SHARDS[zero] else v) for k, v in per_param.items()}
+
+
+def static_memory(n_params, optimizer: str = "adamw", precision: str = "fp32", *,
+                  gpus: int = 1, zero: int = 0) -> StaticMemory:
+    """Static bytes of training ``n_params`` parameters; see the module docstring.
+
+    ZeRO-3 of 7.5B over 64 GPUs, AdamW: 16 * 7.5e9 / 64 = 1.875e9 bytes per GPU.
+    """
+    if not n_params > 0 or not gpus >= 1:
+        raise ValueError(f"n_params must be > 0 and gpus >= 1, got {n_params!r}, {gpus!r}")
+    per_param = bytes_per_param(optimizer, precision)
+    n = exact(n_params)
+    breakdown = {k: _whole(n * v) for k, v in per_param.items()}
+    per_gpu = {k: n * v for k, v in _sharded(per_param, gpus, zero).items()}
+    return StaticMemory(n_params=n, optimizer=optimizer.lower(), precision=precision.lower(),
+                        bytes_per_param=sum(per_param.values()), breakdown=breakdown,
+                        total_bytes=sum(breakdown.values()), gpus=gpus, zero=zero,
+                        per_gpu_breakdown=per_gpu, per_gpu_bytes=sum(per_gpu.values()))
+
+
+def _whole(x):
+    return int(round(x)) if isinstance(x, float) else x
+
+
+def max_params(gpu_memory_bytes: float, optimizer: str = "adamw", precision: str = "fp32", *,
+               gpus: int = 1, zero: int = 0) -> int:
+    """Most parameters whose static state fits in ``gpu_memory_bytes`` on each of ``gpus``.
+
+    8 x 80 GB with 16 B/param: ZeRO-3 -> 640e9 / 16 = 40e9; zero=0 (replicated) -> 5e9.
+    """
+    per_param = _sharded(bytes_per_param(optimizer, precision), gpus, zero)
+    # NB: round before flooring so 80e9 / 2.0 does not land on 39999999999 by float error.
+    return math.floor(round(gpu_memory_bytes / sum(per_param.values()), 6))
+
+
+def weight_bytes(n_params, dtype: str = "bf16"):
+    """Bytes of the weights alone in ``dtype`` (fp32 4, bf16/fp16 2, fp8/int8 1, int4 0.5).
+
+    Llama 3 8B (8,030,261,248 params) in bf16: 16,060,522,496 B = 15.0 GiB.
+    """
+    key = _check_choice("weight dtype", dtype, WEIGHT_DTYPES)
+    return _whole(exact(n_params) * WEIGHT_DTYPES[key])
+
+
+def naive_fp32_training_bytes(n_params: int, n_activations: int) -> int:
+    """4 * (3*Np + Na): fp32 params, grads and one optimizer state value, plus activations."""
+    return 4 * (3 * n_params + n_activations)
+
+
+def fits(memory: StaticMemory, gpu_memory_bytes: Optional[float]) -> Optional[bool]:
+    """Whether the per-GPU static bytes fit in ``gpu_memory_bytes`` (None if not given)."""
+    if gpu_memory_bytes is None:
+        return None
+    return memory.per_gpu_bytes <= gpu_memory_bytes
