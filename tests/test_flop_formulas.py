@@ -1,0 +1,471 @@
+"""Hand-checked FLOP formulas of torchledger.tracer.flops (FLOP = 2 x multiply-add).
+
+Every expected number carries its arithmetic in a comment, as in PyTorch's test_flop_counter.py.
+CUDA-only attention entry points are costed by calling ``op_flops`` directly with meta tensors:
+they are never executed, and no fake CUDA tensor is ever made (that aborts a CPU-only wheel).
+"""
+from collections import Counter
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchledger.tracer.flops import FLOP_KINDS, FlopCount, op_flops
+
+aten = torch.ops.aten
+
+
+class FlopTally(TorchDispatchMode):
+    """Sums op_flops per kind for everything run under it; lists ops without a formula."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.causal, self.uncounted, self.ops = Counter(), Counter(), Counter(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = op_flops(func, args, kwargs, out)
+        if cost is None:
+            self.uncounted[str(func)] += 1
+        else:
+            assert cost.kind in FLOP_KINDS
+            self.flops[cost.kind] += cost.flops
+            self.causal[cost.kind] += cost.flops_causal
+            self.ops.append((func, cost))
+        return out
+
+
+def tally(fn, *args, **kwargs):
+    with FlopTally() as t:
+        fn(*args, **kwargs)
+    return t
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+# --- matmul --------------------------------------------------------------------------------
+
+def test_mm():
+    t = tally(torch.mm, torch.randn(4, 5), torch.randn(5, 6))
+    assert t.flops["matmul"] == 240  # 4*6*2*5
+    assert op_flops(aten.mm.default, (meta(4, 5), meta(5, 6)), {}, meta(4, 6)) == \
+        FlopCount("matmul", 240, 240)
+
+
+def test_addmm_bias_not_counted():
+    t = tally(torch.addmm, torch.randn(6), torch.randn(4, 5), torch.randn(5, 6), beta=2, alpha=3)
+    assert dict(t.flops) == {"matmul": 240}  # 4*6*2*5; the bias add and alpha/beta are free
+
+
+@pytest.mark.parametrize("fn, inputs", [
+    (torch.bmm, [(3, 4, 5), (3, 5, 6)]),
+    (torch.baddbmm, [(3, 4, 6), (3, 4, 5), (3, 5, 6)]),
+    (torch.addbmm, [(4, 6), (3, 4, 5), (3, 5, 6)]),
+])
+def test_batched_matmul(fn, inputs):
+    t = tally(fn, *[torch.randn(s) for s in inputs])
+    assert t.flops["matmul"] == 720  # 3*4*6*2*5
+
+
+def test_matrix_vector_and_dot():
+    assert tally(torch.mv, torch.randn(4, 5), torch.randn(5)).flops["matmul"] == 40  # 4*2*5
+    assert tally(torch.addmv, torch.randn(4), torch.randn(4, 5),
+                 torch.randn(5)).flops["matmul"] == 40  # 4*2*5
+    assert tally(torch.dot, torch.randn(7), torch.randn(7)).flops["matmul"] == 14  # 2*7
+    assert tally(torch.vdot, torch.randn(7), torch.randn(7)).flops["matmul"] == 14  # 2*7
+
+
+def test_composites_through_their_decompositions():
+    t = tally(torch.matmul, torch.randn(2, 3, 4, 5), torch.randn(5, 6))
+    assert t.flops["matmul"] == 1440  # folded to mm (24,5)x(5,6): 24*6*2*5
+    t = tally(torch.einsum, "bik,bkj->bij", torch.randn(3, 4, 5), torch.randn(3, 5, 6))
+    assert t.flops["matmul"] == 720  # bmm: 3*4*6*2*5
+    t = tally(F.linear, torch.randn(8, 16), torch.randn(32, 16), torch.randn(32))
+    assert t.flops["matmul"] == 8192  # addmm: 8*32*2*16
+    t = tally(torch.nn.Linear(16, 32), torch.randn(2, 8, 16))
+    assert t.flops["matmul"] == 16384  # (2*8 tokens)*32*2*16
+    assert not t.uncounted
+
+
+def test_linear_backward_is_twice_forward():
+    layer = torch.nn.Linear(16, 32)
+    x = torch.randn(8, 16, requires_grad=True)
+    with FlopTally() as fwd:
+        y = layer(x)
+    with FlopTally() as bwd:
+        y.sum().backward()
+    assert fwd.flops["matmul"] == 8192  # 8*32*2*16
+    assert bwd.flops["matmul"] == 2 * 8192  # grad_input 2*8*16*32 + grad_weight 2*32*16*8
+    assert fwd.flops["matmul"] + bwd.flops["matmul"] == 3 * fwd.flops["matmul"]
+    assert bwd.flops["elementwise"] > 0  # the bias grad is a sum: elementwise, not matmul
+
+
+def test_scaled_and_int_mm_direct_on_meta():
+    a = meta(16, 32, dtype=torch.float8_e4m3fn)
+    b = meta(32, 48, dtype=torch.float8_e4m3fn)
+    cost = op_flops(aten._scaled_mm.default, (a, b, meta(()), meta(())),
+                    {"out_dtype": torch.bfloat16}, meta(16, 48, dtype=torch.bfloat16))
+    assert cost == FlopCount("matmul", 49152, 49152)  # 16*48*2*32
+    cost = op_flops(aten._int_mm.default, (meta(16, 32, dtype=torch.int8),
+                                           meta(32, 48, dtype=torch.int8)), {},
+                    meta(16, 48, dtype=torch.int32))
+    assert cost.flops == 49152  # 16*48*2*32
+
+
+def test_grouped_mm_direct_on_meta():
+    bf16 = torch.bfloat16
+    offs = meta(3, dtype=torch.int32)
+    # 2d x 3d (MoE): 12 token rows split over 3 experts (16 -> 8): 12*8*2*16
+    cost = op_flops(aten._grouped_mm.default, (meta(12, 16, dtype=bf16),
+                                               meta(3, 16, 8, dtype=bf16), offs), {}, None)
+    assert cost.flops == 3072
+    # 3d x 2d: 3 groups of (4,16) against their own share of 24 columns: 4*24*2*16
+    cost = op_flops(aten._grouped_mm.default, (meta(3, 4, 16, dtype=bf16),
+                                               meta(16, 24, dtype=bf16), offs), {}, None)
+    assert cost.flops == 3072
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 9), st.integers(1, 4))
+def test_matmul_property(m, k, n, b):
+    a, w, bias = torch.randn(m, k), torch.randn(k, n), torch.randn(n)
+    assert tally(torch.mm, a, w).flops["matmul"] == 2 * m * k * n
+    assert tally(torch.addmm, bias, a, w).flops["matmul"] == 2 * m * k * n
+    t = tally(torch.bmm, torch.randn(b, m, k), torch.randn(b, k, n))
+    assert t.flops["matmul"] == 2 * m * k * n * b
+
+
+# --- convolution ---------------------------------------------------------------------------
+
+CONVS = [  # (conv fn, input shape, weight shape, kwargs, forward FLOPs)
+    # conv1d: out (2,5,7) = 70 elements, each 3*4 taps: 2*70*12
+    (F.conv1d, (2, 3, 10), (5, 3, 4), {}, 1680),
+    # conv2d, padding 1: out (2,4,8,8) = 512 elements, each 3*3*3 taps: 2*512*27
+    (F.conv2d, (2, 3, 8, 8), (4, 3, 3, 3), {"padding": 1}, 27648),
+    # stride 2, groups 2: out (2,6,4,4) = 192 elements, each (4/2)*3*3 taps: 2*192*18
+    (F.conv2d, (2, 4, 8, 8), (6, 2, 3, 3), {"stride": 2, "padding": 1, "groups": 2}, 6912),
+    # transposed, stride 2: each of 2*4*5*5 = 200 inputs meets 3*3*3 taps: 2*200*27
+    (F.conv_transpose2d, (2, 4, 5, 5), (4, 3, 3, 3), {"stride": 2}, 10800),
+    # transposed, groups 2: each of 36 inputs meets (2/2)*2*2 taps: 2*36*4
+    (F.conv_transpose2d, (1, 4, 3, 3), (4, 1, 2, 2), {"groups": 2}, 288),
+    # conv3d: out (1,3,3,3,3) = 81 elements, each 2*2*2*2 taps: 2*81*16
+    (F.conv3d, (1, 2, 4, 4, 4), (3, 2, 2, 2, 2), {}, 2592),
+]
+
+
+@pytest.mark.parametrize("fn, x_shape, w_shape, kw, expected", CONVS)
+def test_conv_forward_and_backward(fn, x_shape, w_shape, kw, expected):
+    x = torch.randn(x_shape, requires_grad=True)
+    w = torch.randn(w_shape, requires_grad=True)
+    with FlopTally() as fwd:
+        y = fn(x, w, **kw)
+    with FlopTally() as bwd:
+        y.sum().backward()
+    assert fwd.flops["matmul"] == expected
+    assert bwd.flops["matmul"] == 2 * expected  # grad_input + grad_weight, one forward each
+    x.grad = w.grad = None
+    y = fn(x.detach(), w, **kw)  # no grad_input wanted: output_mask[0] is False
+    assert tally(y.sum().backward).flops["matmul"] == expected
+
+
+def test_conv_backward_direct_output_mask_and_bias():
+    args = (meta(2, 4, 8, 8), meta(2, 3, 8, 8), meta(4, 3, 3, 3), [4], [1, 1], [1, 1], [1, 1],
+            False, [0, 0], 1)
+    out = (meta(2, 3, 8, 8), meta(4, 3, 3, 3), meta(4))
+    for mask, expected in [([True, True, True], 2 * 27648), ([False, True, True], 27648),
+                           ([True, False, False], 27648), ([False, False, True], 0)]:
+        assert op_flops(aten.convolution_backward.default, args + (mask,), {}, out).flops == \
+            expected  # 27648 = the conv2d forward above; the bias grad is never matmul work
+
+
+# --- attention -----------------------------------------------------------------------------
+
+# q (2,8,5,16), k/v (2,8,7,16): 4*B*H*Sq*Sk*D = 4*2*8*5*7*16
+DENSE = 35840
+# Dv = 12: 2*B*H*Sq*Sk*Dqk + 2*B*H*Sq*Sk*Dv = 2*2*8*5*7*16 + 2*2*8*5*7*12 = 17920 + 13440
+DENSE_DV12 = 31360
+
+
+def _qkv(kv_heads=8, dv=16, requires_grad=False):
+    return (torch.randn(2, 8, 5, 16, requires_grad=requires_grad),
+            torch.randn(2, kv_heads, 7, 16, requires_grad=requires_grad),
+            torch.randn(2, kv_heads, 7, dv, requires_grad=requires_grad))
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize("kv_heads, causal", [(8, False), (8, True), (2, False), (2, True)])
+def test_sdpa_cpu_forward_backward(fake, kv_heads, causal):
+    with FakeTensorMode() if fake else nullcontext():
+        q, k, v = _qkv(kv_heads, requires_grad=True)
+        with FlopTally() as fwd:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                 enable_gqa=kv_heads != 8)
+        with FlopTally() as bwd:
+            out.sum().backward()
+    assert [str(f) for f, _ in fwd.ops if _.kind == "attention"] == \
+        ["aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    assert fwd.flops["attention"] == DENSE  # query heads, even with 2 KV heads (GQA)
+    assert fwd.causal["attention"] == (DENSE // 2 if causal else DENSE)  # 17920 when causal
+    assert bwd.flops["attention"] == 2 * DENSE  # backward = 2x forward, by convention
+    assert bwd.causal["attention"] == (DENSE if causal else 2 * DENSE)
+    assert fwd.flops["matmul"] == bwd.flops["matmul"] == 0
+
+
+def test_sdpa_explicit_mask_is_dense():
+    q, k, v = _qkv()
+    mask = torch.ones(5, 7, dtype=torch.bool).tril()
+    t = tally(F.scaled_dot_product_attention, q, k, v, attn_mask=mask)
+    assert t.flops["attention"] == t.causal["attention"] == DENSE  # the mask content is unknown
+
+
+def test_sdpa_math_fallback_counts_as_matmul():
+    # Dqk != Dv has no CPU flash kernel: the math path runs two bmm, costed as matmul
+    t = tally(F.scaled_dot_product_attention, *_qkv(dv=12))
+    assert t.flops["matmul"] == DENSE_DV12 and t.flops["attention"] == 0
+
+
+def _causal_pair(func, args, kwargs=None):
+    cost = op_flops(func, args, kwargs or {}, None)
+    assert cost.kind == "attention"
+    return cost.flops, cost.flops_causal
+
+
+def test_sdpa_cuda_entry_points_bhsd_meta():
+    q, k, v, v12 = meta(2, 8, 5, 16), meta(2, 8, 7, 16), meta(2, 8, 7, 16), meta(2, 8, 7, 12)
+    g = meta(2, 8, 5, 16)
+    lse, seed = meta(2, 8, 5), meta(2, dtype=torch.int64)
+    assert _causal_pair(aten._scaled_dot_product_flash_attention.default,
+                        (q, k, v, 0.0, True)) == (DENSE, DENSE // 2)
+    assert _causal_pair(aten._scaled_dot_product_flash_attention.default,
+                        (q, k, v), {"scale": 0.5}) == (DENSE, DENSE)
+    assert _causal_pair(aten._scaled_dot_product_flash_attention.default,
+                        (q, k, v), {"is_causal": True}) == (DENSE, DENSE // 2)
+    assert _causal_pair(aten._scaled_dot_product_efficient_attention.default,
+                        (q, k, v12, None, True, 0.0, True)) == (DENSE_DV12, DENSE_DV12 // 2)
+    assert _causal_pair(aten._scaled_dot_product_cudnn_attention.default,
+                        (q, k, v, meta(5, 7), False, 0.0, False)) == (DENSE, DENSE)
+    assert _causal_pair(aten._scaled_dot_product_fused_attention_overrideable.default,
+                        (q, k, v12, None, 0.0, True)) == (DENSE_DV12, DENSE_DV12 // 2)
+    # backward: 2x forward
+    assert _causal_pair(aten._scaled_dot_product_flash_attention_backward.default,
+                        (g, q, k, v, g, lse, None, None, 5, 7, 0.0, True, seed, seed)) == \
+        (2 * DENSE, DENSE)
+    assert _causal_pair(aten._scaled_dot_product_efficient_attention_backward.default,
+                        (g, q, k, v12, None, meta(2, 8, 5, 12), lse, seed, seed, 0.0,
+                         [True, True, True, False], False)) == (2 * DENSE_DV12, 2 * DENSE_DV12)
+    assert _causal_pair(aten._scaled_dot_product_cudnn_attention_backward.default,
+                        (g, q, k, v, g, lse, seed, seed, None, None, None, 5, 7, 0.0, True)) == \
+        (2 * DENSE, DENSE)
+    assert _causal_pair(aten._scaled_dot_product_fused_attention_overrideable_backward.default,
+                        (g, q, k, v, None, [True] * 4, g, lse, None, None, 5, 7, 0.0, False,
+                         seed, seed)) == (2 * DENSE, 2 * DENSE)
+
+
+def test_flash_attention_forward_bshd_gqa_meta():
+    # (B, S, H, D) layout: q (2,5,8,16), k/v (2,7,2,16) with 2 KV heads -> same as DENSE
+    q, k, v = meta(2, 5, 8, 16), meta(2, 7, 2, 16), meta(2, 7, 2, 16)
+    args = (q, k, v, None, None, 5, 7, 0.0, False, False)
+    assert _causal_pair(aten._flash_attention_forward.default, args) == (DENSE, DENSE)
+    args = (q, k, v, None, None, 5, 7, 0.0, True, False)
+    assert _causal_pair(aten._flash_attention_forward.default, args) == (DENSE, DENSE // 2)
+    bwd = (q, q, k, v, q, meta(2, 8, 5), None, None, 5, 7, 0.0, True, meta(2), meta(2))
+    assert _causal_pair(aten._flash_attention_backward.default, bwd) == (2 * DENSE, DENSE)
+
+
+# varlen: 3 sequences, q lengths 3,5,2 (10 tokens), k lengths 4,6,2 (12 tokens);
+# sum Sq_i*Sk_i = 3*4 + 5*6 + 2*2 = 46 pairs; 8 query heads, Dqk = Dv = 16:
+# 2*Hq*pairs*(Dqk+Dv) = 2*8*46*32
+VARLEN = 23552
+# with meta offsets only bounds are known: min(Tq*Tk=120, Tq*max_k=60, max_q*Tk=60,
+# n*max_q*max_k=90) = 60 pairs: 2*8*60*32
+VARLEN_BOUND = 30720
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", VARLEN), ("meta", VARLEN_BOUND)])
+def test_flash_attention_varlen(device, expected):
+    cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4, 10, 12], dtype=torch.int32, device=device)
+    q, k, v = meta(10, 8, 16), meta(12, 2, 16), meta(12, 2, 16)
+    args = (q, k, v, cu_q, cu_k, 5, 6, 0.0, True, False)
+    assert _causal_pair(aten._flash_attention_forward.default, args) == \
+        (expected, expected // 2)
+    bwd = (q, q, k, v, q, meta(8, 10), cu_q, cu_k, 5, 6, 0.0, False, meta(2), meta(2))
+    assert _causal_pair(aten._flash_attention_backward.default, bwd) == \
+        (2 * expected, 2 * expected)
+
+
+def test_varlen_bound_is_exact_for_equal_lengths():
+    cu_q = torch.tensor([0, 4, 8], device="meta")  # 2 sequences of q 4, k 6: 2*4*6 = 48 pairs
+    cu_k = torch.tensor([0, 6, 12], device="meta")
+    args = (meta(8, 8, 16), meta(12, 8, 16), meta(12, 8, 16), cu_q, cu_k, 4, 6, 0.0, False,
+            False)
+    assert op_flops(aten._flash_attention_forward.default, args, {}, None).flops == \
+        24576  # 2*8*48*32
+
+
+def test_efficient_attention_forward_backward_meta():
+    # (B, S, H, D): q (2,5,8,16), k (2,7,8,16), v (2,7,8,12) -> DENSE_DV12
+    q, k, v = meta(2, 5, 8, 16), meta(2, 7, 8, 16), meta(2, 7, 8, 12)
+    fwd = aten._efficient_attention_forward.default
+    for mask_type, causal in [(0, DENSE_DV12), (1, DENSE_DV12 // 2), (2, DENSE_DV12 // 2)]:
+        args = (q, k, v, None, None, None, None, None, 0.0, mask_type)
+        assert _causal_pair(fwd, args) == (DENSE_DV12, causal)
+    bwd = (meta(2, 5, 8, 12), q, k, v, None, meta(2, 5, 8, 12), None, None, 5, 7,
+           meta(2, 8, 5), 0.0, meta(()), meta(()), 1, False)
+    assert _causal_pair(aten._efficient_attention_backward.default, bwd) == \
+        (2 * DENSE_DV12, DENSE_DV12)
+    # varlen: batch 1, packed (1, T, H, D) with cu_seqlens, same 46 pairs as above
+    cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 10, 12], dtype=torch.int32)
+    args = (meta(1, 10, 8, 16), meta(1, 12, 8, 16), meta(1, 12, 8, 16), None, cu_q, cu_k,
+            5, 6, 0.0, 0)
+    assert _causal_pair(fwd, args) == (VARLEN, VARLEN)
+
+
+def test_cudnn_attention_forward_dense_and_varlen_meta():
+    q, k, v = meta(2, 8, 5, 16), meta(2, 8, 7, 16), meta(2, 8, 7, 16)
+    args = (q, k, v, None, None, None, 5, 7, False, 0.0, True)
+    assert _causal_pair(aten._cudnn_attention_forward.default, args) == (DENSE, DENSE // 2)
+    cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 10, 12], dtype=torch.int32)
+    args = (meta(10, 8, 16), meta(12, 2, 16), meta(12, 2, 16), None, cu_q, cu_k, 5, 6, False)
+    assert _causal_pair(aten._cudnn_attention_forward.default, args) == (VARLEN, VARLEN)
+
+
+# --- element-wise --------------------------------------------------------------------------
+
+def test_elementwise_examples():
+    x = torch.randn(3, 4)
+    assert dict(tally(torch.relu, x).flops) == {"elementwise": 12}  # 3*4 outputs
+    assert tally(torch.add, x, torch.randn(4)).flops["elementwise"] == 12  # broadcast: 3*4 out
+    assert tally(x.add_, 1.0).flops["elementwise"] == 12  # in place
+    assert tally(torch.sum, x).flops["elementwise"] == 12  # reduction: 3*4 inputs
+    assert tally(torch.softmax, x, -1).flops["elementwise"] == 12  # _softmax: 3*4 inputs
+    ln = torch.nn.LayerNorm(4)
+    assert tally(ln, torch.randn(2, 3, 4)).flops == {"elementwise": 24}  # 2*3*4 inputs
+    t = tally(F.cross_entropy, torch.randn(4, 10), torch.tensor([1, 2, 3, 4]))
+    assert t.flops["elementwise"] == 44  # log_softmax 4*10 + nll_loss 4 targets
+    t = tally(torch._foreach_add_, [torch.randn(3), torch.randn(2, 2)], 1.0)
+    assert t.flops["elementwise"] == 7  # 3 + 2*2
+    assert not t.uncounted
+
+
+def test_embedding_is_free_and_its_backward_elementwise():
+    emb = torch.nn.Embedding(10, 4)
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with FlopTally() as fwd:
+        y = emb(idx)
+    with FlopTally() as bwd:
+        y.sum().backward()
+    assert [(str(f), c.kind) for f, c in fwd.ops] == [("aten.embedding.default", "free")]
+    emb_bwd = [c for f, c in bwd.ops if f is aten.embedding_dense_backward.default]
+    assert emb_bwd == [FlopCount("elementwise", 24, 24)]  # scatter-add of 2*3*4 grads
+
+
+def test_fused_adamw_matches_foreach_path():
+    def step(**kw):
+        params = [torch.nn.Parameter(torch.randn(10, 10)), torch.nn.Parameter(torch.randn(10))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, **kw)
+        opt.step()  # first step creates the state
+        return tally(opt.step)
+
+    fused, foreach = step(fused=True), step(foreach=True)
+    fused_adamw = [c for f, c in fused.ops if f is aten._fused_adamw_.default]
+    # 110 elements x (7 passes + 1 for weight decay 0.01) = 880
+    assert fused_adamw == [FlopCount("elementwise", 880, 880)]
+    # both paths also bump the two step counters (_foreach_add_): 880 + 2
+    assert fused.flops["elementwise"] == foreach.flops["elementwise"] == 882
+    assert not fused.uncounted and not foreach.uncounted
+
+
+class TinyGPT(torch.nn.Module):
+    """One pre-norm block: every matmul input requires grad except the token ids."""
+
+    def __init__(self, vocab=50, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+        x = x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_training_step_fully_counted(fused):
+    model = TinyGPT()
+    idx, targets = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    opt = torch.optim.AdamW(model.parameters(), fused=fused, foreach=not fused)
+    with FlopTally() as fwd:
+        loss = model(idx, targets)
+    with FlopTally() as rest:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    # matmul weights: 32*96 + 32*32 + 32*128 + 128*32 + 32*50 = 13888; 16 tokens: 2*16*13888
+    assert fwd.flops["matmul"] == 444416
+    # 4*B*H*T*T*dh = 4*2*4*8*8*8, half of it causal
+    assert (fwd.flops["attention"], fwd.causal["attention"]) == (16384, 8192)
+    assert rest.flops["matmul"] == 2 * 444416 and rest.flops["attention"] == 2 * 16384
+    assert not fwd.uncounted and not rest.uncounted
+
+
+# --- free and unknown ----------------------------------------------------------------------
+
+def test_free_ops():
+    x = torch.randn(3, 4)
+    for fn in (lambda: x.view(12), lambda: x.t(), lambda: x.transpose(0, 1), x.clone,
+               x.detach, lambda: torch.cat([x, x]), lambda: torch.zeros(3),
+               lambda: x.to(torch.float64), lambda: x.tril(),
+               lambda: F.embedding(torch.tensor([0, 2]), x)):
+        t = tally(fn)
+        assert t.ops and all(c.kind == "free" and c.flops == 0 for _, c in t.ops), t.ops
+    a = op_flops(aten.view.default, (meta(3, 4), [12]), {}, meta(12))
+    b = op_flops(aten.clone.default, (meta(3, 4),), {}, meta(3, 4))
+    assert a is b == FlopCount("free", 0, 0)  # one shared instance: nothing allocated
+
+
+@pytest.fixture(scope="module")
+def custom_op():
+    lib = torch.library.Library("tl_flops_test", "DEF")
+    lib.define("mystery(Tensor x) -> Tensor")
+    lib.impl("mystery", lambda x: x * 2, "CPU")
+    yield torch.ops.tl_flops_test.mystery.default
+    lib._destroy()
+
+
+def test_unknown_ops_are_none(custom_op):
+    t = tally(custom_op, torch.randn(3))
+    assert dict(t.uncounted) == {"tl_flops_test.mystery.default": 1}
+    x = meta(4, 4)
+    assert op_flops(aten._linalg_svd.default, (x,), {}, (x, meta(4), x)) is None
+    assert op_flops(aten.topk.default, (x, 2), {}, (meta(4, 2), meta(4, 2))) is None
+
+
+def test_cache_resolves_each_overload_once():
+    from torchledger.tracer import flops
+
+    a, b = meta(2, 3), meta(3, 4)
+    op_flops(aten.mm.default, (a, b), {}, None)
+    handler = flops._HANDLERS[id(aten.mm.default)]
+    assert op_flops(aten.mm.default, (a, b), None, None).flops == 48  # 2*4*2*3
+    assert flops._HANDLERS[id(aten.mm.default)] is handler

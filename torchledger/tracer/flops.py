@@ -1,0 +1,453 @@
+"""FLOP formulas for aten ops: the per-op cost that a ``TorchDispatchMode`` tracer asks for.
+
+``op_flops(func, args, kwargs, out)`` looks at the shapes of one dispatched op (real, meta or
+fake tensors alike: data is read only for varlen attention, see below) and returns a
+``FlopCount(kind, flops, flops_causal)``, or ``None`` when torchledger has no formula for the
+op, so that the tracer can list it as uncounted rather than count it as zero. Conventions:
+one FLOP is half a multiply-add, so a [M,K] x [K,N] matmul is 2*M*K*N; batched matmuls
+multiply by the batch dims; the bias/``beta*self`` term of addmm, baddbmm, addmv and
+convolution is not counted (the convention of ``torch.utils.flop_counter`` and of 6ND);
+``alpha``/``beta`` are ignored. A convolution costs 2 x (output elements) x (C_in/groups x
+kernel volume), padding taps included; a transposed one 2 x (input elements) x (C_out/groups x
+kernel volume); its backward costs one forward for grad_input and one for grad_weight, as
+``output_mask`` asks. Attention is counted dense, 2*B*Hq*Sq*Sk*(Dqk + Dv), with the QUERY
+heads (GQA/MQA broadcast K/V heads); ``flops_causal`` is exactly half the dense figure when
+the kernel is causal (the exact pair count T(T+1)/2 differs by a factor 1 + 1/T); backward is
+counted as 2x forward (four score-sized matmuls; the flash kernels' recomputation of the
+scores is not counted). Element-wise work is approximate and low order (memory-bound):
+1 FLOP per output element for pointwise ops, 1 per input element for reductions, softmax,
+norms and losses, sum of list numels for ``_foreach_*`` ops, and a per-element constant for
+fused optimizers that matches what their foreach path reports. Views, copies, indexing,
+masking by position (tril/triu) and tensor factories are ``"free"`` (0 FLOPs); an embedding
+lookup is free, its backward (a scatter-add) is element-wise.
+
+Example::
+
+    >>> a, b = torch.empty(4, 5, device="meta"), torch.empty(5, 6, device="meta")
+    >>> op_flops(torch.ops.aten.mm.default, (a, b), {}, torch.empty(4, 6, device="meta"))
+    FlopCount(kind='matmul', flops=240, flops_causal=240)
+
+Known limitations:
+    - Varlen attention (``cum_seq_q``/``cu_seqlens_q``) reads the offsets to sum Sq_i*Sk_i
+      when they are real tensors (NB: a host sync on CUDA). With fake/meta offsets only an
+      upper bound is possible: min(Tq*max_k, max_q*Tk, n*max_q*max_k, Tq*Tk), exact when all
+      sequences have equal length.
+    - Sliding windows (``window_size*``), ``seqused_k``/``seqlen_k`` and the content of an
+      explicit attention mask are ignored: such attention is counted dense.
+    - The math SDPA fallback (e.g. Dqk != Dv on CPU) reaches the tracer as bmm/softmax ops, so
+      it is counted as "matmul" and never gets a causal discount.
+    - ``_grouped_mm`` assumes the groups in ``offs`` cover every row/column.
+    - Counts are built from ``.shape``/``.numel()``: with symbolic shapes they are SymInts.
+    - Composite ops (matmul, linear, einsum, conv2d) are costed through the ops they
+      decompose into; they never reach a dispatch mode themselves.
+    - The PyTorch 2.13 ``FlopCounterMode`` reads (B, S, H, D) ``_flash_attention_forward``
+      shapes as (B, H, S, D) and ignores GQA in some paths; this module does not follow it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Optional
+
+import torch
+
+__all__ = ["FLOP_KINDS", "FlopCount", "op_flops"]
+
+FLOP_KINDS = ("matmul", "attention", "elementwise", "free")
+
+
+class FlopCount(NamedTuple):
+    """The cost of one dispatched op (a NamedTuple: cheap to build, hashable, JSON-friendly)."""
+
+    kind: str
+    """One of ``FLOP_KINDS``: "matmul" and "attention" make up ``totals.flops``."""
+    flops: int
+    """FLOPs (2 x multiply-adds); attention counted dense, with no causal discount."""
+    flops_causal: int
+    """Causal attention: ``flops // 2``; every other op: equal to ``flops``."""
+
+
+_FREE = FlopCount("free", 0, 0)
+Handler = Callable[[tuple, dict, Any], FlopCount]
+_new = tuple.__new__  # NB: ~3x faster than FlopCount(...), whose __new__ parses keywords
+
+
+def _matmul(n: int) -> FlopCount:
+    return _new(FlopCount, ("matmul", n, n))
+
+
+def _elementwise(n: int) -> FlopCount:
+    return _new(FlopCount, ("elementwise", n, n))
+
+
+def _free(args, kwargs, out) -> FlopCount:
+    return _FREE
+
+
+def _getter(func, name: str) -> Callable[[tuple, dict], Any]:
+    """Fetch schema argument ``name`` from (args, kwargs). The dispatcher passes positional
+    arguments positionally but drops trailing ones equal to their default, so fall back to it."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            default = arg.default_value
+            if arg.kwarg_only:
+                return lambda args, kwargs: kwargs.get(name, default)
+            return lambda args, kwargs: args[i] if i < len(args) else kwargs.get(name, default)
+    raise KeyError(f"{func} has no argument {name!r}")
+
+
+def _numel(x) -> int:
+    """numel of a tensor, of the first tensor of a tuple/list, else 0 (a Python scalar)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    if isinstance(x, (tuple, list)):
+        for t in x:
+            if isinstance(t, torch.Tensor):
+                return t.numel()
+    return 0
+
+
+# --- matmul -------------------------------------------------------------------------------
+
+def _contract(i: int, j: int) -> Handler:
+    """mm/bmm family: A [..., M, K] x B [..., K, N] -> 2 * numel(A) * N."""
+    def flops(args, kwargs, out):
+        return _matmul(2 * args[i].numel() * args[j].shape[-1])
+    return flops
+
+
+def _matvec(i: int) -> Handler:
+    """mv/addmv/dot/vdot: one multiply-add per element of the matrix (or vector)."""
+    def flops(args, kwargs, out):
+        return _matmul(2 * args[i].numel())
+    return flops
+
+
+_PACKED_X2 = frozenset(filter(None, [getattr(torch, "float4_e2m1fn_x2", None)]))
+
+
+def _scaled_mm(args, kwargs, out) -> FlopCount:
+    a, b = args[0], args[1]
+    k_factor = 2 if a.dtype in _PACKED_X2 else 1  # fp4 "x2" dtypes hold two K values a byte
+    return _matmul(2 * a.numel() * k_factor * b.shape[-1])
+
+
+def _grouped_mm(args, kwargs, out) -> FlopCount:
+    a, b = args[0], args[1]
+    n = 2 * a.numel() * b.shape[-1]
+    if a.dim() == 3 and b.dim() == 2:  # each of G groups of A meets only its own N_g columns
+        n //= a.shape[0]
+    return _matmul(n)
+
+
+_MATMUL = {
+    "mm": _contract(0, 1), "bmm": _contract(0, 1), "_int_mm": _contract(0, 1),
+    "_scaled_mm": _scaled_mm,
+    "addmm": _contract(1, 2), "baddbmm": _contract(1, 2), "addbmm": _contract(1, 2),
+    "_addmm_activation": _contract(1, 2),
+    "mv": _matvec(0), "dot": _matvec(0), "vdot": _matvec(0), "addmv": _matvec(1),
+    "_grouped_mm": _grouped_mm, "_scaled_grouped_mm": _grouped_mm,
+}
+
+
+# --- convolution --------------------------------------------------------------------------
+
+def _conv_cost(x, w, y, transposed: bool) -> int:
+    """Every output element of a conv is a dot product of length C_in/groups x kernel volume
+    = numel(w) / C_out; a transposed conv (weight [C_in, C_out/g, k...]) scatters every input
+    element through numel(w) / C_in taps. Padding taps are counted."""
+    return 2 * (x if transposed else y).numel() * (w.numel() // w.shape[0])
+
+
+def _conv_forward(func, transposed: Optional[bool]) -> Handler:
+    """``transposed=None``: read it from the schema's ``transposed`` argument."""
+    names = [a.name for a in func._schema.arguments]
+    x_get, w_get = _getter(func, names[0]), _getter(func, "weight")
+    t_get = _getter(func, "transposed") if transposed is None else (lambda a, k: transposed)
+
+    def flops(args, kwargs, out):
+        return _matmul(_conv_cost(x_get(args, kwargs), w_get(args, kwargs), out,
+                                  bool(t_get(args, kwargs))))
+    return flops
+
+
+def _conv_backward(args, kwargs, out) -> FlopCount:
+    # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+    #  output_padding, groups, output_mask): grad_output has the forward output's shape.
+    grad_out, x, w, transposed, mask = args[0], args[1], args[2], args[7], args[10]
+    one = _conv_cost(x, w, grad_out, bool(transposed))
+    return _matmul(one * (bool(mask[0]) + bool(mask[1])))  # NB: grad_bias (a sum) not counted
+
+
+_CONV_FORWARD = {  # op name -> transposed (None: read the schema argument)
+    "convolution": None, "_convolution": None, "convolution_overrideable": None,
+    "cudnn_convolution": False, "mkldnn_convolution": False, "miopen_convolution": False,
+    "miopen_depthwise_convolution": False, "_mps_convolution": False,
+    "_slow_conv2d_forward": False, "slow_conv3d_forward": False, "thnn_conv2d": False,
+    "slow_conv_dilated2d": False, "slow_conv_dilated3d": False,
+    "_nnpack_spatial_convolution": False, "_conv_depthwise2d": False,
+    "conv_depthwise3d": False,
+    "cudnn_convolution_transpose": True, "miopen_convolution_transpose": True,
+    "slow_conv_transpose2d": True, "slow_conv_transpose3d": True,
+    "_mps_convolution_transpose": True,
+}
+
+
+# --- attention ----------------------------------------------------------------------------
+
+def _is_concrete(t) -> bool:
+    """A plain tensor with data (not meta, fake or functional)."""
+    return type(t) is torch.Tensor and t.device.type != "meta"
+
+
+def _varlen_pairs(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> int:
+    """sum_i Sq_i * Sk_i over the packed sequences given by cumulative offsets."""
+    if _is_concrete(cu_q) and _is_concrete(cu_k):
+        oq, ok = cu_q.tolist(), cu_k.tolist()  # NB: a host sync on CUDA
+        return sum((oq[i + 1] - oq[i]) * (ok[i + 1] - ok[i]) for i in range(len(oq) - 1))
+    bounds = [total_q * total_k]  # no data: the tightest upper bound the shapes allow
+    if max_k is not None:
+        bounds.append(total_q * int(max_k))
+    if max_q is not None:
+        bounds.append(int(max_q) * total_k)
+        if max_k is not None:
+            bounds.append((cu_q.shape[0] - 1) * int(max_q) * int(max_k))
+    return min(bounds)
+
+
+def _attention(func, layout: str, backward: bool, causal: str = "is_causal",
+               cum: Optional[tuple] = None) -> Handler:
+    """Build the handler of one SDPA entry point from its schema argument names.
+
+    layout "bhsd": q [..., Hq, Sq, D], k [..., Hkv, Sk, D] (the SDPA ops, cuDNN dense);
+    layout "bshd": q [B, Sq, Hq, D], k [B, Sk, Hkv, D] (_flash/_efficient_attention_*).
+    ``cum`` names (cu_q, cu_k, max_q, max_k): varlen when q is 3-D [Tq, Hq, D] (flash,
+    cuDNN) or cu_q is given with q [1, Tq, Hq, D] (efficient)."""
+    q_get, k_get, v_get = (_getter(func, n) for n in ("query", "key", "value"))
+    c_get = _getter(func, causal)
+    cum_get = tuple(_getter(func, n) for n in cum) if cum else None
+    factor = 4 if backward else 2  # backward = 2 x forward (dQ, dK, dV, dP)
+
+    def flops(args, kwargs, out):
+        q, k, v = q_get(args, kwargs), k_get(args, kwargs), v_get(args, kwargs)
+        d = q.shape[-1] + v.shape[-1]
+        cu_q = cum_get[0](args, kwargs) if cum_get else None
+        if cu_q is not None and (q.dim() == 3 or layout == "bshd") and cu_q.shape[0] > 1:
+            cu_k, max_q, max_k = (g(args, kwargs) for g in cum_get[1:])
+            pairs = _varlen_pairs(cu_q, cu_k, max_q, max_k, q.shape[-3], k.shape[-3])
+            n = factor * q.shape[-2] * pairs * d
+        else:
+            s_k = k.shape[-2] if layout == "bhsd" else k.shape[-3]
+            n = factor * (q.numel() // q.shape[-1]) * s_k * d
+        c = c_get(args, kwargs)
+        is_causal = c in (1, 2) if causal == "custom_mask_type" else bool(c)
+        return _new(FlopCount, ("attention", n, n // 2 if is_causal else n))
+    return flops
+
+
+_FLASH_CUM = ("cum_seq_q", "cum_seq_k", "max_q", "max_k")
+_EFF_CUM = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+_ATTENTION = {  # op name -> _attention(...) keyword arguments
+    "_scaled_dot_product_flash_attention_for_cpu": dict(layout="bhsd", backward=False),
+    "_scaled_dot_product_flash_attention": dict(layout="bhsd", backward=False),
+    "_scaled_dot_product_efficient_attention": dict(layout="bhsd", backward=False),
+    "_scaled_dot_product_cudnn_attention": dict(layout="bhsd", backward=False),
+    "_scaled_dot_product_fused_attention_overrideable": dict(layout="bhsd", backward=False),
+    "_scaled_dot_product_attention_math": dict(layout="bhsd", backward=False),
+    "_scaled_dot_product_attention_math_for_mps": dict(layout="bhsd", backward=False),
+    "_flash_attention_forward": dict(layout="bshd", backward=False, cum=_FLASH_CUM),
+    "_efficient_attention_forward": dict(layout="bshd", backward=False, cum=_EFF_CUM,
+                                         causal="custom_mask_type"),
+    "_cudnn_attention_forward": dict(layout="bhsd", backward=False, cum=_FLASH_CUM),
+    "_flash_attention_backward": dict(layout="bshd", backward=True, cum=_FLASH_CUM),
+    "_efficient_attention_backward": dict(layout="bshd", backward=True, cum=_EFF_CUM,
+                                          causal="custom_mask_type"),
+    "_cudnn_attention_backward": dict(layout="bhsd", backward=True, cum=_FLASH_CUM),
+}
+for _name in ("_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention",
+              "_scaled_dot_product_fused_attention_overrideable"):
+    _ATTENTION[_name + "_backward"] = dict(layout="bhsd", backward=True)
+
+
+# --- element-wise -------------------------------------------------------------------------
+
+def _pointwise(args, kwargs, out) -> FlopCount:
+    return _elementwise(_numel(out))  # ~1 FLOP per output element
+
+
+def _per_input(args, kwargs, out) -> FlopCount:
+    return _elementwise(_numel(args[0]) if args else _numel(out))  # ~1 per input element
+
+
+def _numel_of(func, name: str) -> Handler:
+    get = _getter(func, name)
+    return lambda args, kwargs, out: _elementwise(_numel(get(args, kwargs)))
+
+
+def _foreach(args, kwargs, out) -> FlopCount:
+    return _elementwise(sum(t.numel() for t in args[0]))  # ~1 per element of the list
+
+
+def _fused_optimizer(func, base: int, extras: Dict[str, int]) -> Handler:
+    """``base`` passes per parameter element, plus ``extras[arg]`` when that option is on:
+    the count the same optimizer's foreach path gets under the 1-FLOP-per-element rule."""
+    getters = [(_getter(func, a), n) for a, n in extras.items()]
+
+    def flops(args, kwargs, out):
+        per = base + sum(n for get, n in getters if get(args, kwargs))
+        return _elementwise(per * sum(t.numel() for t in args[0]))
+    return flops
+
+
+_OPTIMIZERS = {  # op -> (passes per element, {option: extra passes when it is on})
+    # Adam(W): lerp_ (m), mul_ + addcmul_ (v), sqrt, div_, add_ (eps), addcdiv_ (param);
+    # weight decay adds a mul_ (AdamW) or an add (Adam); amsgrad a maximum
+    "_fused_adam_": (7, {"weight_decay": 1, "amsgrad": 1}),
+    "_fused_adamw_": (7, {"weight_decay": 1, "amsgrad": 1}),
+    # SGD: add_ (param); momentum: mul_ + add_ (buffer); weight decay, nesterov: one add each
+    "_fused_sgd_": (1, {"momentum": 2, "weight_decay": 1, "nesterov": 1}),
+    # Adagrad: addcmul_ (sum), sqrt, add_ (eps), mul (lr), addcdiv_ (param)
+    "_fused_adagrad_": (5, {"weight_decay": 1}),
+}
+
+_PER_INPUT = frozenset("""
+    _softmax _log_softmax _safe_softmax _softmax_backward_data _log_softmax_backward_data
+    native_layer_norm native_layer_norm_backward _fused_rms_norm _fused_rms_norm_backward
+    native_group_norm native_group_norm_backward native_batch_norm native_batch_norm_backward
+    _native_batch_norm_legit _native_batch_norm_legit_functional batch_norm_backward
+    _native_batch_norm_legit_no_training _batch_norm_with_update _batch_norm_no_update
+    cudnn_batch_norm cudnn_batch_norm_backward miopen_batch_norm miopen_batch_norm_backward
+    native_dropout _fused_dropout cumsum cumprod logcumsumexp
+    mse_loss mse_loss_backward l1_loss smooth_l1_loss smooth_l1_loss_backward huber_loss
+    huber_loss_backward binary_cross_entropy binary_cross_entropy_backward
+    binary_cross_entropy_with_logits log_sigmoid_forward log_sigmoid_backward glu glu_backward
+""".split())
+_NUMEL_OF = {  # ops that touch only part of their input: count the elements combined
+    "nll_loss_forward": "target", "nll_loss_backward": "target",
+    "nll_loss2d_forward": "target", "nll_loss2d_backward": "target",
+    "embedding_dense_backward": "grad_output",  # a scatter-add of every grad row
+    "index_add": "source", "index_add_": "source", "scatter_add": "src", "scatter_add_": "src",
+    "scatter_reduce": "src", "scatter_reduce_": "src",
+}
+
+
+def _index_put(func) -> Handler:
+    values, accumulate = _getter(func, "values"), _getter(func, "accumulate")
+
+    def flops(args, kwargs, out):
+        if accumulate(args, kwargs):
+            return _elementwise(_numel(values(args, kwargs)))
+        return _FREE
+    return flops
+
+
+# --- free ---------------------------------------------------------------------------------
+
+_FREE_OPS = frozenset("""
+    clone copy_ _copy_from _copy_from_and_resize _to_copy contiguous _pin_memory lift lift_fresh
+    lift_fresh_copy detach alias _unsafe_view view t transpose permute reshape _reshape_alias
+    as_strided expand slice select narrow split split_with_sizes chunk unbind squeeze unsqueeze
+    cat stack index _unsafe_index index_select gather take masked_select masked_scatter
+    index_fill index_fill_ embedding slice_backward select_backward slice_scatter select_scatter
+    diagonal_scatter as_strided_scatter constant_pad_nd repeat repeat_interleave flip roll
+    tril triu tril_ triu_ nonzero
+    zeros ones empty empty_strided full arange scalar_tensor eye zeros_like ones_like
+    empty_like full_like new_zeros new_ones new_empty new_empty_strided new_full fill_ zero_
+    randn rand randint randperm randn_like rand_like randint_like normal normal_ uniform_
+    bernoulli bernoulli_ random_ exponential_ _efficientzerotensor
+    _local_scalar_dense set_ resize_ resize_as_ _resize_output_ record_stream
+    _assert_async _assert_scalar _functional_assert_async _assert_tensor_metadata
+    sym_size sym_stride sym_numel sym_storage_offset size stride dim numel storage_offset
+    is_contiguous is_strides_like_format is_non_overlapping_and_dense is_same_size
+    sym_is_contiguous _has_compatible_shallow_copy_type
+""".split())
+_FREE_NAMESPACES = frozenset({"prim", "profiler"})
+
+
+# --- resolution: once per OpOverload ------------------------------------------------------
+
+def _packet_tags(namespace: str, name: str) -> set:
+    """Tags of every overload of aten::``name`` (and of its functional twin for ``name_``):
+    .out and in-place overloads are often left untagged although their math is the same."""
+    tags: set = set()
+    for n in (name, name[:-1]) if name.endswith("_") else (name,):
+        packet = getattr(getattr(torch.ops, namespace), n, None)
+        for overload in getattr(packet, "overloads", lambda: [])():
+            tags.update(getattr(packet, overload).tags)
+    return tags
+
+
+def _resolve(func) -> Optional[Handler]:
+    schema = getattr(func, "_schema", None)
+    if schema is None:  # a HigherOrderOperator or something else without a schema
+        return None
+    namespace, _, name = schema.name.partition("::")
+    if namespace in _FREE_NAMESPACES:
+        return _free
+    if namespace != "aten":
+        return None  # custom and collective ops: uncounted unless registered here
+    if name in _MATMUL:
+        return _MATMUL[name]
+    if name in _CONV_FORWARD:
+        return _conv_forward(func, _CONV_FORWARD[name])
+    if name == "convolution_backward":
+        return _conv_backward
+    if name in _ATTENTION:
+        return _attention(func, **_ATTENTION[name])
+    if name in _OPTIMIZERS:
+        return _fused_optimizer(func, *_OPTIMIZERS[name])
+    if name.startswith("_foreach_") or name == "_amp_foreach_non_finite_check_and_unscale_":
+        return _free if name in ("_foreach_copy_", "_foreach_zero_") else _foreach
+    if name in _PER_INPUT:
+        return _per_input
+    if name in _NUMEL_OF:
+        return _numel_of(func, _NUMEL_OF[name])
+    if name in ("index_put", "index_put_", "_unsafe_index_put"):
+        return _index_put(func)
+    if name in ("scatter", "scatter_"):  # .src/.value only move data; .reduce ones combine
+        if "reduce" not in func._overloadname:
+            return _free
+        return _numel_of(func, "src" if "src" in [a.name for a in schema.arguments] else "index")
+    if name in _FREE_OPS:
+        return _free
+    tags = func.tags
+    returns = schema.returns
+    if (torch.Tag.view_copy in tags or torch.Tag.inplace_view in tags or (returns and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in returns))):
+        return _free  # views and their functionalized *_copy twins: no arithmetic
+    if torch.Tag.pointwise in tags:
+        return _pointwise
+    if torch.Tag.reduction in tags:
+        return _per_input
+    packet_tags = _packet_tags(namespace, name)
+    if torch.Tag.pointwise in packet_tags:
+        return _pointwise
+    if torch.Tag.reduction in packet_tags:
+        return _per_input
+    return None
+
+
+# Keyed by id(func): OpOverload.__hash__ is Python code and costs more than a formula. The
+# ops are pinned in _RESOLVED so that an id is never reused by another object.
+_HANDLERS: Dict[int, Optional[Handler]] = {}
+_RESOLVED: list = []
+
+
+def op_flops(func, args: tuple, kwargs: Optional[dict], out: Any) -> Optional[FlopCount]:
+    """The FLOPs of one dispatched op, or ``None`` when torchledger has no formula for it.
+
+    ``func`` is the ``OpOverload`` seen by ``__torch_dispatch__``; ``args``/``kwargs`` are what
+    it was called with, ``out`` what it returned. Only shapes are read (see the module doc)."""
+    try:
+        handler = _HANDLERS[id(func)]
+    except KeyError:
+        try:
+            handler = _resolve(func)
+        except (KeyError, AttributeError):  # a schema this module does not understand
+            handler = None
+        _RESOLVED.append(func)
+        _HANDLERS[id(func)] = handler
+    if handler is None:
+        return None
+    return handler(args, kwargs or {}, out)
