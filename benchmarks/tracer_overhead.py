@@ -1,0 +1,135 @@
+"""Tracer overhead, measured side by side in one run (ratios, not absolute times).
+
+    python benchmarks/tracer_overhead.py [--repeats 7] [--json out.json] [--skip-7b]
+
+1. CPU training step of a small GPT (gpt-mini: d=256, 4 layers, 8 heads, V=8192; batch 8,
+   sequence 128, AdamW): untraced, torchledger, FlopCounterMode, torch.profiler (memory and
+   FLOPs), MemTracker. Runs are interleaved round-robin and the median is kept, so machine
+   noise hits every variant alike. Target: torchledger <= 1.15x untraced.
+2. The llama2-7b preset on fake tensors (batch 1, sequence 2048, fp32, AdamW): untraced fake
+   step against the traced fake step. Target: <= 2x.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import torchledger
+from torchledger.models import build_model, example_inputs
+
+
+def step(model, opt, inputs):
+    loss = model(**inputs)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def small_gpt():
+    torch.manual_seed(0)
+    model = build_model("gpt-mini")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs = example_inputs("gpt-mini", batch=8, seq_len=128)
+    return model, opt, inputs
+
+
+def variants(model, opt, inputs):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def untraced():
+        step(model, opt, inputs)
+
+    def ledger():
+        with torchledger.trace(model, optimizer=opt, tokens=8 * 128):
+            step(model, opt, inputs)
+
+    def flop_counter():
+        with FlopCounterMode(display=False):
+            step(model, opt, inputs)
+
+    def profiler():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    profile_memory=True, with_flops=True):
+            step(model, opt, inputs)
+
+    out = {"untraced": untraced, "torchledger": ledger, "FlopCounterMode": flop_counter,
+           "torch.profiler(memory,flops)": profiler}
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        def mem_tracker():
+            mt = MemTracker()
+            mt.track_external(model, opt)
+            with mt:
+                step(model, opt, inputs)
+        out["MemTracker"] = mem_tracker
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        print(f"MemTracker unavailable: {e}")
+    return out
+
+
+def bench_small(repeats: int) -> dict:
+    model, opt, inputs = small_gpt()
+    runs = variants(model, opt, inputs)
+    for fn in runs.values():          # warm-up: optimizer state, allocator, lazy inits
+        fn()
+    times = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    base = statistics.median(times["untraced"])
+    return {k: {"median_ms": 1e3 * statistics.median(v), "ratio": statistics.median(v) / base}
+            for k, v in times.items()}
+
+
+def bench_fake_7b(repeats: int) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build_model("llama2-7b")
+        opt = torch.optim.AdamW(model.parameters())
+        inputs = example_inputs("llama2-7b", batch=1, seq_len=2048)
+        step(model, opt, inputs)                       # warm-up (optimizer state exists after)
+        times = {"untraced fake": [], "torchledger fake": []}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step(model, opt, inputs)
+            times["untraced fake"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with torchledger.trace(model, optimizer=opt, tokens=2048):
+                step(model, opt, inputs)
+            times["torchledger fake"].append(time.perf_counter() - t0)
+    base = statistics.median(times["untraced fake"])
+    return {k: {"median_ms": 1e3 * statistics.median(v), "ratio": statistics.median(v) / base}
+            for k, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--skip-7b", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+               "small_gpt_cpu": bench_small(args.repeats)}
+    if not args.skip_7b:
+        results["llama2_7b_fake"] = bench_fake_7b(max(3, args.repeats // 2))
+    for section, rows in results.items():
+        if isinstance(rows, dict):
+            print(section)
+            for k, v in rows.items():
+                print(f"  {k:32s} {v['median_ms']:10.1f} ms  {v['ratio']:6.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Shared fixtures. The leak guard checks that no torchledger hook, mode or tracer survives
+a test (pyinstrument's check_sampler_state)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-goldens", action="store_true", default=False,
+                     help="rewrite tests/golden/* from the current output")
+
+
+@pytest.fixture
+def update_goldens(request):
+    return request.config.getoption("--update-goldens")
+
+
+def hook_state():
+    """Everything global a tracer could leave behind."""
+    from torch.nn.modules import module as m
+    from torch.optim import optimizer as o
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torchledger.tracer import active_tracer
+    return {
+        "dispatch_modes": len(_get_current_dispatch_mode_stack()),
+        "fwd_pre": len(m._global_forward_pre_hooks),
+        "fwd": len(m._global_forward_hooks),
+        "opt_pre": len(o._global_optimizer_pre_hooks),
+        "opt_post": len(o._global_optimizer_post_hooks),
+        "saved_tensor_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else False,
+        "active": active_tracer() is not None,
+    }
+
+
+@pytest.fixture(autouse=True)
+def leak_guard():
+    before = hook_state()
+    yield
+    after = hook_state()
+    assert after == before, f"torchledger left global state behind: {before} -> {after}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,360 @@
+"""The tracer against hand-checked numbers, closed forms and PyTorch's own trackers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torchledger
+from torchledger.models import build_model, example_inputs, get_config
+from torchledger.record import StepRecord
+
+
+def train_step(model, opt, inputs):
+    loss = model(**inputs)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def traced_gpt(device: str, name="gpt2-tiny", batch=2, seq=16, **overrides):
+    """Trace one AdamW step of a preset on cpu, fake (CPU) or meta tensors."""
+    cfg = get_config(name).replace(**overrides) if overrides else get_config(name)
+    torch.manual_seed(0)
+    fake = FakeTensorMode() if device == "fake" else None
+    if fake:
+        fake.__enter__()
+    try:
+        dev = "meta" if device == "meta" else None
+        model = build_model(cfg, device=dev)
+        opt = torch.optim.AdamW(model.parameters())
+        inputs = example_inputs(cfg, batch=batch, seq_len=seq, device=dev)
+        with torchledger.trace(model, optimizer=opt, tokens=batch * seq) as t:
+            train_step(model, opt, inputs)
+    finally:
+        if fake:
+            fake.__exit__(None, None, None)
+    return cfg, t.record
+
+
+def linear_weights(cfg) -> int:
+    """Parameters that take part in matmuls: every Linear weight (the tied LM head included)."""
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    per_layer = 2 * d * d + 2 * d * kv + (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_ff
+    return cfg.n_layers * per_layer + cfg.vocab_size * d
+
+
+@pytest.mark.parametrize("device", ["cpu", "fake", "meta"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_step_flops_equal_6nd_plus_attention(device, name):
+    B, T = 2, 16
+    cfg, rec = traced_gpt(device, name, B, T)
+    N, D = linear_weights(cfg), B * T
+    attention = 12 * cfg.n_layers * T * cfg.d_model * D       # dense, per ACCOUNTING sec 3
+    assert rec.totals["matmul_params"] == N
+    assert rec.totals["flops"]["total"] == 6 * N * D + attention
+    assert rec.totals["flops"]["forward"] == 2 * N * D + attention // 3
+    assert rec.totals["flops"]["backward"] == 2 * rec.totals["flops"]["forward"]
+    assert rec.predictions["flops_6nd"] == 6 * N * D
+    assert rec.uncounted_ops == []
+    if device != "meta":                      # meta runs the math path: attention is bmm there
+        assert rec.totals["attention_flops"]["dense"] == attention
+        assert rec.totals["attention_flops"]["causal"] == attention // 2
+        assert rec.meta["attention_kernels"] == ["CPU flash attention"]
+
+
+def test_cruncher_forward_and_backward_by_hand():
+    # Course model: x (B, D) -> L x (D, D) -> (D, 1). B=4, D=8, L=3.
+    B, D, L = 4, 8, 3
+    model = build_model(get_config("cruncher").replace(dim=D, num_layers=L))
+    x = torch.randn(B, D)
+    with torchledger.trace(model) as t:
+        model(x).sum().backward()
+    f = t.record.totals["flops"]
+    assert f["forward"] == 2 * B * D * D * L + 2 * B * D * 1          # 2*4*8*8*3 + 2*4*8 = 1600
+    # backward = 2x forward, less the first layer's input grad (x needs none): 2*B*D*D
+    assert f["backward"] == 2 * f["forward"] - 2 * B * D * D          # 3200 - 512 = 2688
+    mods = {m["name"]: m for m in t.record.modules}
+    assert mods["layers.0"]["flops_forward"] == 2 * B * D * D         # 512
+    assert mods["layers.0"]["flops_backward"] == 2 * B * D * D        # weight grad only
+    assert mods["layers.1"]["flops_backward"] == 4 * B * D * D
+    assert mods["final"]["flops_forward"] == 2 * B * D                # 64
+    assert mods[""]["flops_forward"] == f["forward"]
+
+
+def test_traced_step_is_bitwise_identical_to_untraced():
+    def run(traced: bool):
+        torch.manual_seed(0)
+        model = build_model("llama-tiny")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            inputs = example_inputs("llama-tiny", batch=2, seq_len=8)
+            if traced:
+                with torchledger.trace(model, optimizer=opt):
+                    train_step(model, opt, inputs)
+            else:
+                train_step(model, opt, inputs)
+        return [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def test_exception_inside_step_leaves_nothing_installed():
+    from conftest import hook_state
+    before = hook_state()
+    model = build_model("gpt2-tiny")
+    bad = {"idx": torch.randint(0, 512, (1, 200))}                   # 200 > 128 positions
+    with pytest.raises(ValueError, match="exceeds"):
+        with torchledger.trace(model) as t:
+            model(**bad)
+    assert hook_state() == before
+    assert t.record is not None and t.record.meta["failed"]
+    model(torch.randint(0, 512, (1, 8)))                              # model still works
+
+
+def test_second_trace_is_a_clear_error():
+    model = build_model("cruncher")
+    with torchledger.trace(model):
+        with pytest.raises(RuntimeError, match="already active"):
+            with torchledger.trace(model):
+                pass
+
+
+def test_trace_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        torchledger.trace("not a model")
+    with pytest.raises(ValueError, match="tokens"):
+        torchledger.trace(build_model("cruncher"), tokens=-3)
+
+
+def test_activation_bytes_are_unique_saved_storages_without_params():
+    model = build_model("cruncher")
+    x = torch.randn(4, 128)
+    seen, params = {}, {p.untyped_storage()._cdata for p in model.parameters()}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            seen[s._cdata] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    with torchledger.trace(model) as t:
+        model(x).sum().backward()
+    assert t.record.totals["activation_bytes"] == sum(seen.values())
+    # Cruncher saves each layer's input: x and L outputs of (4, 128) float32 = 5 * 2048 bytes
+    assert t.record.totals["activation_bytes"] == 5 * 4 * 128 * 4
+
+
+@pytest.mark.parametrize("what", ["batch", "layers"])
+def test_activation_bytes_grow_linearly(what):
+    def act(k):
+        kw = {"batch": 2 * k} if what == "batch" else {"batch": 2, "n_layers": 2 * k}
+        batch = kw.pop("batch")
+        _, rec = traced_gpt("fake", "llama-tiny", batch, 16, **kw)
+        return rec.totals["activation_bytes"]
+    a1, a2, a3 = act(1), act(2), act(3)
+    assert a2 - a1 == a3 - a2 > 0
+
+
+def test_modules_attribution_and_calls():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6, bias=False)
+
+        def forward(self, x):
+            return self.lin(self.lin(x)).sum()               # same module called twice; returns loss
+    model = Shared()
+    x = torch.randn(4, 6)
+    with torchledger.trace(model) as t:
+        model(x).backward()
+    mods = {m["name"]: m for m in t.record.modules}
+    assert mods["lin"]["calls"] == 2
+    assert mods["lin"]["flops_forward"] == 2 * (2 * 4 * 6 * 6)           # 576
+    # backward: second call needs input and weight grads, first only weight grad
+    assert mods["lin"]["flops_backward"] == 3 * (2 * 4 * 6 * 6)
+    # the root's own backward (the sum) is attributed to the root even though forward returned the loss
+    root_bwd = [o for o in t.record.ops if o["module"] == "" and o["phase"] == "backward"]
+    assert root_bwd, "root module got no backward ops"
+
+
+def test_copies_are_found_with_the_users_line():
+    class Permuter(nn.Module):
+        def forward(self, x):
+            y = x.transpose(0, 1).contiguous()              # COPY-LINE
+            return (y * 2).sum()
+    x = torch.randn(8, 16, requires_grad=True)
+    model = Permuter()
+    with torchledger.trace(model) as t:
+        model(x).backward()
+    copies = [c for c in t.record.copies if c["phase"] == "forward"]
+    assert len(copies) == 1
+    c = copies[0]
+    line = next(i for i, s in enumerate(open(__file__).read().splitlines(), 1) if "# COPY-LINE" in s
+                and "transpose" in s)
+    assert c["location"].endswith(f"test_tracer.py:{line}")
+    assert c["bytes"] == 8 * 16 * 4 and c["reason"] == "contiguous of non-contiguous"
+    assert c["src_stride"] == [1, 16]
+
+
+def test_dtype_round_trip_copies():
+    class RoundTrip(nn.Module):
+        def forward(self, x):
+            return x.to(torch.bfloat16).to(torch.float32).sum()
+    with torchledger.trace(RoundTrip()) as t:
+        RoundTrip()(torch.randn(4, 4))
+    reasons = sorted(c["reason"] for c in t.record.copies)
+    assert reasons == ["dtype bfloat16->float32", "dtype float32->bfloat16"]
+
+
+OPTIMIZERS = {
+    "SGD": (lambda p: torch.optim.SGD(p, lr=0.1), 0),
+    "SGD-momentum": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 4),
+    "Adam": (lambda p: torch.optim.Adam(p), 8),
+    "AdamW": (lambda p: torch.optim.AdamW(p), 8),
+    "Adagrad": (lambda p: torch.optim.Adagrad(p), 4),
+    "RMSprop": (lambda p: torch.optim.RMSprop(p), 4),
+    "Adamax": (lambda p: torch.optim.Adamax(p), 8),
+    "NAdam": (lambda p: torch.optim.NAdam(p), 8),
+    "RAdam": (lambda p: torch.optim.RAdam(p), 8),
+    "Adadelta": (lambda p: torch.optim.Adadelta(p), 8),
+    "ASGD": (lambda p: torch.optim.ASGD(p), 4),
+    "Rprop": (lambda p: torch.optim.Rprop(p), 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_state_per_param(name):
+    make, expected = OPTIMIZERS[name]
+    model = build_model("cruncher")
+    opt = make(model.parameters())
+    x = torch.randn(4, 128)
+    with torchledger.trace(model, optimizer=opt) as t:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    o = t.record.optimizer
+    n = t.record.totals["params"]
+    tensor_state = sum(e["bytes"] for e in o["state"] if e["numel"] > e["tensors"])  # exclude scalars
+    assert tensor_state == expected * n
+    assert t.record.totals["optimizer_state_bytes"] == o["state_bytes"]
+    assert o["names"] == [type(opt).__name__]
+
+
+def test_optimizer_phase_and_state_category_at_peak():
+    _, rec = traced_gpt("cpu", "gpt2-tiny", 2, 16)
+    assert rec.meta["phases"] == ["forward", "backward", "optimizer"]
+    n = rec.totals["params"]
+    # AdamW's first step allocates exp_avg and exp_avg_sq: 8 bytes/param, plus 4 per step scalar
+    assert rec.memory["end_breakdown"]["optimizer_state"] == 8 * n + 4 * len(list(
+        build_model("gpt2-tiny").parameters()))
+    cats = rec.memory["peak_breakdown"]
+    assert sum(cats.values()) == rec.totals["peak_bytes"]
+    assert cats["parameters"] == 4 * n
+
+
+def test_peak_matches_pytorch_memtracker():
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+
+    def make():
+        torch.manual_seed(0)
+        model = build_model("gpt2-tiny")
+        return model, torch.optim.AdamW(model.parameters()), example_inputs("gpt2-tiny", 4, 32)
+    model, opt, inputs = make()
+    mt = mem_tracker.MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        train_step(model, opt, inputs)
+    theirs = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    model, opt, inputs = make()
+    with torchledger.trace(model, optimizer=opt) as t:
+        train_step(model, opt, inputs)
+    ours = t.record.totals["peak_bytes"]
+    assert abs(ours - theirs) / theirs < 0.02, (ours, theirs)
+
+
+def test_activation_checkpointing_is_recompute():
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(32, 32)
+            self.b = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return checkpoint(lambda y: self.b(torch.relu(self.a(y))), x, use_reentrant=False).sum()
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    model = Ckpt()
+    x = torch.randn(8, 32, requires_grad=True)
+    one = 2 * 8 * 32 * 32                                                # one linear: 16384
+    for early_stop, recomputed in [(False, 2 * one), (True, one)]:
+        # early stop: b's output is not needed by backward, so only a (and relu) rerun
+        with set_checkpoint_early_stop(early_stop), torchledger.trace(model) as t:
+            model(x).backward()
+        tot = t.record.totals
+        assert tot["flops"]["forward"] == 2 * one
+        assert tot["flops"]["backward"] == 4 * one
+        assert tot["hardware_flops"] == tot["flops"]["total"] + recomputed
+        assert "recompute" in [o["phase"] for o in t.record.ops]
+        # only the checkpoint's input is held through the forward; the region saves nothing
+        assert tot["activation_bytes"] == 8 * 32 * 4
+
+
+def test_record_round_trips_through_json():
+    _, rec = traced_gpt("cpu", "llama-tiny", 2, 8)
+    text = rec.to_json()
+    back = StepRecord.from_json(text)
+    assert back.to_dict() == json.loads(text)
+    d = json.loads(text)
+    assert d["schema"] == "torchledger/1"
+    for key in ("params", "tokens", "flops", "activation_bytes", "optimizer_state_bytes", "param_bytes",
+                "grad_bytes", "peak_bytes", "step_seconds", "mfu"):
+        assert key in d["totals"]
+    for key in ("name", "type", "params", "flops_forward", "flops_backward", "activation_bytes",
+                "copy_bytes"):
+        assert key in d["modules"][0]
+    assert set(d["totals"]["flops"]) == {"forward", "backward", "optimizer", "total"}
+    assert not rec.ops_df().empty and not rec.modules_df().empty and not rec.memory_df().empty
+
+
+def test_from_json_rejects_other_files():
+    with pytest.raises(ValueError, match="schema"):
+        StepRecord.from_dict({"schema": "other/1"})
+
+
+def test_ledger_samples_one_step_in_k():
+    model = build_model("cruncher")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = torchledger.Ledger(model, optimizer=opt, sample_every=3)
+    for _ in range(7):
+        with ledger.step(tokens=4) as t:
+            model(torch.randn(4, 128)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert ledger.steps == 7
+    assert [r.meta["step_index"] for r in ledger.records] == [0, 3, 6]
+    assert "module" in ledger.report()
+
+
+def test_report_renders_and_mentions_kernel():
+    _, rec = traced_gpt("cpu", "gpt2-tiny", 2, 16)
+    from torchledger.report import render_table
+    text = render_table(rec)
+    assert "CPU flash attention" in text and "blocks.0" in text
+    assert render_table(StepRecord()).startswith("Empty record")
+
+
+def test_mfu_uses_given_peak():
+    model = build_model("cruncher")
+    ticks = iter([0.0, 0.5])
+    with torchledger.trace(model, peak_flops=1e6, clock=lambda: next(ticks)) as t:
+        model(torch.randn(4, 128)).sum().backward()
+    tot = t.record.totals
+    assert tot["step_seconds"] == 0.5
+    assert tot["mfu"] == pytest.approx(tot["flops"]["total"] / 0.5 / 1e6, rel=1e-12)

@@ -1,0 +1,175 @@
+"""Plain records of a traced step: no tensors, no module references.
+
+:class:`StepRecord` is what a tracer hands back on exit and what analyzers, renderers and
+the CLI consume. It round-trips through JSON (``to_json``/``from_json``) so a step can be
+saved in CI and analysed offline. :class:`Finding` is one verdict of an analyzer.
+
+Conventions (stated in every record under ``conventions``):
+FLOP = 2 x multiply-add. ``totals.flops`` counts matmul-class work only (mm, bmm, addmm,
+baddbmm, convolution, attention, scaled_mm); attention is counted dense, its causal-halved
+figure is in ``totals.attention_flops.causal``; attention backward = 2 x forward;
+recomputation (activation checkpointing) is excluded from model FLOPs and included in
+``totals.hardware_flops``; element-wise/norm/softmax FLOPs are in ``totals.elementwise_flops``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+__all__ = ["StepRecord", "Finding", "SCHEMA", "CONVENTIONS"]
+
+SCHEMA = "torchledger/1"
+SEVERITIES = ("error", "warning", "info")
+
+CONVENTIONS = {
+    "flop": "FLOP = 2 x multiply-add",
+    "flops_total": "matmul-class work only (mm/bmm/addmm/baddbmm/convolution/attention/scaled_mm); "
+                   "element-wise, norm and softmax FLOPs are in elementwise_flops",
+    "attention": "counted dense (no causal discount); causal-halved figure in attention_flops.causal; "
+                 "backward = 2 x forward",
+    "recompute": "activation-checkpoint recomputation excluded from model FLOPs, included in hardware_flops",
+    "bytes": "bytes = numel x element size; activation bytes are unique storages saved for backward, "
+             "parameters excluded",
+}
+
+
+@dataclass
+class Finding:
+    """One verdict: what rule fired, how bad, where, and what to do about it."""
+
+    rule: str
+    """Stable rule id (documented in the README), e.g. ``TL-COPY-001``."""
+    severity: str
+    """'error', 'warning' or 'info'."""
+    message: str
+    module: Optional[str] = None
+    """``named_modules()`` name of the module concerned ("" for the root), if any."""
+    location: Optional[str] = None
+    """``path:line`` in the user's source, if known."""
+    measured: Any = None
+    expected: Any = None
+    hint: Optional[str] = None
+
+    def __post_init__(self):
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {self.severity!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Finding":
+        return cls(rule=d["rule"], severity=d["severity"], message=d["message"],
+                   module=d.get("module"), location=d.get("location"), measured=d.get("measured"),
+                   expected=d.get("expected"), hint=d.get("hint"))
+
+
+def _empty_totals() -> dict:
+    return {
+        "params": 0, "matmul_params": 0, "tokens": 0,
+        "flops": {"forward": 0, "backward": 0, "optimizer": 0, "total": 0},
+        "flops_causal": 0,
+        "attention_flops": {"dense": 0, "causal": 0},
+        "hardware_flops": 0,
+        "elementwise_flops": {"forward": 0, "backward": 0, "recompute": 0, "optimizer": 0, "total": 0},
+        "activation_bytes": 0, "optimizer_state_bytes": 0, "param_bytes": 0, "grad_bytes": 0,
+        "buffer_bytes": 0, "peak_bytes": 0, "peak_phase": None, "peak_module": None,
+        "bytes_read": 0, "bytes_written": 0, "copy_bytes": 0,
+        "step_seconds": None, "mfu": None,
+    }
+
+
+@dataclass
+class StepRecord:
+    """Everything measured about one training step, as plain data.
+
+    Fields are dicts and lists of plain values so that ``to_dict`` is the JSON shape of
+    INTERFACE.md and new fields can be added without breaking old files (readers use
+    ``.get(key, default)``).
+    """
+
+    meta: dict = field(default_factory=dict)
+    """device, dtype, attention kernels seen, torch version, model class, step index."""
+    totals: dict = field(default_factory=_empty_totals)
+    predictions: dict = field(default_factory=dict)
+    modules: list = field(default_factory=list)
+    """Per module (inclusive of children), in ``named_modules()`` order."""
+    ops: list = field(default_factory=list)
+    """Aggregated per (op, phase, module): count, kind, flops, bytes."""
+    uncounted_ops: list = field(default_factory=list)
+    copies: list = field(default_factory=list)
+    """Copy events grouped by (op, module, location, reason)."""
+    memory: dict = field(default_factory=dict)
+    """Peak breakdown by category, timeline, per-phase and CUDA allocator figures."""
+    optimizer: dict = field(default_factory=dict)
+    findings: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+    # -- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "conventions": dict(CONVENTIONS),
+            "meta": self.meta,
+            "totals": self.totals,
+            "predictions": self.predictions,
+            "modules": self.modules,
+            "ops": self.ops,
+            "uncounted_ops": self.uncounted_ops,
+            "copies": self.copies,
+            "memory": self.memory,
+            "optimizer": self.optimizer,
+            "findings": [f.to_dict() if isinstance(f, Finding) else f for f in self.findings],
+            "warnings": self.warnings,
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepRecord":
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object with schema {SCHEMA!r}, got {type(d).__name__}")
+        schema = d.get("schema")
+        if schema != SCHEMA:
+            raise ValueError(f"expected schema {SCHEMA!r}, got {schema!r}; is this a torchledger record?")
+        totals = _empty_totals()
+        totals.update(d.get("totals", {}))
+        return cls(meta=d.get("meta", {}), totals=totals, predictions=d.get("predictions", {}),
+                   modules=d.get("modules", []), ops=d.get("ops", []),
+                   uncounted_ops=d.get("uncounted_ops", []), copies=d.get("copies", []),
+                   memory=d.get("memory", {}), optimizer=d.get("optimizer", {}),
+                   findings=[Finding.from_dict(f) for f in d.get("findings", [])],
+                   warnings=d.get("warnings", []))
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepRecord":
+        return cls.from_dict(json.loads(text))
+
+    # -- tables ---------------------------------------------------------------------------
+    def ops_df(self):
+        """One row per (op, phase, module): count, kind, flops, flops_causal, bytes."""
+        import pandas as pd
+        return pd.DataFrame(self.ops, columns=_OP_COLUMNS)
+
+    def modules_df(self):
+        import pandas as pd
+        return pd.DataFrame(self.modules)
+
+    def memory_df(self):
+        """The live-memory timeline: one row per sample, bytes per category."""
+        import pandas as pd
+        return pd.DataFrame(self.memory.get("timeline", []))
+
+
+_OP_COLUMNS = ["op", "phase", "module", "kind", "count", "flops", "flops_causal",
+               "bytes_read", "bytes_written"]
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")

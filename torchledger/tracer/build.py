@@ -1,0 +1,258 @@
+"""Turn a finished tracer's raw counters into a plain ``StepRecord`` (runs once, after the step)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..record import StepRecord
+from .dispatch import BACKWARD, FORWARD, OPTIMIZER, PHASES, RECOMPUTE
+from .memory import CATEGORIES
+from .modules import NO_MODULE
+
+__all__ = ["build_record", "ATTENTION_KERNELS"]
+
+#: What each attention entry point is, for reports ("which kernel do these numbers describe").
+ATTENTION_KERNELS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "CPU flash attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "CPU flash attention",
+    "_scaled_dot_product_flash_attention": "CUDA flash attention",
+    "_scaled_dot_product_flash_attention_backward": "CUDA flash attention",
+    "_flash_attention_forward": "CUDA flash attention",
+    "_flash_attention_backward": "CUDA flash attention",
+    "_scaled_dot_product_efficient_attention": "memory-efficient attention",
+    "_scaled_dot_product_efficient_attention_backward": "memory-efficient attention",
+    "_efficient_attention_forward": "memory-efficient attention",
+    "_efficient_attention_backward": "memory-efficient attention",
+    "_scaled_dot_product_cudnn_attention": "cuDNN attention",
+    "_scaled_dot_product_cudnn_attention_backward": "cuDNN attention",
+}
+_MATMULISH = ("matmul", "attention")
+_TIMELINE_POINTS = 400
+
+
+def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRecord:
+    mode, scope, storages = tracer.mode, tracer.scope, tracer.storages
+    n_mod = len(scope.names)
+    rec = StepRecord()
+    t = rec.totals
+
+    # -- FLOPs by phase and by module ----------------------------------------------------
+    flops = [0, 0, 0, 0]
+    causal = [0, 0, 0, 0]
+    attn_dense = attn_causal = 0
+    read = written = 0
+    mod_flops = np.zeros((n_mod + 1, 4), dtype=np.int64)      # last row: no module
+    ops = []
+    for (phase, mod, func), (count, f, fc, r, w) in mode.agg.items():
+        kind = mode.kinds.get(func)
+        flops[phase] += f
+        causal[phase] += fc
+        read += r
+        written += w
+        if kind == "attention" and phase != RECOMPUTE:
+            attn_dense += f
+            attn_causal += fc
+        mod_flops[mod if mod >= 0 else n_mod, phase] += f
+        ops.append({"op": _op_name(func), "phase": PHASES[phase], "module": scope.name(mod),
+                    "kind": kind if kind is not None else "uncounted", "count": count, "flops": f,
+                    "flops_causal": fc, "bytes_read": r, "bytes_written": w})
+    ops.sort(key=lambda o: (-o["flops"], o["op"]))
+    model_flops = flops[FORWARD] + flops[BACKWARD] + flops[OPTIMIZER]
+    t["flops"] = {"forward": flops[FORWARD], "backward": flops[BACKWARD],
+                  "optimizer": flops[OPTIMIZER], "total": model_flops}
+    t["flops_causal"] = causal[FORWARD] + causal[BACKWARD] + causal[OPTIMIZER]
+    t["attention_flops"] = {"dense": attn_dense, "causal": attn_causal}
+    t["hardware_flops"] = model_flops + flops[RECOMPUTE]
+    ew = mode.elementwise
+    t["elementwise_flops"] = {"forward": ew[FORWARD], "backward": ew[BACKWARD], "recompute": ew[RECOMPUTE],
+                              "optimizer": ew[OPTIMIZER], "total": ew[FORWARD] + ew[BACKWARD] + ew[OPTIMIZER]}
+    t["bytes_read"], t["bytes_written"] = read, written
+    rec.ops = ops
+
+    # -- parameters -----------------------------------------------------------------------
+    params = tracer._params
+    t["params"] = sum(p.numel() for p in params)
+    t["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    t["matmul_params"] = sum(tracer._param_storages[k] for k in mode.matmul_params)
+    t["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    t["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) if model is not None else 0
+    t["tokens"] = tracer.tokens or 0
+
+    # -- uncounted ops ----------------------------------------------------------------------
+    unc: dict = {}
+    for (func, phase, mod), count in mode.uncounted.items():
+        u = unc.setdefault(_op_name(func), {"op": _op_name(func), "count": 0, "phases": [], "modules": []})
+        u["count"] += count
+        if PHASES[phase] not in u["phases"]:
+            u["phases"].append(PHASES[phase])
+        if len(u["modules"]) < 5 and scope.name(mod) not in u["modules"]:
+            u["modules"].append(scope.name(mod))
+    rec.uncounted_ops = sorted(unc.values(), key=lambda u: (-u["count"], u["op"]))
+
+    # -- copies -----------------------------------------------------------------------------
+    copy_bytes = np.zeros(n_mod + 1, dtype=np.int64)
+    copy_count = np.zeros(n_mod + 1, dtype=np.int64)
+    for (op, mod, phase, loc, reason), (count, nbytes, detail) in mode.copies.items():
+        rec.copies.append({"op": op, "module": scope.name(mod), "phase": PHASES[phase], "location": loc,
+                           "reason": reason, "count": count, "bytes": nbytes, **detail})
+        copy_bytes[mod if mod >= 0 else n_mod] += nbytes
+        copy_count[mod if mod >= 0 else n_mod] += count
+    rec.copies.sort(key=lambda c: -c["bytes"])
+    t["copy_bytes"] = int(copy_bytes.sum())
+
+    # -- activations ------------------------------------------------------------------------
+    act = np.zeros(n_mod + 1, dtype=np.int64)
+    recompute_saved = 0
+    for nbytes, mod, phase in tracer._saved.values():
+        if phase == "forward":
+            act[mod if mod >= 0 else n_mod] += nbytes
+        else:
+            recompute_saved += nbytes
+    t["activation_bytes"] = int(act.sum())
+
+    # -- optimizer state ----------------------------------------------------------------------
+    rec.optimizer = _optimizer_summary(tracer._optimizers, params)
+    t["optimizer_state_bytes"] = rec.optimizer.get("state_bytes", 0)
+
+    # -- live memory -------------------------------------------------------------------------
+    n_ops = mode.n_ops
+    tl = storages.timeline(n_ops)                       # (categories, n_ops + 1)
+    live = tl.sum(axis=0)
+    peak_idx = int(live.argmax()) if live.size else 0
+    op_phase = np.asarray(mode.op_phase + [FORWARD], dtype=np.int64)[: n_ops + 1]
+    op_mod = np.asarray(mode.op_module + [NO_MODULE], dtype=np.int64)[: n_ops + 1]
+    t["peak_bytes"] = int(live[peak_idx]) if live.size else 0
+    if n_ops and peak_idx < n_ops:
+        t["peak_phase"] = PHASES[op_phase[peak_idx]]
+        t["peak_module"] = ("(optimizer)" if op_phase[peak_idx] == OPTIMIZER
+                            else scope.name(int(op_mod[peak_idx])))
+    mod_peak = np.zeros(n_mod + 1, dtype=np.int64)
+    if n_ops:
+        np.maximum.at(mod_peak, np.where(op_mod[:n_ops] >= 0, op_mod[:n_ops], n_mod), live[:n_ops])
+    rec.memory = {
+        "peak_bytes": t["peak_bytes"],
+        "peak_op_index": peak_idx,
+        "peak_breakdown": {c: int(tl[i, peak_idx]) for i, c in enumerate(CATEGORIES)} if live.size else {},
+        "end_breakdown": {c: int(tl[i, -1]) for i, c in enumerate(CATEGORIES)} if live.size else {},
+        "phase_peaks": {PHASES[p]: int(live[:n_ops][op_phase[:n_ops] == p].max())
+                        for p in range(4) if n_ops and (op_phase[:n_ops] == p).any()},
+        "recompute_saved_bytes": int(recompute_saved),
+        "timeline": _downsample(tl, op_phase, peak_idx),
+        "cuda": tracer._cuda_marks,
+        "categories": list(CATEGORIES),
+        "note": "live bytes of storages the step allocates plus the model's parameters, buffers, "
+                "gradients and optimizer state; inputs made before the step count once saved",
+    }
+
+    # -- modules (inclusive of children, named_modules() order) --------------------------------
+    own = {
+        "params": np.asarray(scope.own_params + [0], dtype=np.int64),
+        "flops_forward": mod_flops[:, FORWARD].copy(), "flops_backward": mod_flops[:, BACKWARD].copy(),
+        "flops_recompute": mod_flops[:, RECOMPUTE].copy(),
+        "activation_bytes": act, "copy_bytes": copy_bytes, "copies": copy_count,
+    }
+    incl = {k: v.copy() for k, v in own.items()}
+    peak_incl = mod_peak.copy()
+    for i in range(n_mod - 1, 0, -1):                   # children come after parents
+        par = scope.parents[i]
+        if par >= 0:
+            for k in incl:
+                incl[k][par] += incl[k][i]
+            peak_incl[par] = max(peak_incl[par], peak_incl[i])
+    total = max(model_flops, 1)
+    for i, name in enumerate(scope.names):
+        m = {"name": name, "type": scope.types[i], "depth": name.count(".") + 1 if name else 0,
+             "calls": scope.calls[i]}
+        m.update({k: int(v[i]) for k, v in incl.items()})
+        m["flops_self"] = int(own["flops_forward"][i] + own["flops_backward"][i])
+        m["flops_share"] = (m["flops_forward"] + m["flops_backward"]) / total
+        m["peak_bytes"] = int(peak_incl[i])
+        rec.modules.append(m)
+    outside = int(mod_flops[n_mod, FORWARD] + mod_flops[n_mod, BACKWARD])
+    if outside or act[n_mod] or copy_bytes[n_mod]:
+        rec.modules.append({"name": "(no module)", "type": "", "depth": 0, "calls": 0, "params": 0,
+                            "flops_forward": int(mod_flops[n_mod, FORWARD]),
+                            "flops_backward": int(mod_flops[n_mod, BACKWARD]),
+                            "flops_recompute": int(mod_flops[n_mod, RECOMPUTE]),
+                            "activation_bytes": int(act[n_mod]), "copy_bytes": int(copy_bytes[n_mod]),
+                            "copies": int(copy_count[n_mod]), "flops_self": outside,
+                            "flops_share": outside / total, "peak_bytes": int(mod_peak[n_mod])})
+
+    # -- time, meta, warnings --------------------------------------------------------------------
+    t["step_seconds"] = float(seconds)
+    if tracer.peak_flops and seconds > 0:
+        t["mfu"] = model_flops / seconds / float(tracer.peak_flops)
+    rec.meta = _meta(tracer, model, mode, failed)
+    rec.warnings = list(tracer._warnings) + [f"op not recorded: {e}" for e in mode.errors]
+    if failed:
+        rec.warnings.append("the step raised an exception: this record covers the ops before it")
+    rec.predictions = {"flops_6nd": 6 * t["matmul_params"] * t["tokens"] if t["tokens"] else None}
+    return rec
+
+
+def _op_name(func) -> str:
+    return str(func)
+
+
+def _downsample(tl: np.ndarray, op_phase: np.ndarray, peak_idx: int) -> list:
+    n = tl.shape[1]
+    if n == 0:
+        return []
+    idx = np.unique(np.concatenate([np.linspace(0, n - 1, min(n, _TIMELINE_POINTS)).astype(np.int64),
+                                    [peak_idx]]))
+    rows = []
+    for i in idx:
+        row = {"op_index": int(i), "phase": PHASES[int(op_phase[i])] if i < n - 1 else "end"}
+        row.update({c: int(tl[j, i]) for j, c in enumerate(CATEGORIES)})
+        row["total"] = int(tl[:, i].sum())
+        rows.append(row)
+    return rows
+
+
+def _optimizer_summary(optimizers, params) -> dict:
+    if not optimizers:
+        return {}
+    model_params = {id(p) for p in params}
+    by_key: dict = {}
+    n_opt_params = 0
+    master = 0
+    low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+    names = []
+    for opt in optimizers:
+        names.append(type(opt).__name__)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                n_opt_params += p.numel()
+                if id(p) not in model_params and p.dtype == torch.float32 and low_precision:
+                    master += p.numel() * p.element_size()
+        for state in opt.state.values():
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    e = by_key.setdefault((key, str(v.dtype).replace("torch.", "")),
+                                          {"key": key, "dtype": str(v.dtype).replace("torch.", ""),
+                                           "tensors": 0, "numel": 0, "bytes": 0})
+                    e["tensors"] += 1
+                    e["numel"] += v.numel()
+                    e["bytes"] += v.numel() * v.element_size()
+    state_bytes = sum(e["bytes"] for e in by_key.values())
+    return {"names": names, "state": sorted(by_key.values(), key=lambda e: -e["bytes"]),
+            "state_bytes": state_bytes, "params": n_opt_params,
+            "bytes_per_param": state_bytes / n_opt_params if n_opt_params else None,
+            "master_weight_bytes": master,
+            "note": "state appears after the optimizer's first step" if not by_key else None}
+
+
+def _meta(tracer, model, mode, failed) -> dict:
+    p = next(iter(tracer._params), None)
+    if p is None:
+        device, dtype = "cpu", None
+    elif type(p).__name__ == "FakeTensor":
+        device, dtype = f"fake ({p.device.type})", str(p.dtype).replace("torch.", "")
+    else:
+        device, dtype = p.device.type, str(p.dtype).replace("torch.", "")
+    kernels = sorted({ATTENTION_KERNELS.get(k, k) for k in mode.attention_kernels})
+    return {"device": device, "dtype": dtype, "torch": torch.__version__,
+            "model": type(model).__name__ if model is not None else None,
+            "step_index": tracer.step_index, "ops": mode.n_ops,
+            "attention_kernels": kernels or None, "failed": failed,
+            "phases": sorted({PHASES[ph] for _, ph in mode.phase_changes}, key=PHASES.index)}

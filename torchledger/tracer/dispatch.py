@@ -1,0 +1,208 @@
+"""The hot path: one TorchDispatchMode that sees every aten op of the step.
+
+Per op it finds the phase (forward, backward, recompute, optimizer), the module, the FLOPs
+(``flops.op_flops``), the bytes read and written, new storages (for live memory) and
+copies. Everything is aggregated on the fly into dicts keyed by (phase, module, op); only
+copies keep per-event detail (with the user's source line, looked up for copies alone).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .flops import op_flops
+from .memory import TEMP
+from .modules import NO_MODULE
+
+__all__ = ["LedgerMode", "PHASES"]
+
+PHASES = ("forward", "backward", "recompute", "optimizer")
+FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER = range(4)
+
+_Tensor = torch.Tensor
+_current_node = torch._C._current_autograd_node
+_aten = torch.ops.aten
+_COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _is_alias_op(func) -> bool:
+    """True when some output of ``func`` aliases an input (views and in-place ops)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+def user_frame(skip=_SKIP_DIRS) -> str | None:
+    """``path:line`` of the first frame outside torch and torchledger (the user's line)."""
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(skip) and not fn.startswith("<frozen"):
+            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+class LedgerMode(TorchDispatchMode):
+    """Aggregates every op into the recorder (see ``step.StepTracer``)."""
+
+    def __init__(self, scope, storages, params_by_storage):
+        super().__init__()
+        self.scope = scope
+        self.storages = storages
+        self.param_storages = params_by_storage      # storage cdata -> param numel
+        self.in_optimizer = 0
+        self.n_ops = 0
+        self.op_module: list[int] = []
+        self.op_phase: list[int] = []
+        self.agg: dict = {}          # (phase, module, func) -> [count, flops, causal, read, written]
+        self.elementwise = [0, 0, 0, 0]
+        self.uncounted: dict = {}    # (func, phase, module) -> count
+        self.copies: dict = {}       # (func, module, phase, location, reason) -> [count, bytes, detail]
+        self.matmul_params: set = set()
+        self.kinds: dict = {}        # func -> FLOP kind (None: no formula)
+        self.attention_kernels: dict = {}
+        self.phase_changes: list = []   # (op index, phase) where the phase changed
+        self._last_phase = -1
+        self.on_phase = None         # callback(phase) at phase changes (CUDA memory marks)
+        self._alias = {}             # func -> bool (cached schema lookup)
+        self.errors: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self._record(func, args, kwargs, out)
+        except Exception as e:  # a hook must never kill training
+            if len(self.errors) < 20:
+                self.errors.append(f"{func}: {type(e).__name__}: {e}")
+        return out
+
+    def _record(self, func, args, kwargs, out):
+        idx = self.n_ops
+        self.n_ops = idx + 1
+        self.storages.now = idx + 1
+        scope = self.scope
+        node = _current_node()
+        if node is not None:
+            if scope.recompute_depth:
+                phase, mod = RECOMPUTE, scope.top
+            else:
+                phase, mod = BACKWARD, scope.module_of_node(node)
+        elif self.in_optimizer:
+            phase, mod = OPTIMIZER, scope.top
+        else:
+            phase, mod = FORWARD, scope.top
+        self.op_module.append(mod)
+        self.op_phase.append(phase)
+        if phase != self._last_phase:
+            self._last_phase = phase
+            self.phase_changes.append((idx, phase))
+            if self.on_phase is not None:
+                self.on_phase(phase)
+
+        alias = self._alias.get(func)
+        if alias is None:
+            alias = self._alias[func] = _is_alias_op(func)
+
+        fc = op_flops(func, args, kwargs, out)
+        key = (phase, mod, func)
+        row = self.agg.get(key)
+        if row is None:
+            row = self.agg[key] = [0, 0, 0, 0, 0]
+            if func not in self.kinds:
+                self.kinds[func] = fc.kind if fc is not None else None
+        row[0] += 1
+        if fc is None:
+            ukey = (func, phase, mod)
+            self.uncounted[ukey] = self.uncounted.get(ukey, 0) + 1
+        else:
+            kind = fc.kind
+            if kind == "matmul" or kind == "attention":
+                row[1] += fc.flops
+                row[2] += fc.flops_causal
+                if kind == "attention":
+                    name = func._schema.name.split("::")[-1]
+                    self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
+                elif phase == FORWARD:
+                    self._note_matmul_params(args)
+            elif kind == "elementwise":
+                self.elementwise[phase] += fc.flops
+            elif alias:        # views: no bytes move, no storage is made
+                return
+
+        read = 0
+        for a in args:
+            if isinstance(a, _Tensor):
+                read += a.nbytes
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        read += b.nbytes
+        written = 0
+        track = not alias
+        st = self.storages
+        if isinstance(out, _Tensor):
+            written = out.nbytes
+            if track:
+                st.add(out.untyped_storage(), TEMP, at=idx)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, _Tensor):
+                    written += o.nbytes
+                    if track:
+                        st.add(o.untyped_storage(), TEMP, at=idx)
+        row[3] += read
+        row[4] += written
+        if func in _COPY_OPS:
+            self._note_copy(func, args, kwargs, out, phase, mod, written)
+
+    def _note_matmul_params(self, args):
+        ps = self.param_storages
+        for a in args[:3]:
+            if isinstance(a, _Tensor) and a.dim() >= 2:     # operands, not biases
+                try:
+                    key = a.untyped_storage()._cdata
+                except Exception:
+                    continue
+                if key in ps:
+                    self.matmul_params.add(key)
+
+    def _note_copy(self, func, args, kwargs, out, phase, mod, nbytes):
+        src = args[1] if func is _aten.copy_.default else args[0]
+        dst = out if isinstance(out, _Tensor) else None
+        if not isinstance(src, _Tensor) or dst is None:
+            return
+        if func is _aten._to_copy.default:
+            if dst.dtype != src.dtype:
+                reason = f"dtype {_short(src.dtype)}->{_short(dst.dtype)}"
+            elif dst.device != src.device:
+                reason = f"device {src.device.type}->{dst.device.type}"
+            else:
+                reason = "to() copy"
+        elif func is _aten.copy_.default:
+            if dst.dtype != src.dtype:
+                reason = f"copy_ dtype {_short(src.dtype)}->{_short(dst.dtype)}"
+            elif dst.device != src.device:
+                reason = f"copy_ device {src.device.type}->{dst.device.type}"
+            else:
+                reason = "copy_"
+        else:
+            reason = "contiguous of non-contiguous" if not src.is_contiguous() else "clone"
+        loc = user_frame()
+        key = (func.__name__, mod, phase, loc, reason)
+        row = self.copies.get(key)
+        if row is None:
+            row = self.copies[key] = [0, 0, {"src_shape": list(src.shape), "src_stride": list(src.stride()),
+                                               "dtype": _short(dst.dtype)}]
+        row[0] += 1
+        row[1] += nbytes
+
+
+def _short(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+__all__ += ["FORWARD", "BACKWARD", "RECOMPUTE", "OPTIMIZER", "NO_MODULE", "user_frame"]

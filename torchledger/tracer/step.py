@@ -1,0 +1,205 @@
+"""``StepTracer``: install every hook for one step, hand back a frozen ``StepRecord``.
+
+While active it owns: one dispatch mode (``dispatch.LedgerMode``), global module
+pre/post hooks (``modules.ModuleScope``), saved-tensor hooks (activations), global
+optimizer step hooks (phase and state), and per-parameter post-accumulate-grad hooks
+(gradients). All are entered on one ``ExitStack``: if installing any of them fails,
+everything already installed is removed, and ``__exit__`` removes all of them even when
+the step raised.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import ExitStack
+
+import torch
+
+from ..record import StepRecord
+from .build import build_record
+from .dispatch import PHASES, LedgerMode
+from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker
+from .modules import ModuleScope
+
+__all__ = ["StepTracer", "active_tracer"]
+
+_ACTIVE: list = []   # at most one tracer at a time (process-wide)
+
+
+def active_tracer():
+    """The tracer now active, or None."""
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+class StepTracer:
+    """Trace one training step of ``model`` (forward, backward, optimizer step).
+
+    Example::
+
+        with StepTracer(model, optimizer=opt, tokens=B * T) as t:
+            model(x, y).backward(); opt.step(); opt.zero_grad()
+        t.record.totals["flops"]["total"]
+
+    Known limitations: one tracer at a time per process; ops run on threads other than the
+    caller's and the autograd engine's are not seen; memory the step allocates through
+    means other than aten ops (custom C++ extensions that allocate internally) is invisible.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer=None, tokens=None, *,
+                 clock=time.perf_counter, peak_flops=None, step_index: int = 0):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"trace() expects an nn.Module, got {type(model).__name__}")
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
+            raise ValueError(f"tokens must be a positive int (tokens per step), got {tokens!r}")
+        self._model = model          # strong until the step ends, then only a weakref
+        self._model_ref = weakref.ref(model)
+        self._optimizers = [optimizer] if optimizer is not None else []
+        self.tokens = tokens
+        self.clock = clock
+        self.peak_flops = peak_flops
+        self.step_index = step_index
+        self.record: StepRecord | None = None
+        self._stack: ExitStack | None = None
+
+    # -- install / remove ------------------------------------------------------------------
+    def __enter__(self) -> "StepTracer":
+        if self._stack is not None or _ACTIVE:
+            raise RuntimeError("a torchledger trace is already active; exit it before entering "
+                               "another (use one Ledger for many steps)")
+        model = self._model if self._model is not None else self._model_ref()
+        if model is None:
+            raise RuntimeError("the traced model no longer exists")
+        self._model = model
+        with ExitStack() as stack:
+            self.scope = ModuleScope(model)
+            self.storages = StorageTracker()
+            self._register_persistent(model)
+            self.mode = LedgerMode(self.scope, self.storages, self._param_storages)
+            self._saved: dict = {}
+            self._warnings: list[str] = []
+            self.cuda = _cuda_device(model)
+            self._cuda_marks: list = []
+            if self.cuda is not None:
+                self.mode.on_phase = lambda ph: self._cuda_mark(PHASES[ph])
+            self.scope.install(stack)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                               register_optimizer_step_pre_hook)
+            stack.enter_context(register_optimizer_step_pre_hook(self._opt_pre))
+            stack.enter_context(register_optimizer_step_post_hook(self._opt_post))
+            for p in self._params:
+                if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                    stack.enter_context(p.register_post_accumulate_grad_hook(self._grad_ready))
+            stack.callback(self.storages.close)
+            _ACTIVE.append(self)
+            stack.callback(_ACTIVE.clear)
+            self._cuda_mark("start")
+            self._t0 = self.clock()
+            stack.enter_context(self.mode)     # last: nothing of ours runs under it
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        stack, self._stack = self._stack, None
+        try:
+            stack.close()                          # mode, hooks, handles: all removed
+        finally:
+            self._cuda_mark("end", sync=True)
+            seconds = self.clock() - self._t0
+            model, self._model = self._model, None
+            self.record = build_record(self, model, seconds, failed=exc_type is not None)
+        return False
+
+    # -- what exists before the step ---------------------------------------------------------
+    def _register_persistent(self, model) -> None:
+        st = self.storages
+        self._params = list({id(p): p for p in model.parameters()}.values())
+        self._param_storages = {}
+        for p in self._params:
+            s = p.untyped_storage()
+            self._param_storages[s._cdata] = p.numel()
+            st.add(s, PARAM, at=0)
+            if p.grad is not None:
+                st.add(p.grad.untyped_storage(), GRAD, at=0)
+        for b in model.buffers():
+            st.add(b.untyped_storage(), BUFFER, at=0)
+        for opt in self._optimizers:
+            for t in _state_tensors(opt):
+                st.add(t.untyped_storage(), OPT, at=0)
+
+    # -- hooks (never raise into the user's step) ------------------------------------------
+    def _pack(self, t):
+        try:
+            s = t.untyped_storage()
+            key = s._cdata
+            if key not in self._param_storages and key not in self._saved:
+                phase = "forward" if torch._C._current_autograd_node() is None else "recompute"
+                self._saved[key] = (s.nbytes(), self.scope.top, phase)
+                if phase == "forward":
+                    self.storages.promote(s, ACT, only_from=TEMP)
+        except Exception as e:
+            self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
+        return t
+
+    def _grad_ready(self, p):
+        try:
+            if p.grad is not None:
+                self.storages.promote(p.grad.untyped_storage(), GRAD)
+        except Exception as e:
+            self._warn(f"grad hook: {type(e).__name__}: {e}")
+
+    def _opt_pre(self, opt, args, kwargs):
+        self._cuda_mark("optimizer-start")
+        self.mode.in_optimizer += 1
+        if all(o is not opt for o in self._optimizers):
+            self._optimizers.append(opt)
+
+    def _opt_post(self, opt, args, kwargs):
+        self.mode.in_optimizer = max(0, self.mode.in_optimizer - 1)
+        try:
+            for t in _state_tensors(opt):
+                self.storages.promote(t.untyped_storage(), OPT)
+        except Exception as e:
+            self._warn(f"optimizer hook: {type(e).__name__}: {e}")
+        self._cuda_mark("optimizer-end")
+
+    def _cuda_mark(self, label: str, sync: bool = False) -> None:
+        if self.cuda is None:
+            return
+        try:
+            if sync:
+                torch.cuda.synchronize(self.cuda)   # NB: a CPU-GPU sync point, at step edges only
+            self._cuda_marks.append({
+                "at": label, "op_index": self.mode.n_ops,
+                "allocated_bytes": torch.cuda.memory_allocated(self.cuda),
+                "reserved_bytes": torch.cuda.memory_reserved(self.cuda),
+                "max_allocated_bytes": torch.cuda.max_memory_allocated(self.cuda)})
+        except Exception as e:
+            self._warn(f"CUDA memory stats unavailable: {e}")
+
+    def _warn(self, msg: str) -> None:
+        if len(self._warnings) < 50:
+            self._warnings.append(msg)
+
+
+def _unpack(t):
+    return t
+
+
+def _state_tensors(opt):
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def _cuda_device(model):
+    for p in model.parameters():
+        if p.device.type == "cuda" and not _is_fake(p) and torch.cuda.is_available():
+            return p.device
+        return None
+    return None
+
+
+def _is_fake(t) -> bool:
+    return type(t).__name__ == "FakeTensor"
