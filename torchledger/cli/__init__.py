@@ -16,8 +16,38 @@ from .types import InputError
 __all__ = ["main", "cli"]
 
 
+#: Subcommands, loaded on first use so that `estimate` never imports torch.
+COMMANDS = {
+    "estimate": "torchledger.cli.estimate:estimate",
+    "audit": "torchledger.cli.audit:audit",
+    "report": "torchledger.cli.audit:report",
+    "lint": "torchledger.cli.lint:lint",
+    "snapshot": "torchledger.cli.snapshot:snapshot",
+}
+
+
 class LedgerGroup(click.Group):
-    """A click group whose usage errors are one line and exit 2."""
+    """A click group whose usage errors are one line and exit 2, with lazy subcommands."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | {n for n in COMMANDS if self._load(n)})
+
+    def get_command(self, ctx, name):
+        return super().get_command(ctx, name) or self._load(name)
+
+    def _load(self, name):
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        import importlib
+        module, attr = target.split(":")
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name == module:        # that command is not part of this build
+                return None
+            raise
+        return getattr(mod, attr, None)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if args is None:
@@ -62,14 +92,6 @@ def cli(debug: bool) -> None:
     FLOPs, bytes and why, for a PyTorch training step: closed-form estimates (`estimate`),
     measured audits of a real step (`audit`), and static checks of training code (`lint`).
     """
-
-
-def _register() -> None:
-    from .estimate import estimate
-    cli.add_command(estimate)
-
-
-_register()
 
 
 def main() -> None:  # console script entry point
