@@ -34,7 +34,14 @@ def check_tracer_warnings(records, options=None) -> list:
     return out
 
 
-ALL_CHECKS = [check_uncounted_ops, check_tracer_warnings]
+def _all():
+    from .compare import check_comparisons
+    from .copies import check_copies
+    from .mfu import check_mfu
+    return [check_comparisons, check_copies, check_mfu, check_uncounted_ops, check_tracer_warnings]
+
+
+ALL_CHECKS = _all()
 
 
 def run_checks(records, options=None, checks=None) -> list:

@@ -39,12 +39,15 @@ class _Traced(StepTracer):
         return run_checks([self.record], **options)
 
 
-def trace(model, optimizer=None, tokens=None, *, peak_flops=None, clock=time.perf_counter) -> _Traced:
+def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
+          clock=time.perf_counter) -> _Traced:
     """Trace one training step of ``model``; use as ``with trace(model, opt, tokens=N) as t``.
 
-    ``tokens`` (tokens per step, for 6ND) is optional. ``peak_flops`` (FLOP/s) enables MFU.
+    ``tokens`` (tokens per step, for 6ND) and ``seq_len`` (for the attention term) are
+    optional. ``peak_flops`` (FLOP/s) enables MFU.
     """
-    return _Traced(model, optimizer=optimizer, tokens=tokens, peak_flops=peak_flops, clock=clock)
+    return _Traced(model, optimizer=optimizer, tokens=tokens, peak_flops=peak_flops, clock=clock,
+                   seq_len=seq_len)
 
 
 class Ledger:
@@ -64,14 +67,15 @@ class Ledger:
         self.steps = 0
 
     @contextmanager
-    def step(self, tokens=None):
+    def step(self, tokens=None, seq_len=None):
         i = self.steps
         self.steps += 1
         if i % self.sample_every:
             yield None
             return
         tracer = StepTracer(self.model, optimizer=self.optimizer, tokens=tokens,
-                            peak_flops=self.peak_flops, clock=self.clock, step_index=i)
+                            peak_flops=self.peak_flops, clock=self.clock, step_index=i,
+                            seq_len=seq_len)
         try:
             with tracer:
                 yield tracer

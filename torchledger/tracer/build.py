@@ -73,6 +73,8 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     params = tracer._params
     t["params"] = sum(p.numel() for p in params)
     t["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    t["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
+    t["trainable_param_bytes"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     t["matmul_params"] = sum(tracer._param_storages[k] for k in mode.matmul_params)
     t["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     t["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) if model is not None else 0
@@ -186,8 +188,25 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     rec.warnings = list(tracer._warnings) + [f"op not recorded: {e}" for e in mode.errors]
     if failed:
         rec.warnings.append("the step raised an exception: this record covers the ops before it")
-    rec.predictions = {"flops_6nd": 6 * t["matmul_params"] * t["tokens"] if t["tokens"] else None}
+    if tracer.seq_len:
+        rec.meta["seq_len"] = tracer.seq_len
+    rec.predictions = _predictions(rec)
     return rec
+
+
+def _predictions(rec) -> dict:
+    """Closed forms for this step (analyzers.compare), with INTERFACE.md's keys always present."""
+    from ..analyzers.compare import comparisons, predictions
+    try:
+        p = predictions(rec)
+        rows = comparisons(rec)
+    except Exception as e:  # a prediction must never cost the user the measurement
+        rec.warnings.append(f"predictions unavailable: {type(e).__name__}: {e}")
+        p, rows = {}, []
+    out = {"params_12ld2": None, "flops_6nd": None, "flops_6nd_attention": None, "static_bytes": None}
+    out.update(p)
+    out["comparisons"] = rows
+    return out
 
 
 def _op_name(func) -> str:
@@ -217,9 +236,10 @@ def _optimizer_summary(optimizers, params) -> dict:
     n_opt_params = 0
     master = 0
     low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
-    names = []
+    names, kinds = [], []
     for opt in optimizers:
         names.append(type(opt).__name__)
+        kinds.append(_optimizer_kind(opt))
         for group in opt.param_groups:
             for p in group["params"]:
                 n_opt_params += p.numel()
@@ -235,11 +255,26 @@ def _optimizer_summary(optimizers, params) -> dict:
                     e["numel"] += v.numel()
                     e["bytes"] += v.numel() * v.element_size()
     state_bytes = sum(e["bytes"] for e in by_key.values())
-    return {"names": names, "state": sorted(by_key.values(), key=lambda e: -e["bytes"]),
+    dtypes = {p.dtype for p in params}
+    precision = ("fp32" if dtypes == {torch.float32} else
+                 "mixed" if master else "bf16" if dtypes <= {torch.bfloat16, torch.float16} else None)
+    return {"names": names, "kind": kinds[0] if len(set(kinds)) == 1 else None, "precision": precision,
+            "state": sorted(by_key.values(), key=lambda e: -e["bytes"]),
             "state_bytes": state_bytes, "params": n_opt_params,
             "bytes_per_param": state_bytes / n_opt_params if n_opt_params else None,
             "master_weight_bytes": master,
             "note": "state appears after the optimizer's first step" if not by_key else None}
+
+
+_OPT_KINDS = {"AdamW": "adamw", "Adam": "adam", "Adagrad": "adagrad", "RMSprop": "rmsprop"}
+
+
+def _optimizer_kind(opt):
+    """The closed-form optimizer name (analyzers.memory.OPTIMIZERS) of a torch optimizer, or None."""
+    name = type(opt).__name__
+    if name == "SGD":
+        return "sgd-momentum" if any(g.get("momentum", 0) for g in opt.param_groups) else "sgd"
+    return _OPT_KINDS.get(name)
 
 
 def _meta(tracer, model, mode, failed) -> dict:
@@ -251,7 +286,12 @@ def _meta(tracer, model, mode, failed) -> dict:
     else:
         device, dtype = p.device.type, str(p.dtype).replace("torch.", "")
     kernels = sorted({ATTENTION_KERNELS.get(k, k) for k in mode.attention_kernels})
-    return {"device": device, "dtype": dtype, "torch": torch.__version__,
+    from .shape import model_config
+    try:
+        config = model_config(model) if model is not None else None
+    except Exception:            # an odd config must not cost the user the record
+        config = None
+    return {"device": device, "dtype": dtype, "torch": torch.__version__, "config": config,
             "model": type(model).__name__ if model is not None else None,
             "step_index": tracer.step_index, "ops": mode.n_ops,
             "attention_kernels": kernels or None, "failed": failed,

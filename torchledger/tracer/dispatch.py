@@ -26,6 +26,7 @@ _Tensor = torch.Tensor
 _current_node = torch._C._current_autograd_node
 _aten = torch.ops.aten
 _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
+_PERMUTE_OPS = {_aten.transpose.int, _aten.permute.default, _aten.t.default}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -69,6 +70,7 @@ class LedgerMode(TorchDispatchMode):
         self.on_phase = None         # callback(phase) at phase changes (CUDA memory marks)
         self._alias = {}             # func -> bool (cached schema lookup)
         self.errors: list[str] = []
+        self._copied: dict = {}      # storage of a contiguous() copy -> its copy key
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -131,6 +133,8 @@ class LedgerMode(TorchDispatchMode):
             elif kind == "elementwise":
                 self.elementwise[phase] += fc.flops
             elif alias:        # views: no bytes move, no storage is made
+                if self._copied and func in _PERMUTE_OPS:
+                    self._check_undone(args, out)
                 return
 
         read = 0
@@ -158,6 +162,14 @@ class LedgerMode(TorchDispatchMode):
         row[4] += written
         if func in _COPY_OPS:
             self._note_copy(func, args, kwargs, out, phase, mod, written)
+
+    def _check_undone(self, args, out):
+        """A copy made contiguous and now permuted again: the copy bought nothing."""
+        src = args[0]
+        if isinstance(src, _Tensor) and isinstance(out, _Tensor) and not out.is_contiguous():
+            key = self._copied.get(src.untyped_storage()._cdata)
+            if key is not None and key in self.copies:
+                self.copies[key][2]["permuted_back"] = True
 
     def _note_matmul_params(self, args):
         ps = self.param_storages
@@ -199,6 +211,10 @@ class LedgerMode(TorchDispatchMode):
                                                "dtype": _short(dst.dtype)}]
         row[0] += 1
         row[1] += nbytes
+        if reason == "contiguous of non-contiguous" and phase != BACKWARD:
+            if len(self._copied) > 256:
+                self._copied.clear()
+            self._copied[dst.untyped_storage()._cdata] = key
 
 
 def _short(dtype) -> str:

@@ -46,7 +46,7 @@ class StepTracer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, tokens=None, *,
-                 clock=time.perf_counter, peak_flops=None, step_index: int = 0):
+                 clock=time.perf_counter, peak_flops=None, step_index: int = 0, seq_len=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"trace() expects an nn.Module, got {type(model).__name__}")
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
@@ -55,6 +55,7 @@ class StepTracer:
         self._model_ref = weakref.ref(model)
         self._optimizers = [optimizer] if optimizer is not None else []
         self.tokens = tokens
+        self.seq_len = seq_len
         self.clock = clock
         self.peak_flops = peak_flops
         self.step_index = step_index

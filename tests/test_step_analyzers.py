@@ -1,0 +1,141 @@
+"""Analyzers over traced records: comparisons with closed forms, copies, MFU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torchledger
+from torchledger.analyzers.checks import ALL_CHECKS, run_checks
+from torchledger.analyzers.compare import check_comparisons, comparisons, predictions
+from torchledger.analyzers.copies import check_copies, copy_table
+from torchledger.analyzers.mfu import check_mfu, mfu
+from torchledger.models import build_model, example_inputs, get_config
+from torchledger.record import StepRecord
+
+
+def traced(name, device="cpu", batch=2, seq=16, **overrides):
+    cfg = get_config(name).replace(**overrides) if overrides else get_config(name)
+    fake = FakeTensorMode() if device == "fake" else None
+    if fake:
+        fake.__enter__()
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        opt = torch.optim.AdamW(model.parameters())
+        inputs = example_inputs(cfg, batch=batch, seq_len=seq)
+        with torchledger.trace(model, optimizer=opt, tokens=batch * seq, seq_len=seq) as t:
+            model(**inputs).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if fake:
+            fake.__exit__(None, None, None)
+    return t.record
+
+
+def test_flops_match_6nd_plus_attention_exactly():
+    rec = traced("gpt2-tiny")
+    rows = {r["quantity"]: r for r in comparisons(rec)}
+    assert rows["training FLOPs vs 6ND + 12LTd"]["ratio"] == 1.0
+    assert rows["parameters (exact formula)"]["ratio"] == 1.0
+    # 6ND alone misses the attention term: 12*L*T*d / (6*N) = 12*2*16*64 / (6*131072) = 1/32
+    assert rows["training FLOPs vs 6ND"]["ratio"] == pytest.approx(1 + 1 / 32, abs=1e-12)
+    assert rec.predictions["flops_6nd_attention"] == rec.totals["flops"]["total"]
+    assert check_comparisons([rec]) == []
+
+
+def test_llama2_7b_static_bytes_are_16_per_param():
+    rec = traced("llama2-7b", device="fake", batch=1, seq=8)
+    n = rec.totals["params"]
+    assert n == 6_738_415_616
+    rows = {r["quantity"]: r for r in comparisons(rec)}
+    static = rows["static bytes (params+grads+optimizer)"]
+    assert static["predicted"] == 16 * n
+    n_tensors = 2 + 32 * 9 + 1                      # embeddings, head; 9 per block; final norm
+    assert static["measured"] == 16 * n + 4 * n_tensors   # + one fp32 step scalar per tensor
+    assert f"{static['ratio']:.3f}" == "1.000"
+
+
+def test_predictions_need_a_recognised_model():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x).sum()
+    model = Plain()
+    with torchledger.trace(model, tokens=4) as t:
+        model(torch.randn(4, 8)).backward()
+    p = predictions(t.record)
+    assert p["flops_6nd"] == 6 * 64 * 4
+    assert "params_exact" not in p and "flops_6nd_attention" not in p
+    assert t.record.predictions["flops_6nd_attention"] is None       # INTERFACE keys stay present
+
+
+class PermuteBack(nn.Module):
+    def forward(self, x):
+        y = x.permute(0, 2, 1).contiguous()                       # PERMUTE-COPY
+        y = y.permute(0, 2, 1)
+        return (y * 2).sum()
+
+
+class RoundTrip(nn.Module):
+    def forward(self, x):
+        return x.to(torch.bfloat16).to(torch.float32).sum()         # ROUND-TRIP
+
+
+def _line(marker):
+    return next(i for i, s in enumerate(open(__file__).read().splitlines(), 1)
+                if s.rstrip().endswith(f"# {marker}"))
+
+
+@pytest.mark.parametrize("cls, rule, marker", [(PermuteBack, "TL-COPY-003", "PERMUTE-COPY"),
+                                              (RoundTrip, "TL-COPY-001", "ROUND-TRIP")])
+def test_needless_copies_are_flagged_at_their_line(cls, rule, marker):
+    model = cls()
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 8, 4, requires_grad=True)).backward()
+    found = [f for f in check_copies([t.record]) if f.rule == rule]
+    assert len(found) == 1
+    assert found[0].location.endswith(f"test_step_analyzers.py:{_line(marker)}")
+    assert copy_table(t.record)[0]["bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("device", ["cpu", "fake"])
+def test_reference_models_have_no_copy_findings(name, device):
+    rec = traced(name, device=device)
+    assert [f for f in check_copies([rec]) if f.severity != "info"] == []
+
+
+def test_low_mfu_against_a_huge_peak():
+    rec = traced("gpt2-tiny")
+    found = check_mfu([rec], {"peak_flops": 1e15})
+    assert [f.rule for f in found] == ["TL-MFU-001"]
+
+
+def test_mfu_by_hand():
+    model = build_model("cruncher")
+    ticks = iter([10.0, 10.25])
+    with torchledger.trace(model, peak_flops=2e9, clock=lambda: next(ticks)) as t:
+        model(torch.randn(4, 128)).sum().backward()
+    f = t.record.totals["flops"]["total"]
+    m, _ = mfu(t.record, 2e9)
+    assert abs(m - f / 0.25 / 2e9) < 1e-6
+    assert check_mfu([t.record], {"peak_flops": f / 0.25 / 2})[0].rule == "TL-MFU-002"   # MFU 2
+
+
+def test_no_mfu_for_fake_steps():
+    assert check_mfu([traced("gpt2-tiny", device="fake")], {"peak_flops": 1e15}) == []
+
+
+@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+def test_every_check_runs_on_empty_and_reloaded_records(check):
+    assert check([], {}) == []
+    assert isinstance(check([StepRecord()], {}), list)
+    rec = StepRecord.from_json(traced("gpt2-tiny").to_json())
+    assert isinstance(check([rec], {"peak_flops": 1e12}), list)
+    assert run_checks([rec]) == run_checks([StepRecord.from_json(rec.to_json())])

@@ -1,0 +1,159 @@
+"""Measured against closed forms: parameters, FLOPs, static bytes, activations.
+
+Pure functions over a ``StepRecord`` (so they run offline on a saved JSON). Each comparison
+row has a ratio (measured / predicted) and a named explanation of the gap. The closed forms
+are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activations`.
+
+    rows = comparisons(record)      # [{"quantity", "measured", "predicted", "ratio", "explanation"}]
+    findings = check_comparisons([record], {"tolerance": 0.05})
+"""
+from __future__ import annotations
+
+from ..record import Finding
+from .activations import korthikanti_layer_bytes
+from .memory import OPTIMIZERS, static_memory
+from .params import count_params
+
+__all__ = ["predictions", "comparisons", "check_comparisons"]
+
+DEFAULT_TOLERANCE = 0.05
+
+
+def _config(record):
+    cfg = record.meta.get("config")
+    if not cfg or cfg.get("kind") != "transformer":
+        return None
+    try:
+        from ..models.config import TransformerConfig
+        keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp", "norm",
+                "bias", "tie_embeddings", "n_positions")
+        return TransformerConfig(**{k: cfg[k] for k in keys if k in cfg})
+    except (TypeError, ValueError):
+        return None
+
+
+def _seq_len(record):
+    return (record.meta.get("audit") or {}).get("seq_len") or record.meta.get("seq_len")
+
+
+def predictions(record) -> dict:
+    """Closed-form predictions for what ``record`` measured (keys absent when not computable)."""
+    t = record.totals
+    out: dict = {}
+    N, D = t.get("matmul_params", 0), t.get("tokens", 0)
+    if D:
+        out["flops_6nd"] = 6 * N * D
+    cfg = _config(record)
+    if cfg is not None:
+        pc = count_params(cfg)
+        out["params_exact"] = pc.total
+        out["params_12ld2"] = pc.approx_12ld2
+        T = _seq_len(record)
+        if D and T:
+            attn = 12 * cfg.n_layers * T * cfg.d_model * D
+            out["flops_6nd_attention"] = 6 * N * D + attn
+            out["flops_6nd_attention_causal"] = 6 * N * D + attn // 2
+            layer = korthikanti_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads,
+                                            fused_attention=bool(record.meta.get("attention_kernels")))
+            out["activation_bytes_korthikanti_16bit"] = cfg.n_layers * layer
+    opt = record.optimizer or {}
+    if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
+        sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"])
+        out["static_bytes"] = sm.total_bytes
+        out["static_bytes_per_param"] = sm.bytes_per_param
+    return out
+
+
+def comparisons(record) -> list:
+    """Rows of measured vs predicted with the gap explained."""
+    t, p = record.totals, predictions(record)
+    rows = []
+    cfg = _config(record)
+    if "params_exact" in p:
+        rows.append(_row("parameters (exact formula)", t["params"], p["params_exact"],
+                         "exact count from the config" if t["params"] == p["params_exact"] else
+                         "the model has parameters the config formula does not describe"))
+        rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
+                         _explain_12ld2(cfg)))
+    if "flops_6nd" in p:
+        f = t["flops"]["total"]
+        attn = t["attention_flops"]["dense"]
+        other = f - p["flops_6nd"] - attn
+        rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
+                         f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
+                         f"D = {t['tokens']:,} tokens; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
+                         + (f", other matmul work {_pct(other, p['flops_6nd'])}" if other else "")))
+    if "flops_6nd_attention" in p:
+        rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
+                         "attention counted dense; causal-halved prediction "
+                         f"{p['flops_6nd_attention_causal']:,}"))
+    if "static_bytes" in p:
+        measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
+                    + (record.optimizer or {}).get("master_weight_bytes", 0))
+        opt = record.optimizer
+        rows.append(_row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
+                         f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes/param "
+                         f"predicted, {measured / max(t.get('trainable_params', 1), 1):.3f} measured "
+                         f"(per-tensor step scalars and frozen params make the difference)"))
+    if "activation_bytes_korthikanti_16bit" in p:
+        rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
+                         p["activation_bytes_korthikanti_16bit"],
+                         f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit activations, "
+                         f"dropout masks and {'a fused attention kernel' if record.meta.get('attention_kernels') else 'a materialised attention matrix'}; "
+                         "embeddings, LM head and loss are outside it"))
+    return rows
+
+
+def check_comparisons(records, options=None) -> list:
+    """TL-CMP-001: FLOPs not explained by 6ND + attention; TL-CMP-002: static bytes off prediction."""
+    if not records:
+        return []
+    rec = records[-1]
+    tol = float((options or {}).get("tolerance", DEFAULT_TOLERANCE))
+    p = predictions(rec)
+    out = []
+    t = rec.totals
+    if "flops_6nd" in p and _config(rec) is not None and t["flops"]["total"]:
+        explained = p["flops_6nd"] + t["attention_flops"]["dense"]
+        gap = (t["flops"]["total"] - explained) / t["flops"]["total"]
+        if abs(gap) > tol:
+            out.append(Finding("TL-CMP-001", "warning",
+                               f"{gap:+.1%} of the step's FLOPs are not explained by 6ND + attention",
+                               measured=t["flops"]["total"], expected=explained,
+                               hint="look for matmuls that belong to no parameter (extra einsums, "
+                                    "recomputed projections) in the per-op table"))
+    if "static_bytes" in p:
+        measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
+                    + (rec.optimizer or {}).get("master_weight_bytes", 0))
+        ratio = measured / p["static_bytes"] if p["static_bytes"] else None
+        if ratio is not None and abs(ratio - 1) > tol:
+            out.append(Finding("TL-CMP-002", "warning",
+                               f"static bytes are {ratio:.3f}x the {rec.optimizer['kind']} x "
+                               f"{rec.optimizer['precision']} prediction",
+                               measured=measured, expected=p["static_bytes"],
+                               hint="extra optimizer state or copies of the weights are being kept"))
+    return out
+
+
+def _row(quantity, measured, predicted, explanation) -> dict:
+    return {"quantity": quantity, "measured": measured, "predicted": predicted,
+            "ratio": measured / predicted if predicted else None, "explanation": explanation}
+
+
+def _pct(x, of) -> str:
+    return f"{100 * x / of:.1f}%" if of else "n/a"
+
+
+def _explain_12ld2(cfg) -> str:
+    parts = ["ignores norms and biases"]
+    if cfg.n_positions:
+        parts.append(f"leaves out the {cfg.n_positions}x{cfg.d_model} position table")
+    if cfg.mlp == "swiglu" or cfg.d_ff != 4 * cfg.d_model:
+        parts.append(f"assumes a 4d GELU MLP (this one: {cfg.mlp}, d_ff={cfg.d_ff})")
+    if cfg.n_kv_heads != cfg.n_heads:
+        parts.append(f"assumes full K/V heads (this one: {cfg.n_kv_heads} of {cfg.n_heads})")
+    if not cfg.tie_embeddings:
+        parts.append("counts one V*d matrix (the untied LM head adds another)")
+    return "; ".join(parts)
+
+

@@ -1,0 +1,250 @@
+"""The audit engine behind ``torchledger audit FILE.py``: load the user's model file, build
+its spec on the chosen device, run and trace ``steps`` training steps, and hand back the
+records. Every failure the user can cause becomes an ``AuditError`` with one line that says
+what was expected, what arrived and what to do; the CLI prints it and exits 2.
+
+Devices: ``fake`` (default) runs the step on FakeTensors with CPU kernels, so a 7B model
+audits on a laptop with no real memory; ``meta`` runs on the meta device (attention takes
+the math path); ``cpu`` and ``cuda`` run the real step.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+import types
+
+__all__ = ["AuditError", "AuditRun", "load_entry", "run_audit", "DEVICES"]
+
+DEVICES = ("fake", "meta", "cpu", "cuda")
+
+
+class AuditError(Exception):
+    """Bad input for an audit: the message is one line for the user."""
+
+
+class AuditRun:
+    """The outcome of an audit: the traced records and what the run was."""
+
+    def __init__(self, records, spec, device, path):
+        self.records, self.spec, self.device, self.path = records, spec, device, path
+
+    @property
+    def record(self):
+        return self.records[-1]
+
+
+# -- loading the model file ----------------------------------------------------------------------
+def load_entry(path: str, entry: str = "audit_spec"):
+    """Import ``path`` as a module and return its ``entry`` function."""
+    if not os.path.exists(path):
+        raise AuditError(f"{path}: no such file; expected a Python model file that defines {entry}()")
+    if os.path.isdir(path):
+        raise AuditError(f"{path} is a directory; expected a Python model file that defines {entry}()")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        source = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise AuditError(f"{path} is not a Python source file (not UTF-8 text); expected a .py model "
+                         f"file that defines {entry}()") from None
+    if b"\x00" in raw:
+        raise AuditError(f"{path} is not a Python source file (binary data); expected a .py model file")
+    try:
+        code = compile(source, path, "exec")
+    except SyntaxError as e:
+        raise AuditError(f"{path}:{e.lineno}: syntax error: {e.msg}; fix the model file and rerun") from None
+    module = types.ModuleType("torchledger_audit_model")
+    module.__file__ = os.path.abspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        exec(code, module.__dict__)
+    except Exception as e:
+        raise AuditError(f"{_where(e, path)}: importing the model file raised "
+                         f"{type(e).__name__}: {_msg(e)}") from None
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
+    fn = module.__dict__.get(entry)
+    if fn is None:
+        found = [k for k, v in module.__dict__.items() if callable(v) and not k.startswith("_")
+                 and getattr(v, "__module__", None) == module.__name__]
+        hint = f" (functions defined there: {', '.join(found[:8])})" if found else ""
+        raise AuditError(f"{path}: no function {entry!r}; define `def {entry}(): return "
+                         f"torchledger.AuditSpec(model, inputs)` or pass --entry NAME{hint}")
+    if not callable(fn):
+        raise AuditError(f"{path}: {entry!r} is a {type(fn).__name__}, expected a function that "
+                         f"returns a torchledger.AuditSpec")
+    return fn
+
+
+# -- devices ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def device_context(device: str):
+    """The context the spec is built and the steps run in."""
+    import torch
+    if device == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    elif device == "meta":
+        with torch.device("meta"):
+            yield
+    elif device == "cuda":
+        if not torch.cuda.is_available():
+            raise AuditError("--device cuda: no CUDA device on this machine; use --device fake "
+                             "(the default) to audit without a GPU")
+        with torch.device("cuda"):
+            yield
+    elif device == "cpu":
+        yield
+    else:
+        raise AuditError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
+
+
+def _to_device(x, device: str):
+    import torch
+    if device not in ("meta", "cuda"):
+        return x
+    target = torch.device(device)
+    if isinstance(x, torch.Tensor):
+        return x.to(target) if x.device.type != device else x
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
+
+
+# -- the step ------------------------------------------------------------------------------------
+def default_loss(output, inputs=None):
+    """The output if it is a scalar tensor, else ``output.loss``, else ``output.float().mean()``."""
+    import torch
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.float().mean()
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if isinstance(logits, torch.Tensor):
+        return logits.float().mean()
+    raise AuditError(f"cannot make a loss from the model's output ({type(output).__name__}); "
+                     f"give AuditSpec(loss_fn=...)")
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def default_tokens(inputs):
+    """Tokens per step: numel of the first integer tensor, else rows of the first float tensor."""
+    import torch
+    flat = list(inputs.values()) if isinstance(inputs, dict) else (
+        list(inputs) if isinstance(inputs, (tuple, list)) else [inputs])
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            return int(t.numel()), int(t.shape[-1]) if t.dim() >= 2 else None
+    for t in tensors:
+        return int(t.numel() // t.shape[-1]) if t.dim() >= 1 and t.shape[-1] else int(t.numel()), None
+    return None, None
+
+
+def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
+              peak_flops=None) -> AuditRun:
+    """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``."""
+    import torch
+    from .spec import as_spec
+    from .tracer import Ledger
+
+    if steps < 1:
+        raise AuditError(f"--steps: expected a whole number >= 1, got {steps}")
+    fn = load_entry(path, entry)
+    with device_context(device):
+        try:
+            raw = fn()
+        except AuditError:
+            raise
+        except Exception as e:
+            raise AuditError(f"{_where(e, path)}: {entry}() raised {type(e).__name__}: {_msg(e)}") from None
+        try:
+            spec = as_spec(raw)
+        except TypeError as e:
+            raise AuditError(f"{path}: {entry}() must return a torchledger.AuditSpec; {e}") from None
+        model = spec.model
+        if device in ("meta", "cuda"):
+            model = model.to(device)
+        inputs = _to_device(spec.inputs, device)
+        tokens, seq = default_tokens(inputs)
+        tokens = spec.tokens or tokens
+        seq = spec.seq_len or seq
+        try:
+            opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
+        except Exception as e:
+            raise AuditError(f"{_where(e, path)}: making the optimizer raised {type(e).__name__}: {_msg(e)}") from None
+        ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
+        for _ in range(steps):
+            with ledger.step(tokens=tokens, seq_len=seq):
+                try:
+                    _one_step(spec, model, inputs, opt)
+                except AuditError:
+                    raise
+                except Exception as e:
+                    raise _step_error(e, path, device) from None
+    for r in ledger.records:
+        r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
+                           "steps": steps, "seq_len": seq}
+    return AuditRun(ledger.records, spec, device, path)
+
+
+def _one_step(spec, model, inputs, opt):
+    if spec.step is not None:
+        spec.step(model, inputs, opt)
+        return
+    out = _call(model, inputs)
+    loss = spec.loss_fn(out, inputs) if spec.loss_fn is not None else default_loss(out, inputs)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _step_error(e: Exception, path: str, device: str) -> AuditError:
+    name = type(e).__name__
+    if device == "fake" and ("Fake" in name or "DataDependent" in name or "DynamicOutputShape" in name
+                             or "fake" in str(e).lower()[:200]):
+        return AuditError(f"{_where(e, path)}: fake tensors cannot run this step ({name}: {_msg(e)}); "
+                          f"try --device meta or --device cpu")
+    return AuditError(f"{_where(e, path)}: the training step raised {name}: {_msg(e)}; check the "
+                      f"inputs your audit_spec() returns against what the model expects")
+
+
+def _where(e: BaseException, path: str) -> str:
+    """``file:line`` of the deepest frame in the user's model file (else the deepest user frame)."""
+    tb = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{os.path.relpath(e.filename)}:{e.lineno}"
+    target = os.path.abspath(path)
+    best = None
+    for fr in tb:
+        if os.path.abspath(fr.filename) == target:
+            best = fr
+    if best is None:
+        import torch
+        skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+        for fr in tb:
+            if not fr.filename.startswith(skip):
+                best = fr
+    return f"{os.path.relpath(best.filename)}:{best.lineno}" if best else path
+
+
+def _msg(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."

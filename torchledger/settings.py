@@ -1,0 +1,150 @@
+"""``[tool.torchledger]`` settings from the nearest pyproject.toml, and budgets/baselines.
+
+    [tool.torchledger]
+    fail_on = "warning"          # error | warning | info | never
+    max_params = "7B"            # budgets: a finding (error) when exceeded
+    max_peak_bytes = "80GB"
+    max_flops_per_token = 5e10
+    min_mfu = 0.3                # also the low-MFU threshold
+    tolerance = 0.05             # comparisons: unexplained gap that becomes a finding
+    copy_share = 0.10            # copies: share of bytes moved that is reported
+    baseline_tolerance = 0.01    # --baseline: growth that fails
+
+Values are validated; a bad one is an error naming the key, what was expected and what
+arrived.
+"""
+from __future__ import annotations
+
+import os
+
+from . import units
+from .record import Finding
+
+__all__ = ["SettingsError", "load_settings", "find_pyproject", "check_budgets", "compare_baseline",
+           "SEVERITY_RANK"]
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2, "never": 3}
+_PARSERS = {
+    "fail_on": ("one of error, warning, info, never", lambda v: _severity(v)),
+    "max_params": ("a count such as 7B or 7e9", lambda v: units.parse_count(v)),
+    "max_peak_bytes": ("a size such as 80GB or 80GiB", lambda v: units.parse_bytes(v)),
+    "max_flops_per_token": ("a number such as 5e10", lambda v: units.parse_count(v)),
+    "min_mfu": ("a fraction in (0, 1]", lambda v: _fraction(v)),
+    "tolerance": ("a fraction such as 0.05", lambda v: _fraction(v)),
+    "copy_share": ("a fraction such as 0.1", lambda v: _fraction(v)),
+    "baseline_tolerance": ("a fraction such as 0.01", lambda v: _fraction(v)),
+}
+
+
+class SettingsError(ValueError):
+    """A malformed setting; the message is one line."""
+
+
+def _severity(v) -> str:
+    if v not in SEVERITY_RANK:
+        raise ValueError
+    return v
+
+
+def _fraction(v) -> float:
+    x = float(v)
+    if not 0 < x <= 1:
+        raise ValueError
+    return x
+
+
+def find_pyproject(start: str):
+    """The nearest pyproject.toml at or above ``start`` (a file or folder), or None."""
+    d = os.path.abspath(start if os.path.isdir(start) else os.path.dirname(os.path.abspath(start)))
+    while True:
+        p = os.path.join(d, "pyproject.toml")
+        if os.path.isfile(p):
+            return p
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def load_settings(start: str) -> dict:
+    """Validated ``[tool.torchledger]`` of the nearest pyproject.toml ({} if none)."""
+    path = find_pyproject(start)
+    if path is None:
+        return {}
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ImportError:
+            return {}
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except Exception as e:
+        raise SettingsError(f"{path}: not valid TOML ({e}); fix it or remove [tool.torchledger]") from None
+    raw = data.get("tool", {}).get("torchledger", {})
+    if not isinstance(raw, dict):
+        raise SettingsError(f"{path}: [tool.torchledger] must be a table, got {type(raw).__name__}")
+    out = {}
+    for key, value in raw.items():
+        if key not in _PARSERS:
+            raise SettingsError(f"{path}: [tool.torchledger] unknown key {key!r}; known keys: "
+                                f"{', '.join(sorted(_PARSERS))}")
+        expected, parse = _PARSERS[key]
+        try:
+            out[key] = parse(value)
+        except (ValueError, TypeError):
+            raise SettingsError(f"{path}: [tool.torchledger] {key}: expected {expected}, got {value!r}") from None
+    out["_source"] = path
+    return out
+
+
+def check_budgets(record, settings: dict) -> list:
+    """TL-BUDGET-00x (error): a budget of ``settings`` exceeded by ``record``."""
+    t = record.totals
+    out = []
+    checks = [
+        ("max_params", t.get("params"), "TL-BUDGET-001", "parameters"),
+        ("max_peak_bytes", t.get("peak_bytes"), "TL-BUDGET-002", "peak live bytes"),
+        ("max_flops_per_token", t["flops"]["total"] / t["tokens"] if t.get("tokens") else None,
+         "TL-BUDGET-003", "FLOPs per token"),
+    ]
+    for key, value, rule, what in checks:
+        limit = settings.get(key)
+        if limit is not None and value is not None and value > limit:
+            out.append(Finding(rule, "error", f"{what} {value:,.0f} exceed the budget {key} = {limit:,.0f}",
+                               measured=value, expected=limit,
+                               hint=f"raise {key} in [tool.torchledger] if the growth is intended"))
+    return out
+
+
+def compare_baseline(record, baseline, tolerance: float = 0.01):
+    """Findings (TL-BASELINE-001, error) and per-module rows for growth over ``baseline``."""
+    t, b = record.totals, baseline.totals
+    items = [("FLOPs", t["flops"]["total"], b["flops"]["total"]),
+             ("peak bytes", t["peak_bytes"], b["peak_bytes"]),
+             ("activation bytes", t["activation_bytes"], b["activation_bytes"]),
+             ("params", t["params"], b["params"])]
+    findings = []
+    for what, now, before in items:
+        if before and (now - before) / before > tolerance:
+            findings.append(Finding("TL-BASELINE-001", "error",
+                                    f"{what} grew {100 * (now - before) / before:+.2f}% over the baseline "
+                                    f"({before:,} -> {now:,}; tolerance {tolerance:.0%})",
+                                    measured=now, expected=before,
+                                    hint="update the baseline if the growth is intended"))
+    old = {m["name"]: m for m in baseline.modules}
+    rows = []
+    for m in record.modules:
+        o = old.get(m["name"])
+        if o is None:
+            rows.append({"module": m["name"], "change": "new"})
+            continue
+        d_flops = (m["flops_forward"] + m["flops_backward"]) - (o["flops_forward"] + o["flops_backward"])
+        d_act = m["activation_bytes"] - o["activation_bytes"]
+        if d_flops or d_act:
+            rows.append({"module": m["name"], "flops_delta": d_flops, "activation_bytes_delta": d_act})
+    names = {m["name"] for m in record.modules}
+    rows += [{"module": n, "change": "removed"} for n in old if n not in names]
+    return findings, rows
