@@ -37,8 +37,10 @@ def check_tracer_warnings(records, options=None) -> list:
 def _all():
     from .compare import check_comparisons
     from .copies import check_copies
+    from .leaks import check_leaks
     from .mfu import check_mfu
-    return [check_comparisons, check_copies, check_mfu, check_uncounted_ops, check_tracer_warnings]
+    return [check_comparisons, check_copies, check_leaks, check_mfu, check_uncounted_ops,
+            check_tracer_warnings]
 
 
 ALL_CHECKS = _all()

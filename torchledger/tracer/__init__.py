@@ -65,6 +65,7 @@ class Ledger:
         self.sample_every, self.peak_flops, self.clock = sample_every, peak_flops, clock
         self.records: list = []
         self.steps = 0
+        self._carry: dict = {}      # storages kept by earlier traced steps (leak analysis)
 
     @contextmanager
     def step(self, tokens=None, seq_len=None):
@@ -75,13 +76,14 @@ class Ledger:
             return
         tracer = StepTracer(self.model, optimizer=self.optimizer, tokens=tokens,
                             peak_flops=self.peak_flops, clock=self.clock, step_index=i,
-                            seq_len=seq_len)
+                            seq_len=seq_len, carry=self._carry)
         try:
             with tracer:
                 yield tracer
         finally:
             if tracer.record is not None:
                 self.records.append(tracer.record)
+                self._carry = tracer.carry_out
 
     def findings(self, **options) -> list:
         from ..analyzers.checks import run_checks

@@ -190,6 +190,12 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         rec.warnings.append("the step raised an exception: this record covers the ops before it")
     if tracer.seq_len:
         rec.meta["seq_len"] = tracer.seq_len
+    from .retention import retention
+    try:
+        retention(tracer, model, rec)
+    except Exception as e:  # never cost the user the record
+        rec.warnings.append(f"retention analysis failed: {type(e).__name__}: {e}")
+    storages.release()
     rec.predictions = _predictions(rec)
     return rec
 

@@ -27,6 +27,7 @@ _current_node = torch._C._current_autograd_node
 _aten = torch.ops.aten
 _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
 _PERMUTE_OPS = {_aten.transpose.int, _aten.permute.default, _aten.t.default}
+_ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten.mul_.Scalar, _aten._foreach_zero_.default}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -68,7 +69,11 @@ class LedgerMode(TorchDispatchMode):
         self.phase_changes: list = []   # (op index, phase) where the phase changed
         self._last_phase = -1
         self.on_phase = None         # callback(phase) at phase changes (CUDA memory marks)
-        self._alias = {}             # func -> bool (cached schema lookup)
+        self._finfo = {}             # id(func) -> (is alias, is copy, is permute, zeroes)
+        self.op_func: list = []      # the op of each index (for where retained storages came from)
+        self.grad_watch = False      # after an optimizer step: note grads being zeroed
+        self.zeroed: set = set()
+        self.scalar_sites: dict = {}  # op index -> user line, for 0-dim forward outputs
         self.errors: list[str] = []
         self._copied: dict = {}      # storage of a contiguous() copy -> its copy key
 
@@ -105,9 +110,12 @@ class LedgerMode(TorchDispatchMode):
             if self.on_phase is not None:
                 self.on_phase(phase)
 
-        alias = self._alias.get(func)
-        if alias is None:
-            alias = self._alias[func] = _is_alias_op(func)
+        info = self._finfo.get(id(func))
+        if info is None:
+            info = self._finfo[id(func)] = (_is_alias_op(func), func in _COPY_OPS,
+                                             func in _PERMUTE_OPS, func in _ZERO_OPS)
+        alias = info[0]
+        self.op_func.append(func)
 
         fc = op_flops(func, args, kwargs, out)
         key = (phase, mod, func)
@@ -133,7 +141,10 @@ class LedgerMode(TorchDispatchMode):
             elif kind == "elementwise":
                 self.elementwise[phase] += fc.flops
             elif alias:        # views: no bytes move, no storage is made
-                if self._copied and func in _PERMUTE_OPS:
+                if info[3] and self.grad_watch:
+                    for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
+                        self.zeroed.add(t.untyped_storage()._cdata)
+                if self._copied and info[2]:
                     self._check_undone(args, out)
                 return
 
@@ -160,8 +171,15 @@ class LedgerMode(TorchDispatchMode):
                         st.add(o.untyped_storage(), TEMP, at=idx)
         row[3] += read
         row[4] += written
-        if func in _COPY_OPS:
+        if info[1]:
             self._note_copy(func, args, kwargs, out, phase, mod, written)
+        elif info[3] and self.grad_watch:
+            for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
+                self.zeroed.add(t.untyped_storage()._cdata)
+        if phase == FORWARD and written:
+            first = out if isinstance(out, _Tensor) else (out[0] if isinstance(out, tuple) and out else None)
+            if isinstance(first, _Tensor) and first.dim() == 0:
+                self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
 
     def _check_undone(self, args, out):
         """A copy made contiguous and now permuted again: the copy bought nothing."""

@@ -72,7 +72,14 @@ class StorageTracker:
     def close(self) -> None:
         """Stop listening for frees (storages still alive stay live to the end)."""
         self.closed = True
+
+    def alive_at_end(self) -> dict:
+        """lifetime index -> weakref of each storage still alive when the step ended."""
+        return {k: self._refs[key] for key, k in self.live.items() if key in self._refs}
+
+    def release(self) -> None:
         self._refs.clear()
+        self.live.clear()
 
     def timeline(self, n_ops: int) -> np.ndarray:
         """Live bytes per category after each op: array of shape (len(CATEGORIES), n_ops + 1).

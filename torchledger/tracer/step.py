@@ -17,7 +17,7 @@ import torch
 
 from ..record import StepRecord
 from .build import build_record
-from .dispatch import PHASES, LedgerMode
+from .dispatch import BACKWARD, PHASES, LedgerMode
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker
 from .modules import ModuleScope
 
@@ -46,7 +46,8 @@ class StepTracer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, tokens=None, *,
-                 clock=time.perf_counter, peak_flops=None, step_index: int = 0, seq_len=None):
+                 clock=time.perf_counter, peak_flops=None, step_index: int = 0, seq_len=None,
+                 carry=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"trace() expects an nn.Module, got {type(model).__name__}")
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
@@ -60,6 +61,8 @@ class StepTracer:
         self.peak_flops = peak_flops
         self.step_index = step_index
         self.record: StepRecord | None = None
+        self.carry_in = carry or {}     # storages kept from earlier steps (Ledger): key -> entry
+        self.carry_out: dict = {}
         self._stack: ExitStack | None = None
 
     # -- install / remove ------------------------------------------------------------------
@@ -80,8 +83,10 @@ class StepTracer:
             self._warnings: list[str] = []
             self.cuda = _cuda_device(model)
             self._cuda_marks: list = []
-            if self.cuda is not None:
-                self.mode.on_phase = lambda ph: self._cuda_mark(PHASES[ph])
+            self.mode.on_phase = self._on_phase
+            self.grad_bytes_at_backward = None
+            self._grads_after_step: dict = {}
+            self.optimizer_steps = 0
             self.scope.install(stack)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
             from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -127,6 +132,11 @@ class StepTracer:
         for opt in self._optimizers:
             for t in _state_tensors(opt):
                 st.add(t.untyped_storage(), OPT, at=0)
+        self._carried = {}              # lifetime index -> origin, for storages from earlier steps
+        for entry in self.carry_in.values():
+            s = entry["ref"]()
+            if s is not None:
+                self._carried[st.add(s, entry["category"], at=0)] = entry["origin"]
 
     # -- hooks (never raise into the user's step) ------------------------------------------
     def _pack(self, t):
@@ -155,8 +165,19 @@ class StepTracer:
         if all(o is not opt for o in self._optimizers):
             self._optimizers.append(opt)
 
+    def _on_phase(self, phase: int) -> None:
+        if phase == BACKWARD and self.grad_bytes_at_backward is None:
+            self.grad_bytes_at_backward = sum(p.grad.nbytes for p in self._params if p.grad is not None)
+        if self.cuda is not None:
+            self._cuda_mark(PHASES[phase])
+
     def _opt_post(self, opt, args, kwargs):
         self.mode.in_optimizer = max(0, self.mode.in_optimizer - 1)
+        self.optimizer_steps += 1
+        self._grads_after_step = {p.grad.untyped_storage()._cdata: p.grad.nbytes
+                                  for p in self._params if p.grad is not None}
+        self.mode.zeroed.clear()
+        self.mode.grad_watch = True
         try:
             for t in _state_tensors(opt):
                 self.storages.promote(t.untyped_storage(), OPT)

@@ -1,0 +1,100 @@
+"""What outlives a step: storages kept across steps, gradients left uncleared, module caches.
+
+Run once at the end of a traced step. Storages the step allocated (temporaries and
+activations) that are still alive become the ``carry`` a ``Ledger`` hands to the next
+traced step, with their origin (step, op, module, user line for loss-like scalars). A
+storage that arrives through the carry and is still alive at the end of the next step was
+kept across steps: the leak analyzer reads ``memory["retained"]``. Whether such a storage
+holds an autograd graph is found by one ``gc`` scan for the tensors that use it (done only
+when something was retained, so clean loops pay nothing).
+"""
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+
+from .dispatch import PHASES
+from .memory import ACT, TEMP
+
+__all__ = ["retention"]
+
+_PRIVATE = {"_parameters", "_buffers", "_modules"}
+
+
+def retention(tracer, model, record) -> None:
+    """Fill ``record.memory`` retained/grads/module_caches and ``tracer.carry_out``."""
+    st, mode, scope = tracer.storages, tracer.mode, tracer.scope
+    alive = st.alive_at_end()
+    retained, new_count, new_bytes = {}, 0, 0
+    kept_refs = {}
+    for k, ref in alive.items():
+        if st.cat[k] not in (TEMP, ACT):
+            continue
+        storage = ref()
+        if storage is None:
+            continue
+        origin = tracer._carried.get(k)
+        if origin is None:
+            i = st.alloc[k]
+            op = mode.op_func[i] if i < len(mode.op_func) else None
+            origin = {"step": tracer.step_index, "op": str(op) if op is not None else None,
+                      "module": scope.name(mode.op_module[i]) if i < len(mode.op_module) else None,
+                      "phase": PHASES[mode.op_phase[i]] if i < len(mode.op_phase) else None,
+                      "location": mode.scalar_sites.get(i)}
+            new_count += 1
+            new_bytes += st.nbytes[k]
+        else:
+            key = (origin["step"], origin["op"], origin["module"], origin["location"])
+            g = retained.setdefault(key, dict(origin, count=0, bytes=0, holds_graph=False,
+                                              age_steps=tracer.step_index - origin["step"]))
+            g["count"] += 1
+            g["bytes"] += st.nbytes[k]
+            kept_refs[storage._cdata] = g
+        tracer.carry_out[storage._cdata] = {"ref": ref, "category": st.cat[k], "origin": origin}
+    if kept_refs:
+        _mark_graphs(kept_refs)
+    record.memory["retained"] = sorted(retained.values(), key=lambda g: -g["bytes"])
+    record.memory["retained_new"] = {"count": new_count, "bytes": new_bytes}
+    record.memory["grads"] = _grads(tracer)
+    record.memory["module_caches"] = _module_caches(model) if model is not None else []
+
+
+def _mark_graphs(kept: dict) -> None:
+    """Set ``holds_graph`` on the groups whose storages back a tensor with a grad_fn."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # isinstance() on deprecated torch proxies warns
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+                    g = kept.get(obj.untyped_storage()._cdata)
+                    if g is not None:
+                        g["holds_graph"] = True
+            except Exception:
+                continue
+
+
+def _grads(tracer) -> dict:
+    left = 0
+    current = {p.grad.untyped_storage()._cdata for p in tracer._params if p.grad is not None}
+    for key, nbytes in tracer._grads_after_step.items():
+        if key in current and key not in tracer.mode.zeroed:
+            left += nbytes
+    return {"at_backward_bytes": tracer.grad_bytes_at_backward,
+            "left_after_optimizer_bytes": left, "optimizer_steps": tracer.optimizer_steps}
+
+
+def _module_caches(model) -> list:
+    """Tensors held in list/tuple/dict attributes of the model's modules."""
+    out = []
+    for name, mod in model.named_modules():
+        for attr, value in vars(mod).items():
+            if attr in _PRIVATE or not isinstance(value, (list, tuple, dict)):
+                continue
+            items = value.values() if isinstance(value, dict) else value
+            tensors = [t for t in items if isinstance(t, torch.Tensor)]
+            if tensors:
+                out.append({"module": name, "attr": attr, "tensors": len(tensors),
+                            "bytes": sum(t.nbytes for t in tensors)})
+    return out
