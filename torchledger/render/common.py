@@ -1,0 +1,194 @@
+"""Pieces every renderer shares: emptiness, findings, module selection, number cells.
+
+Renderers read records through ``.get(key, default)`` so a record saved by an older
+version, or one loaded back from JSON, renders the same as a fresh one.
+"""
+from __future__ import annotations
+
+from ..record import Finding
+from ..units import fmt_bytes, fmt_count
+
+__all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
+           "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
+           "totals_rows", "measured_static_bytes", "with_hint"]
+
+EMPTY_SENTENCE = "Empty record: no ops were traced (did the traced block run a step?)."
+CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
+                    "(causal-halved beside it); element-wise FLOPs listed apart")
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+#: What each prediction key is compared with, when the analyzers attached no ``comparisons``.
+_MEASURED_FOR = {
+    "flops_6nd": ("training FLOPs", lambda r: r.totals["flops"]["total"]),
+    "flops_6nd_attention": ("training FLOPs", lambda r: r.totals["flops"]["total"]),
+    "params_12ld2": ("parameters", lambda r: r.totals["params"]),
+    "static_bytes": ("static memory", lambda r: measured_static_bytes(r)),
+}
+
+
+def measured_static_bytes(record) -> int:
+    """Most parameter + gradient + optimizer-state bytes live at once (gradients are gone
+    after ``zero_grad(set_to_none=True)``, so the end-of-step totals undercount)."""
+    rows = (record.memory or {}).get("timeline") or []
+    keys = ("parameters", "gradients", "optimizer_state")
+    if rows:
+        return max(sum(r.get(k, 0) for k in keys) for r in rows)
+    t = record.totals
+    return t["param_bytes"] + t["grad_bytes"] + t["optimizer_state_bytes"]
+
+
+def is_empty(record) -> bool:
+    """True when the record saw no step: no modules, no FLOPs and no ops."""
+    flops = (record.totals.get("flops") or {}).get("total", 0)
+    return not record.modules and not flops and not record.ops
+
+
+def as_findings(record, findings) -> list:
+    """``findings`` as :class:`Finding` objects; ``None`` means the record's own findings."""
+    items = record.findings if findings is None else findings
+    return [f if isinstance(f, Finding) else Finding.from_dict(f) for f in items]
+
+
+def title(record) -> str:
+    m = record.meta
+    if not m.get("model") and not m.get("device"):
+        return "torchledger step report"
+    return f"torchledger step report: {m.get('model') or 'model'} on {m.get('device') or '?'}"
+
+
+def kernel_line(record) -> str:
+    m = record.meta
+    kernels = m.get("attention_kernels")
+    kernel = ", ".join(kernels) if kernels else "none seen (math path counts as matmul)"
+    return (f"device {m.get('device', '?')}, dtype {m.get('dtype') or '?'}, torch {m.get('torch', '?')}; "
+            f"attention kernel: {kernel}")
+
+
+def module_rows(record, depth) -> list:
+    """Modules down to ``depth`` (``None``: all), with every field the renderers read."""
+    rows = []
+    for mod in record.modules:
+        d = mod.get("depth", 0)
+        if depth is not None and d > depth:
+            continue
+        row = {"name": mod.get("name", ""), "type": mod.get("type", ""), "depth": d}
+        for key in ("params", "flops_forward", "flops_backward", "activation_bytes", "peak_bytes",
+                    "copies", "copy_bytes", "calls"):
+            row[key] = mod.get(key, 0) or 0
+        row["flops_share"] = mod.get("flops_share", 0.0) or 0.0
+        rows.append(row)
+    return rows
+
+
+def frontier(record, depth: int) -> list:
+    """Rows that partition the model at ``depth``: modules at ``depth``, shallower leaves, and
+    for a shallower module with children, its own ops as a row ``"<name> (own ops)"``.
+
+    ``(no module)`` work (ops outside every module) is kept as its own row. The FLOPs and
+    activation bytes of the rows add up to the root's (plus ``(no module)``'s).
+    """
+    rows = module_rows(record, None)
+    out = []
+    for r in rows:
+        if r["name"] == "(no module)" or r["depth"] == depth:
+            out.append(r)
+        elif r["depth"] < depth:
+            kids = [c for c in rows if c["depth"] == r["depth"] + 1 and c["name"] != "(no module)"
+                    and (r["name"] == "" or c["name"].startswith(r["name"] + "."))]
+            if not kids:
+                out.append(r)
+                continue
+            own = dict(r, name=f"{r['name'] or '(root)'} (own ops)")
+            for key in ("flops_forward", "flops_backward", "activation_bytes"):
+                own[key] = r[key] - sum(c[key] for c in kids)
+            if own["flops_forward"] or own["flops_backward"] or own["activation_bytes"]:
+                out.append(own)
+    return out
+
+
+def with_hint(message: str, hint) -> str:
+    """``message`` followed by ``Hint: ...`` as a sentence of its own."""
+    if not hint:
+        return message
+    sep = " " if message.rstrip().endswith((".", "!", "?")) else ". "
+    return f"{message.rstrip()}{sep}Hint: {hint}"
+
+
+def fmt_value(key: str, value) -> str:
+    """A number for a human: bytes for ``*_bytes`` keys, ``6.74B (6,738,415,616)`` for counts."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if "bytes" in key:
+        return fmt_bytes(value, binary=True)
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.4g}"
+    value = int(value)
+    return f"{fmt_count(value)} ({value:,})" if abs(value) >= 1000 else str(value)
+
+
+def comparison_rows(record) -> list:
+    """Rows of ``{quantity, measured, predicted, ratio, explanation}`` (strings).
+
+    The analyzers' ``predictions["comparisons"]`` are shown as they are; without them, each
+    known prediction is set beside the measured figure it predicts.
+    """
+    preds = record.predictions or {}
+    comparisons = preds.get("comparisons") or []
+    rows = []
+    if comparisons:
+        for c in comparisons:
+            q = str(c.get("quantity", "?"))
+            key = q + (" bytes" if c.get("unit") in ("bytes", "B") else "")
+            ratio = c.get("ratio")
+            rows.append({"quantity": q, "measured": fmt_value(key, c.get("measured")),
+                         "predicted": fmt_value(key, c.get("predicted")),
+                         "ratio": f"{ratio:.3f}" if isinstance(ratio, (int, float)) else "-",
+                         "explanation": str(c.get("explanation") or "")})
+        return rows
+    for key, predicted in preds.items():
+        if key == "comparisons" or isinstance(predicted, (dict, list)):
+            continue
+        label, get = _MEASURED_FOR.get(key, (None, None))
+        measured = get(record) if get else None
+        ratio = measured / predicted if measured is not None and predicted else None
+        rows.append({"quantity": f"{label} ({key})" if label else key,
+                     "measured": fmt_value(key, measured), "predicted": fmt_value(key, predicted),
+                     "ratio": f"{ratio:.3f}" if ratio is not None else "-", "explanation": ""})
+    return rows
+
+
+def totals_rows(record) -> list:
+    """``[label, value]`` pairs (strings) summarising the step, for the markdown and HTML totals."""
+    t = record.totals
+    f = t["flops"]
+    attn = t.get("attention_flops") or {}
+    rows = [["parameters", f"{fmt_count(t['params'])} ({t['params']:,})"]]
+    if t.get("tokens"):
+        rows.append(["tokens per step", f"{t['tokens']:,}"])
+    rows += [["FLOPs forward / backward / optimizer",
+              f"{fmt_count(f['forward'])} / {fmt_count(f['backward'])} / {fmt_count(f['optimizer'])}"],
+             ["FLOPs total (matmul-class)", f"{fmt_count(f['total'])} ({f['total']:,})"]]
+    if attn.get("dense"):
+        rows.append(["attention FLOPs dense / causal-halved",
+                     f"{fmt_count(attn['dense'])} / {fmt_count(attn.get('causal', 0))}"])
+    rows.append(["element-wise FLOPs (not in total)",
+                 fmt_count((t.get("elementwise_flops") or {}).get("total", 0))])
+    if t.get("tokens"):
+        rows.append(["FLOPs per token", f"{f['total'] / t['tokens']:,.0f}"])
+    phase, module = t.get("peak_phase"), t.get("peak_module")
+    peak_at = ", ".join(x for x in (phase, module if module != f"({phase})" else None) if x)
+    rows.append(["peak live memory", fmt_bytes(t["peak_bytes"], binary=True) + (f" ({peak_at})" if peak_at else "")])
+    pb = record.memory.get("peak_breakdown") or {}
+    if any(pb.values()):
+        rows.append(["at peak", ", ".join(f"{k} {fmt_bytes(v, binary=True)}" for k, v in pb.items() if v)])
+    for label, key in (("activations saved", "activation_bytes"), ("parameters", "param_bytes"),
+                       ("gradients", "grad_bytes"), ("optimizer state", "optimizer_state_bytes"),
+                       ("copies", "copy_bytes")):
+        rows.append([label + " (bytes)", fmt_bytes(t.get(key, 0), binary=True)])
+    if t.get("step_seconds") is not None:
+        rows.append(["step time (traced)", f"{t['step_seconds'] * 1e3:.1f} ms"])
+    if t.get("mfu") is not None:
+        rows.append(["MFU", f"{t['mfu']:.3f}"])
+    return rows

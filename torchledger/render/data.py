@@ -1,0 +1,43 @@
+"""Machine-readable renderers: the record as one JSON object, the modules as CSV rows.
+
+Both stay parseable for an empty record: JSON is the empty record's object (all totals
+zero), CSV is the header row alone.
+"""
+from __future__ import annotations
+
+import json
+
+from .common import as_findings, module_rows
+
+__all__ = ["render_json", "render_csv", "CSV_COLUMNS"]
+
+CSV_COLUMNS = ["name", "type", "depth", "params", "flops_forward", "flops_backward", "flops_share",
+               "activation_bytes", "peak_bytes", "copies", "copy_bytes", "calls"]
+
+
+def render_json(record, findings=None, *, indent: int = 2, **_options) -> str:
+    """``record.to_dict()`` with ``findings`` in place of the record's own, as one JSON object."""
+    d = record.to_dict()
+    d["findings"] = [f.to_dict() for f in as_findings(record, findings)]
+    return json.dumps(d, indent=indent, default=_jsonable)
+
+
+def render_csv(record, findings=None, *, depth=None, **_options) -> str:
+    """One row per module (all of them, or down to ``depth``), columns :data:`CSV_COLUMNS`.
+
+    The root module's name is the empty string, as in ``named_modules()``; ops that ran
+    outside every module are the row ``(no module)``. Findings are not part of the CSV.
+    """
+    import pandas as pd
+
+    rows = module_rows(record, depth)
+    df = pd.DataFrame(rows, columns=CSV_COLUMNS)
+    return df.to_csv(index=False, lineterminator="\n").rstrip("\n")
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    return str(x)

@@ -1,0 +1,98 @@
+"""The per-layer report for terminals: plain text (tabulate), fits 100 columns at depth 2.
+
+    >>> print(render_table(t.record, t.findings(), depth=2))
+
+No colors: the text is the same on a terminal, in a file and in CI logs.
+"""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from ..units import fmt_bytes, fmt_count
+from .common import CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, is_empty, module_rows
+
+__all__ = ["render_table"]
+
+_HEADERS = ["module", "type", "params", "fwd FLOPs", "bwd FLOPs", "share", "activations", "peak",
+            "copies"]
+
+
+def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_options) -> str:
+    """Per-layer table (modules down to ``depth``), totals, memory and findings.
+
+    ``findings=None`` renders the record's own findings. ``width`` is accepted for callers
+    that pass it; the columns at the default depth fit 100 characters.
+    """
+    if is_empty(record):
+        return EMPTY_SENTENCE
+    findings = as_findings(record, findings)
+    t = record.totals
+    m = record.meta
+    kernels = m.get("attention_kernels")
+    lines = [
+        f"torchledger step report: {m.get('model') or 'model'} on {m.get('device', '?')}"
+        f" ({m.get('dtype') or '?'}), torch {m.get('torch', '?')}",
+        f"attention kernel: {', '.join(kernels) if kernels else 'none seen (math path counts as matmul)'}",
+        f"conventions: {CONVENTIONS_LINE}",
+        "",
+        tabulate(_module_cells(record, depth), headers=_HEADERS, tablefmt="simple",
+                 disable_numparse=True),
+    ]
+    lines += _totals_lines(record)
+    if findings:
+        lines += ["", "findings:"]
+        for fd in findings:
+            where = f" [{fd.location}]" if fd.location else (f" [{fd.module}]" if fd.module else "")
+            lines.append(f"  {fd.severity:7s} {fd.rule}{where}: {fd.message}")
+    for w in record.warnings[:5]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def _module_cells(record, depth) -> list:
+    rows = []
+    for mod in module_rows(record, depth):
+        name = mod["name"] or "(root)"
+        indent = "  " * max(mod["depth"] - 1, 0) if mod["name"] else ""
+        rows.append([indent + name, mod["type"],
+                     fmt_count(mod["params"]) if mod["params"] else "-",
+                     fmt_count(mod["flops_forward"]), fmt_count(mod["flops_backward"]),
+                     f"{100 * mod['flops_share']:.1f}%",
+                     fmt_bytes(mod["activation_bytes"], binary=True),
+                     fmt_bytes(mod["peak_bytes"], binary=True),
+                     mod["copies"] or "-"])
+    return rows
+
+
+def _totals_lines(record) -> list:
+    t = record.totals
+    f = t["flops"]
+    attn = t.get("attention_flops") or {"dense": 0, "causal": 0}
+    elementwise = (t.get("elementwise_flops") or {}).get("total", 0)
+    lines = [
+        "",
+        f"FLOPs: forward {fmt_count(f['forward'])}, backward {fmt_count(f['backward'])}, "
+        f"optimizer {fmt_count(f['optimizer'])}, total {fmt_count(f['total'])} ({f['total']:,})",
+        f"attention: {fmt_count(attn['dense'])} dense, {fmt_count(attn['causal'])} causal-halved; "
+        f"element-wise (not in total): {fmt_count(elementwise)}",
+    ]
+    if t.get("tokens"):
+        n = t.get("matmul_params", 0)
+        lines.append(f"tokens: {t['tokens']:,}; FLOPs/token {f['total'] / t['tokens']:,.0f}; "
+                     f"6ND (N = {n:,} matmul params) = {6 * n * t['tokens']:,}")
+    pb = record.memory.get("peak_breakdown", {})
+    lines.append(f"memory: peak {fmt_bytes(t['peak_bytes'], binary=True)} in {t.get('peak_phase') or '?'}"
+                 f" ({t.get('peak_module') or '-'}): " +
+                 ", ".join(f"{k} {fmt_bytes(v, binary=True)}" for k, v in pb.items() if v))
+    lines.append(f"activations saved: {fmt_bytes(t['activation_bytes'], binary=True)}; optimizer state "
+                 f"{fmt_bytes(t['optimizer_state_bytes'], binary=True)}; copies "
+                 f"{fmt_bytes(t.get('copy_bytes', 0), binary=True)}")
+    if t.get("step_seconds") is not None:
+        mfu = f", MFU {t['mfu']:.3f}" if t.get("mfu") is not None else ""
+        lines.append(f"step time: {t['step_seconds'] * 1e3:.1f} ms (traced){mfu}")
+    unc = record.uncounted_ops
+    if unc:
+        lines.append("uncounted ops (no FLOP formula; not in totals): " +
+                     ", ".join(f"{u['op']} x{u['count']}" for u in unc[:8]) +
+                     (" ..." if len(unc) > 8 else ""))
+    return lines
