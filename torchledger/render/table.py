@@ -39,6 +39,7 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
                  disable_numparse=True),
     ]
     lines += _totals_lines(record)
+    lines += _comparison_lines(record)
     if findings:
         lines += ["", "findings:"]
         for fd in findings:
@@ -64,6 +65,30 @@ def _module_cells(record, depth) -> list:
     return rows
 
 
+def _module_name(name) -> str:
+    if name is None:
+        return "-"
+    return name or "(root)"
+
+
+def _comparison_lines(record) -> list:
+    """Predicted vs measured, each row with its ratio and the explanation of the gap."""
+    rows = (record.predictions or {}).get("comparisons") or []
+    if not rows:
+        return []
+    out = ["", "predicted vs measured:"]
+    for r in rows:
+        ratio = f"{r['ratio']:.3f}x" if r.get("ratio") is not None else "n/a"
+        out.append(f"  {r['quantity']:<42s} {_num(r['measured']):>20s} vs {_num(r['predicted']):>20s}  "
+                   f"{ratio}")
+        out.append(f"      {r.get('explanation', '')}")
+    return out
+
+
+def _num(x) -> str:
+    return f"{x:,}" if isinstance(x, int) else (f"{x:,.4g}" if isinstance(x, float) else str(x))
+
+
 def _totals_lines(record) -> list:
     t = record.totals
     f = t["flops"]
@@ -82,14 +107,16 @@ def _totals_lines(record) -> list:
                      f"6ND (N = {n:,} matmul params) = {6 * n * t['tokens']:,}")
     pb = record.memory.get("peak_breakdown", {})
     lines.append(f"memory: peak {fmt_bytes(t['peak_bytes'], binary=True)} in {t.get('peak_phase') or '?'}"
-                 f" ({t.get('peak_module') or '-'}): " +
+                 f" ({_module_name(t.get('peak_module'))}): " +
                  ", ".join(f"{k} {fmt_bytes(v, binary=True)}" for k, v in pb.items() if v))
     lines.append(f"activations saved: {fmt_bytes(t['activation_bytes'], binary=True)}; optimizer state "
                  f"{fmt_bytes(t['optimizer_state_bytes'], binary=True)}; copies "
                  f"{fmt_bytes(t.get('copy_bytes', 0), binary=True)}")
     if t.get("step_seconds") is not None:
         mfu = f", MFU {t['mfu']:.3f}" if t.get("mfu") is not None else ""
-        lines.append(f"step time: {t['step_seconds'] * 1e3:.1f} ms (traced){mfu}")
+        simulated = str(record.meta.get("device", "")).startswith(("fake", "meta"))
+        note = " (traced; fake/meta: not a real step time)" if simulated else " (traced)"
+        lines.append(f"step time: {t['step_seconds'] * 1e3:.1f} ms{note}{mfu}")
     unc = record.uncounted_ops
     if unc:
         lines.append("uncounted ops (no FLOP formula; not in totals): " +

@@ -1,0 +1,195 @@
+"""`torchledger audit` and `torchledger report` through click's CliRunner."""
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from torchledger.cli import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+def run(*args, cwd=None):
+    runner = CliRunner()
+    if cwd is None:
+        return runner.invoke(cli, list(args), catch_exceptions=False)
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return runner.invoke(cli, list(args), catch_exceptions=False)
+    finally:
+        os.chdir(old)
+
+
+def one_line_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in result.output
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def write(tmp_path, name, body):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+GOOD = """
+    import torch, torchledger
+    from torchledger.models import build_model
+
+    def audit_spec():
+        model = build_model("gpt2-tiny")
+        idx = torch.randint(0, 512, (2, 16))
+        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
+"""
+
+
+def test_audit_example_table():
+    r = run("audit", os.path.join(EXAMPLES, "gpt2_tiny.py"), "--steps", "2")
+    assert r.exit_code == 0, r.output
+    assert "fake (cpu)" in r.stdout and "CPU flash attention" in r.stdout
+    assert "blocks.0" in r.stdout
+
+
+def test_audit_json_numbers(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    r = run("audit", path, "--format", "json", "--steps", "1")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["schema"] == "torchledger/1"
+    t = d["totals"]
+    N, D, L, T, dm = 131072, 32, 2, 16, 64
+    assert t["tokens"] == D and t["matmul_params"] == N
+    assert t["flops"]["total"] == 6 * N * D + 12 * L * T * dm * D
+    assert d["predictions"]["flops_6nd_attention"] == t["flops"]["total"]
+    assert d["meta"]["audit"]["device"] == "fake"
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_audit_other_devices(tmp_path, device):
+    path = write(tmp_path, "m.py", GOOD)
+    r = run("audit", path, "--device", device, "--format", "json", "--steps", "1")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["totals"]["flops"]["total"] == 6 * 131072 * 32 + 12 * 2 * 16 * 64 * 32
+
+
+def test_output_is_written_atomically_with_inferred_format(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    out = tmp_path / "report.md"
+    r = run("audit", path, "--steps", "1", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    assert out.read_text().lstrip().startswith("#") and r.stdout == ""
+    assert sorted(os.listdir(tmp_path)) == ["m.py", "report.md"]
+
+
+def test_leaky_example_fails_on_warning():
+    path = os.path.join(EXAMPLES, "leaky_step.py")
+    r = run("audit", path, "--device", "cpu", "--format", "json", "--fail-on", "warning")
+    assert r.exit_code == 1
+    rules = {f["rule"] for f in json.loads(r.stdout)["findings"]}
+    assert {"TL-COPY-001", "TL-COPY-003", "TL-LEAK-002"} <= rules
+    assert run("audit", path, "--device", "cpu", "--fail-on", "error").exit_code == 0
+
+
+def test_budget_from_pyproject(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    (tmp_path / "pyproject.toml").write_text('[tool.torchledger]\nmax_params = "100K"\n')
+    r = run("audit", path, "--steps", "1", "--format", "json")
+    assert r.exit_code == 1
+    assert "TL-BUDGET-001" in {f["rule"] for f in json.loads(r.stdout)["findings"]}
+
+
+def test_malformed_settings(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    (tmp_path / "pyproject.toml").write_text('[tool.torchledger]\nmax_params = "lots"\n')
+    one_line_error(run("audit", path), "max_params", "expected a count")
+
+
+def test_baseline_growth_fails_with_module_diff(tmp_path):
+    small = write(tmp_path, "small.py", GOOD)
+    base = tmp_path / "base.json"
+    assert run("audit", small, "--steps", "1", "--output", str(base)).exit_code == 0
+    big = write(tmp_path, "big.py", GOOD.replace("(2, 16)", "(4, 16)"))
+    r = run("audit", big, "--steps", "1", "--baseline", str(base), "--format", "json")
+    assert r.exit_code == 1
+    d = json.loads(r.stdout)
+    assert "TL-BASELINE-001" in {f["rule"] for f in d["findings"]}
+    assert any(row.get("flops_delta") for row in d["meta"]["baseline_diff"])
+    same = run("audit", small, "--steps", "1", "--baseline", str(base))
+    assert same.exit_code == 0
+
+
+def test_malformed_baseline(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    bad = tmp_path / "b.json"
+    bad.write_text("{not json")
+    one_line_error(run("audit", path, "--baseline", str(bad)), "--baseline", "not a torchledger")
+
+
+def test_report_renders_saved_record(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    saved = tmp_path / "a.json"
+    run("audit", path, "--steps", "1", "--output", str(saved))
+    r = run("report", str(saved), "--format", "csv")
+    assert r.exit_code == 0 and r.stdout.splitlines()[0].startswith("name,")
+    one_line_error(run("report", str(tmp_path / "missing.json")), "no such file")
+
+
+BAD_CASES = {
+    "missing": (None, ["no such file"]),
+    "binary": (b"\x00\x01\x02", ["not a Python source file"]),
+    "syntax": ("def audit_spec(:\n    pass\n", ["m.py:1", "syntax error"]),
+    "no-entry": ("def build():\n    pass\n", ["no function 'audit_spec'", "build"]),
+    "raises": ("def audit_spec():\n    raise RuntimeError('boom here')\n", ["m.py:2", "boom here"]),
+    "not-a-spec": ("def audit_spec():\n    return 42\n", ["AuditSpec", "int"]),
+    "rejected-inputs": (GOOD.replace("(2, 16)", "(2, 500)"), ["exceeds", "inputs"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_model_files(tmp_path, case):
+    body, needles = BAD_CASES[case]
+    path = tmp_path / "m.py"
+    if isinstance(body, bytes):
+        path.write_bytes(body)
+    elif body is not None:
+        path.write_text(textwrap.dedent(body))
+    out = tmp_path / "out.json"
+    one_line_error(run("audit", str(path), "--output", str(out)), *needles)
+    assert not out.exists()
+
+
+def test_fake_unsupported_op_suggests_other_devices(tmp_path):
+    path = write(tmp_path, "m.py", """
+        import torch, torchledger
+
+        class DataDependent(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                y = self.lin(x)
+                return y[y > 0].sum()          # data-dependent shape
+
+        def audit_spec():
+            return torchledger.AuditSpec(DataDependent(), torch.randn(3, 4))
+    """)
+    err = one_line_error(run("audit", path), "fake tensors cannot run")
+    assert "--device meta" in err or "--device cpu" in err
+    assert run("audit", path, "--device", "cpu", "--steps", "1").exit_code == 0
+
+
+def test_unknown_entry_flag_and_device(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    one_line_error(run("audit", path, "--entry", "nope"), "no function 'nope'")
+    assert run("audit", path, "--device", "tpu").exit_code == 2

@@ -1,0 +1,164 @@
+"""``torchledger audit FILE.py`` and ``torchledger report RECORD.json``.
+
+Thin: parse flags, call ``torchledger.audit.run_audit``, run the analyzers, render, write.
+Exit codes: 0 clean, 1 a finding at or above ``--fail-on``, 2 bad usage or input.
+"""
+from __future__ import annotations
+
+import os
+
+import click
+
+from .types import FLOPS, POS_INT, InputError
+
+__all__ = ["audit", "report"]
+
+FORMATS = ("table", "json", "csv", "markdown", "sarif", "html")
+SEVERITIES = ("error", "warning", "info", "never")
+
+
+def _resolve_format(fmt, output):
+    from ..render import format_from_path
+    if fmt:
+        return fmt
+    if output:
+        try:
+            return format_from_path(output)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--output") from None
+    return "table"
+
+
+def _peak(peak_flops, gpu, dtype="bf16"):
+    if peak_flops and gpu:
+        raise click.UsageError("give --peak-flops or --gpu, not both")
+    if peak_flops:
+        return peak_flops, "--peak-flops"
+    if gpu:
+        from ..analyzers.hardware import get_gpu
+        try:
+            spec = get_gpu(gpu)
+        except (KeyError, ValueError) as e:
+            raise click.BadParameter(str(e).strip("'\""), param_hint="--gpu") from None
+        peak = spec.peak_flops.get(dtype) if hasattr(spec, "peak_flops") else None
+        if not peak:
+            raise click.BadParameter(f"{gpu} has no {dtype} peak in the hardware table", param_hint="--gpu")
+        return peak, f"{gpu} {dtype} peak"
+    return None, None
+
+
+def _emit(text: str, output) -> None:
+    from ..render import write_atomic
+    if output:
+        try:
+            write_atomic(output, text if text.endswith("\n") else text + "\n")
+        except OSError as e:
+            raise InputError(f"--output {output}: cannot write ({e.strerror or e})") from None
+        click.echo(f"torchledger: wrote {output}", err=True)
+    else:
+        click.echo(text)
+
+
+def _exit_code(findings, fail_on: str) -> int:
+    from ..settings import SEVERITY_RANK
+    limit = SEVERITY_RANK[fail_on]
+    return 1 if any(SEVERITY_RANK[f.severity] >= limit for f in findings) else 0
+
+
+@click.command()
+@click.argument("file", metavar="FILE.py")
+@click.option("--entry", default="audit_spec", show_default=True,
+              help="Function in FILE.py that returns a torchledger.AuditSpec.")
+@click.option("--device", type=click.Choice(["fake", "meta", "cpu", "cuda"]), default="fake",
+              show_default=True, help="fake: FakeTensors with CPU kernels (no memory, no GPU).")
+@click.option("--steps", type=POS_INT, default=3, show_default=True, help="Training steps to run and trace.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Output format (default: from --output's extension, else table).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Write here (atomically).")
+@click.option("--fail-on", type=click.Choice(SEVERITIES), default=None,
+              help="Exit 1 on findings at or above this severity [default: error, or fail_on in "
+                   "[tool.torchledger]].")
+@click.option("--baseline", type=click.Path(dir_okay=False), default=None,
+              help="A previous audit JSON: fail when FLOPs or bytes grew beyond the tolerance.")
+@click.option("--peak-flops", type=FLOPS, default=None, help="Peak FLOP/s for MFU (e.g. 989.5T).")
+@click.option("--gpu", default=None, help="GPU whose bf16 peak to use for MFU (e.g. H100).")
+@click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
+def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, depth):
+    """Run and trace training steps of the model in FILE.py, compare with the closed forms,
+    report per layer and gate CI on findings, budgets and a baseline."""
+    from ..audit import AuditError, run_audit
+    from ..record import StepRecord
+    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings
+
+    fmt = _resolve_format(fmt, output)
+    peak, peak_source = _peak(peak_flops, gpu)
+    try:
+        settings = load_settings(file if os.path.exists(file) else os.getcwd())
+    except SettingsError as e:
+        raise InputError(str(e)) from None
+    base = None
+    if baseline:
+        try:
+            with open(baseline, encoding="utf-8") as f:
+                base = StepRecord.from_json(f.read())
+        except FileNotFoundError:
+            raise InputError(f"--baseline {baseline}: no such file; expected a JSON written by "
+                             f"`torchledger audit --format json`") from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise InputError(f"--baseline {baseline}: not a torchledger audit JSON ({e}); write one "
+                             f"with `torchledger audit FILE.py --format json --output base.json`") from None
+    try:
+        run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak)
+    except AuditError as e:
+        raise InputError(str(e)) from None
+    if device == "cpu" and peak is None:
+        from ..tracer.peak import measure_matmul_peak
+        peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
+    findings = _findings(run, settings, peak, peak_source)
+    rec = run.record
+    findings += check_budgets(rec, settings)
+    if base is not None:
+        more, rows = compare_baseline(rec, base, settings.get("baseline_tolerance", 0.01))
+        findings += more
+        rec.meta["baseline_diff"] = rows
+    rec.findings = findings
+    from ..render import render
+    text = render(rec, findings, fmt, depth=depth)
+    _emit(text, output)
+    return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _findings(run, settings, peak, peak_source) -> list:
+    from ..analyzers.checks import run_checks
+    options = {k: v for k, v in settings.items() if not k.startswith("_")}
+    if peak:
+        options.update(peak_flops=peak, peak_source=peak_source)
+    findings = run_checks(run.records, options)
+    try:
+        from ..analyzers.lint import lint_paths
+    except ImportError:  # lint not part of this build
+        return findings
+    return findings + list(lint_paths([run.path]))
+
+
+@click.command()
+@click.argument("record_file", metavar="RECORD.json")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Output format (default: from --output's extension, else table).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Write here (atomically).")
+@click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
+def report(record_file, fmt, output, depth):
+    """Render a saved audit or trace record (JSON) in any format, offline."""
+    from ..record import StepRecord
+    from ..render import render
+    fmt = _resolve_format(fmt, output)
+    try:
+        with open(record_file, encoding="utf-8") as f:
+            rec = StepRecord.from_json(f.read())
+    except FileNotFoundError:
+        raise InputError(f"{record_file}: no such file; expected a record JSON from "
+                         f"`torchledger audit --format json`") from None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise InputError(f"{record_file}: not a torchledger record ({e})") from None
+    _emit(render(rec, rec.findings, fmt, depth=depth), output)
+    return 0
