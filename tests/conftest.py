@@ -31,6 +31,7 @@ def hook_state():
         "saved_tensor_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
         if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else False,
         "active": active_tracer() is not None,
+        "sdpa": torch.nn.functional.scaled_dot_product_attention,
     }
 
 

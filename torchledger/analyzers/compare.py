@@ -114,7 +114,7 @@ def check_comparisons(records, options=None) -> list:
     out = []
     t = rec.totals
     if "flops_6nd" in p and _config(rec) is not None and t["flops"]["total"]:
-        explained = p["flops_6nd"] + t["attention_flops"]["dense"]
+        explained = p.get("flops_6nd_attention") or p["flops_6nd"] + t["attention_flops"]["dense"]
         gap = (t["flops"]["total"] - explained) / t["flops"]["total"]
         if abs(gap) > tol:
             out.append(Finding("TL-CMP-001", "warning",

@@ -25,6 +25,7 @@ ATTENTION_KERNELS = {
     "_efficient_attention_backward": "memory-efficient attention",
     "_scaled_dot_product_cudnn_attention": "cuDNN attention",
     "_scaled_dot_product_cudnn_attention_backward": "cuDNN attention",
+    "math": "SDPA math path (bmm + softmax)",
 }
 _MATMULISH = ("matmul", "attention")
 _TIMELINE_POINTS = 400

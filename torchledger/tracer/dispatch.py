@@ -13,7 +13,9 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .flops import op_flops
+from bisect import bisect_right
+
+from .flops import FlopCount, op_flops
 from .memory import TEMP
 from .modules import NO_MODULE
 
@@ -76,6 +78,11 @@ class LedgerMode(TorchDispatchMode):
         self.scalar_sites: dict = {}  # op index -> user line, for 0-dim forward outputs
         self.errors: list[str] = []
         self._copied: dict = {}      # storage of a contiguous() copy -> its copy key
+        self.sdpa_depth = 0          # > 0 inside F.scaled_dot_product_attention (see attention_hook)
+        self.sdpa_causal = False
+        self.attn_ranges: list = []  # (first seq nr, end seq nr, causal) of SDPA calls
+        self._attn_starts: list = []
+        self._math_attention: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,6 +125,16 @@ class LedgerMode(TorchDispatchMode):
         self.op_func.append(func)
 
         fc = op_flops(func, args, kwargs, out)
+        fkey = func
+        if fc is not None and fc.kind == "matmul" and (self.sdpa_depth or self.attn_ranges):
+            causal = self._in_attention(phase, node)
+            if causal is not None:      # a matmul of the SDPA math path: attention, not a layer
+                fc = FlopCount("attention", fc.flops, fc.flops // 2 if causal else fc.flops)
+                fkey = self._math_attention.get(func)
+                if fkey is None:
+                    fkey = self._math_attention[func] = MathAttention(func)
+                    self.kinds[fkey] = "attention"
+        func = fkey
         key = (phase, mod, func)
         row = self.agg.get(key)
         if row is None:
@@ -134,7 +151,7 @@ class LedgerMode(TorchDispatchMode):
                 row[1] += fc.flops
                 row[2] += fc.flops_causal
                 if kind == "attention":
-                    name = func._schema.name.split("::")[-1]
+                    name = func.kernel_name if type(func) is MathAttention else func._schema.name.split("::")[-1]
                     self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
                 elif phase == FORWARD:
                     self._note_matmul_params(args)
@@ -144,7 +161,7 @@ class LedgerMode(TorchDispatchMode):
                 if info[3] and self.grad_watch:
                     for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
                         self.zeroed.add(t.untyped_storage()._cdata)
-                if self._copied and info[2]:
+                if self._copied and info[2] and phase == FORWARD:
                     self._check_undone(args, out)
                 return
 
@@ -180,6 +197,18 @@ class LedgerMode(TorchDispatchMode):
             first = out if isinstance(out, _Tensor) else (out[0] if isinstance(out, tuple) and out else None)
             if isinstance(first, _Tensor) and first.dim() == 0:
                 self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
+
+    def _in_attention(self, phase, node):
+        """None outside SDPA; else whether the SDPA call was causal."""
+        if phase != BACKWARD:
+            return self.sdpa_causal if self.sdpa_depth else None
+        seq = node._sequence_nr()
+        k = bisect_right(self._attn_starts, seq) - 1
+        if k >= 0:
+            start, end, causal = self.attn_ranges[k]
+            if start <= seq < end:
+                return causal
+        return None
 
     def _check_undone(self, args, out):
         """A copy made contiguous and now permuted again: the copy bought nothing."""
@@ -221,7 +250,7 @@ class LedgerMode(TorchDispatchMode):
                 reason = "copy_"
         else:
             reason = "contiguous of non-contiguous" if not src.is_contiguous() else "clone"
-        loc = user_frame()
+        loc = user_frame() if phase != BACKWARD else None   # backward runs in the engine
         key = (func.__name__, mod, phase, loc, reason)
         row = self.copies.get(key)
         if row is None:
@@ -235,8 +264,53 @@ class LedgerMode(TorchDispatchMode):
             self._copied[dst.untyped_storage()._cdata] = key
 
 
+class MathAttention:
+    """Stands for a matmul op run inside ``scaled_dot_product_attention``'s math path."""
+
+    kernel_name = "math"
+
+    def __init__(self, func):
+        self.func = func
+
+    def __str__(self) -> str:
+        return f"{self.func} (attention, SDPA math path)"
+
+
+def attention_hook(mode, stack) -> None:
+    """Wrap ``F.scaled_dot_product_attention`` for the trace so that the matmuls of its math
+    path (meta device, dropout, masks the fused kernels refuse) count as attention.
+
+    NB: code that bound the function before the trace (``from torch.nn.functional import
+    scaled_dot_product_attention``) bypasses the wrapper; its math-path matmuls stay matmuls.
+    """
+    import torch.nn.functional as F
+    from torch._C._autograd import _get_sequence_nr
+
+    original = F.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(*args, **kwargs):
+        causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+        outer = (mode.sdpa_depth, mode.sdpa_causal)
+        mode.sdpa_depth += 1
+        mode.sdpa_causal = causal
+        start = _get_sequence_nr()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            mode.sdpa_depth, mode.sdpa_causal = outer
+            end = _get_sequence_nr()
+            if end > start:
+                mode.attn_ranges.append((start, end, causal))
+                mode._attn_starts.append(start)
+
+    scaled_dot_product_attention.__wrapped__ = original
+    scaled_dot_product_attention.__doc__ = original.__doc__
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    stack.callback(setattr, F, "scaled_dot_product_attention", original)
+
+
 def _short(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ += ["FORWARD", "BACKWARD", "RECOMPUTE", "OPTIMIZER", "NO_MODULE", "user_frame"]
+__all__ += ["FORWARD", "BACKWARD", "RECOMPUTE", "OPTIMIZER", "NO_MODULE", "user_frame", "attention_hook"]

@@ -17,7 +17,7 @@ import torch
 
 from ..record import StepRecord
 from .build import build_record
-from .dispatch import BACKWARD, PHASES, LedgerMode
+from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker
 from .modules import ModuleScope
 
@@ -96,6 +96,7 @@ class StepTracer:
             for p in self._params:
                 if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                     stack.enter_context(p.register_post_accumulate_grad_hook(self._grad_ready))
+            attention_hook(self.mode, stack)
             stack.callback(self.storages.close)
             _ACTIVE.append(self)
             stack.callback(_ACTIVE.clear)
