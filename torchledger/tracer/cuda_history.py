@@ -80,7 +80,11 @@ class CudaMemoryHistory:
         if was is None:
             self.notes.append("cannot tell whether the allocator was already recording "
                               "(torch._C._cuda_isHistoryEnabled is missing): assumed not")
-        _start(torch, self.max_entries, self.stacks)
+        try:
+            _start(torch, self.max_entries, self.stacks)
+        except BaseException:
+            self._active = False            # nothing started: the object can be entered again
+            raise
         self.owns_recording = True
         return self
 
