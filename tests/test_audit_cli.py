@@ -193,3 +193,18 @@ def test_unknown_entry_flag_and_device(tmp_path):
     path = write(tmp_path, "m.py", GOOD)
     one_line_error(run("audit", path, "--entry", "nope"), "no function 'nope'")
     assert run("audit", path, "--device", "tpu").exit_code == 2
+
+
+def test_memory_snapshot_needs_cuda(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    out = tmp_path / "snap.pickle"
+    one_line_error(run("audit", path, "--memory-snapshot", str(out)), "CUDA allocator data unavailable")
+    assert not out.exists()
+
+
+def test_allocator_unavailable_is_said_not_zeroed(tmp_path):
+    path = write(tmp_path, "m.py", GOOD)
+    r = run("audit", path, "--device", "cpu", "--steps", "1", "--format", "json")
+    alloc = json.loads(r.stdout)["memory"]["allocator"]
+    assert alloc["available"] is False and "unavailable" in alloc["reason"]
+    assert "CUDA allocator: CUDA allocator data unavailable" in run("audit", path, "--steps", "1").stdout

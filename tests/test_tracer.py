@@ -359,3 +359,24 @@ def test_mfu_uses_given_peak():
     tot = t.record.totals
     assert tot["step_seconds"] == 0.5
     assert tot["mfu"] == pytest.approx(tot["flops"]["total"] / 0.5 / 1e6, rel=1e-12)
+
+
+@pytest.mark.parametrize("device", ["cpu", "fake"])
+def test_autocast_weight_casts_still_count_as_matmul_params(device):
+    fake = FakeTensorMode() if device == "fake" else None
+    if fake:
+        fake.__enter__()
+    try:
+        model = build_model("gpt2-tiny")
+        inputs = example_inputs("gpt2-tiny", batch=2, seq_len=16)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torchledger.trace(model, tokens=32) as t:
+            model(**inputs).backward()
+    finally:
+        if fake:
+            fake.__exit__(None, None, None)
+    cfg = get_config("gpt2-tiny")
+    N = linear_weights(cfg)
+    assert t.record.totals["matmul_params"] == N
+    assert t.record.totals["flops"]["total"] == 6 * N * 32 + 12 * cfg.n_layers * 16 * cfg.d_model * 32
+    casts = [c for c in t.record.copies if c["reason"] == "dtype float32->bfloat16"]
+    assert casts, "autocast's weight casts are copies"

@@ -202,7 +202,9 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
     for r in ledger.records:
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq}
-    return AuditRun(ledger.records, spec, device, path)
+    run = AuditRun(ledger.records, spec, device, path)
+    run.snapshot = ledger.snapshot
+    return run
 
 
 def _one_step(spec, model, inputs, opt):

@@ -34,13 +34,24 @@ def check_tracer_warnings(records, options=None) -> list:
     return out
 
 
+def check_allocator(records, options=None) -> list:
+    """TL-CUDA-001/002 from the CUDA allocator's snapshot of the last step (CUDA only)."""
+    if not records:
+        return []
+    alloc = records[-1].memory.get("allocator") or {}
+    if not alloc.get("available"):
+        return []
+    from .snapshot import check_snapshot
+    return check_snapshot(alloc["summary"], options or {})
+
+
 def _all():
     from .compare import check_comparisons
     from .copies import check_copies
     from .leaks import check_leaks
     from .mfu import check_mfu
-    return [check_comparisons, check_copies, check_leaks, check_mfu, check_uncounted_ops,
-            check_tracer_warnings]
+    return [check_comparisons, check_copies, check_leaks, check_mfu, check_allocator,
+            check_uncounted_ops, check_tracer_warnings]
 
 
 ALL_CHECKS = _all()

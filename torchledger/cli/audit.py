@@ -83,7 +83,10 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--peak-flops", type=FLOPS, default=None, help="Peak FLOP/s for MFU (e.g. 989.5T).")
 @click.option("--gpu", default=None, help="GPU whose bf16 peak to use for MFU (e.g. H100).")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
-def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, depth):
+@click.option("--memory-snapshot", type=click.Path(dir_okay=False), default=None,
+              help="CUDA only: write the allocator snapshot of the last step (opens in PyTorch's memory_viz).")
+def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, depth,
+          memory_snapshot):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline."""
     from ..audit import AuditError, run_audit
@@ -107,10 +110,15 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise InputError(f"--baseline {baseline}: not a torchledger audit JSON ({e}); write one "
                              f"with `torchledger audit FILE.py --format json --output base.json`") from None
+    if memory_snapshot and device != "cuda":
+        from ..tracer.cuda_history import UNAVAILABLE
+        raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
     try:
         run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak)
     except AuditError as e:
         raise InputError(str(e)) from None
+    if memory_snapshot:
+        _write_snapshot(run, memory_snapshot)
     if device == "cpu" and peak is None:
         from ..tracer.peak import measure_matmul_peak
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
@@ -126,6 +134,16 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _write_snapshot(run, path) -> None:
+    import pickle
+    from ..render import write_atomic
+    if run.snapshot is None:
+        reason = run.record.memory.get("allocator", {}).get("reason", "no allocator history")
+        raise InputError(f"--memory-snapshot {path}: {reason}")
+    write_atomic(path, pickle.dumps(run.snapshot))
+    click.echo(f"torchledger: wrote {path} (open it at https://pytorch.org/memory_viz)", err=True)
 
 
 def _findings(run, settings, peak, peak_source) -> list:

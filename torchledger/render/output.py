@@ -29,7 +29,7 @@ def format_from_path(path) -> str:
 
 
 def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
-    """Write ``text`` (a string, or an iterable of string chunks) to ``path`` all at once.
+    """Write ``text`` (a string, bytes, or an iterable of string chunks) to ``path`` all at once.
 
     The text goes to a temporary file in the same directory, is flushed to disk, and then
     replaces ``path`` in one ``os.replace``. If anything fails on the way (a chunk iterator
@@ -42,9 +42,10 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    binary = isinstance(text, (bytes, bytearray))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            for chunk in ([text] if isinstance(text, str) else text):
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="")) as fh:
+            for chunk in ([text] if isinstance(text, (str, bytes, bytearray)) else text):
                 fh.write(chunk)
             fh.flush()
             os.fsync(fh.fileno())

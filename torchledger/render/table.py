@@ -117,6 +117,16 @@ def _totals_lines(record) -> list:
         simulated = str(record.meta.get("device", "")).startswith(("fake", "meta"))
         note = " (traced; fake/meta: not a real step time)" if simulated else " (traced)"
         lines.append(f"step time: {t['step_seconds'] * 1e3:.1f} ms{note}{mfu}")
+    alloc = record.memory.get("allocator")
+    if alloc:
+        if alloc.get("available"):
+            sm = alloc["summary"]
+            lines.append(f"CUDA allocator: reserved {fmt_bytes(sm['reserved_bytes'], binary=True)}, allocated "
+                         f"{fmt_bytes(sm['allocated_bytes'], binary=True)}, largest free block "
+                         f"{fmt_bytes(sm['largest_free_bytes'], binary=True)}, fragmentation "
+                         f"{sm['fragmentation']:.2f}")
+        else:
+            lines.append(f"CUDA allocator: {alloc.get('reason')}")
     unc = record.uncounted_ops
     if unc:
         lines.append("uncounted ops (no FLOP formula; not in totals): " +

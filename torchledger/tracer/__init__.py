@@ -66,6 +66,7 @@ class Ledger:
         self.records: list = []
         self.steps = 0
         self._carry: dict = {}      # storages kept by earlier traced steps (leak analysis)
+        self.snapshot = None        # CUDA: the allocator snapshot of the last traced step
 
     @contextmanager
     def step(self, tokens=None, seq_len=None):
@@ -84,6 +85,7 @@ class Ledger:
             if tracer.record is not None:
                 self.records.append(tracer.record)
                 self._carry = tracer.carry_out
+                self.snapshot = getattr(tracer, "snapshot", None)
 
     def findings(self, **options) -> list:
         from ..analyzers.checks import run_checks

@@ -197,8 +197,28 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     except Exception as e:  # never cost the user the record
         rec.warnings.append(f"retention analysis failed: {type(e).__name__}: {e}")
     storages.release()
+    rec.memory["allocator"] = _allocator(tracer)
     rec.predictions = _predictions(rec)
     return rec
+
+
+def _allocator(tracer) -> dict:
+    """The CUDA caching allocator's view of the step, joined to modules and phases."""
+    from .cuda_history import UNAVAILABLE
+    if tracer.history is None:
+        reason = UNAVAILABLE if tracer.cuda is None else "allocator history was not recorded"
+        return {"available": False, "reason": reason}
+    from ..analyzers.snapshot import module_peaks, summarize_snapshot
+    try:
+        snap = tracer.history.snapshot()
+        device = tracer.cuda.index or 0
+        summary = summarize_snapshot(snap, top=5, device=device)
+        peaks = module_peaks(snap, tracer.mode.marks or [], device=device)
+    except Exception as e:
+        return {"available": False, "reason": f"allocator snapshot failed: {type(e).__name__}: {e}"}
+    tracer.snapshot = snap
+    return {"available": True, "summary": summary, "module_peaks": peaks,
+            "notes": list(tracer.history.notes)}
 
 
 def _predictions(rec) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,32 +84,46 @@ class LedgerMode(TorchDispatchMode):
         self.attn_ranges: list = []  # (first seq nr, end seq nr, causal) of SDPA calls
         self._attn_starts: list = []
         self._math_attention: dict = {}
+        self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
+        self._last_mark = None
+        self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        try:                    # where we are is known before the op runs (CUDA marks need it)
+            node = _current_node()
+            scope = self.scope
+            if node is not None:
+                if scope.recompute_depth:
+                    phase, mod = RECOMPUTE, scope.top
+                else:
+                    phase, mod = BACKWARD, scope.module_of_node(node)
+            elif self.in_optimizer:
+                phase, mod = OPTIMIZER, scope.top
+            else:
+                phase, mod = FORWARD, scope.top
+            if self.marks is not None and (phase, mod) != self._last_mark:
+                self._last_mark = (phase, mod)
+                self.marks.append({"time_us": time.time_ns() // 1000, "module": scope.name(mod) if mod >= 0
+                                   else None, "phase": PHASES[phase]})
+        except Exception as e:  # a hook must never kill training
+            node, phase, mod = None, FORWARD, NO_MODULE
+            self._error(func, e)
         out = func(*args, **kwargs)
         try:
-            self._record(func, args, kwargs, out)
-        except Exception as e:  # a hook must never kill training
-            if len(self.errors) < 20:
-                self.errors.append(f"{func}: {type(e).__name__}: {e}")
+            self._record(func, args, kwargs, out, node, phase, mod)
+        except Exception as e:
+            self._error(func, e)
         return out
 
-    def _record(self, func, args, kwargs, out):
+    def _error(self, func, e) -> None:
+        if len(self.errors) < 20:
+            self.errors.append(f"{func}: {type(e).__name__}: {e}")
+
+    def _record(self, func, args, kwargs, out, node, phase, mod):
         idx = self.n_ops
         self.n_ops = idx + 1
         self.storages.now = idx + 1
-        scope = self.scope
-        node = _current_node()
-        if node is not None:
-            if scope.recompute_depth:
-                phase, mod = RECOMPUTE, scope.top
-            else:
-                phase, mod = BACKWARD, scope.module_of_node(node)
-        elif self.in_optimizer:
-            phase, mod = OPTIMIZER, scope.top
-        else:
-            phase, mod = FORWARD, scope.top
         self.op_module.append(mod)
         self.op_phase.append(phase)
         if phase != self._last_phase:
@@ -228,6 +243,8 @@ class LedgerMode(TorchDispatchMode):
                     continue
                 if key in ps:
                     self.matmul_params.add(key)
+                elif key in self.derived_params:          # autocast's bf16 copy of a weight
+                    self.matmul_params.add(self.derived_params[key])
 
     def _note_copy(self, func, args, kwargs, out, phase, mod, nbytes):
         src = args[1] if func is _aten.copy_.default else args[0]
@@ -250,6 +267,12 @@ class LedgerMode(TorchDispatchMode):
                 reason = "copy_"
         else:
             reason = "contiguous of non-contiguous" if not src.is_contiguous() else "clone"
+        if func is _aten._to_copy.default and phase != BACKWARD:
+            key = src.untyped_storage()._cdata
+            if key in self.param_storages:              # e.g. autocast casting a weight
+                self.derived_params[dst.untyped_storage()._cdata] = key
+            elif key in self.derived_params:
+                self.derived_params[dst.untyped_storage()._cdata] = self.derived_params[key]
         loc = user_frame() if phase != BACKWARD else None   # backward runs in the engine
         key = (func.__name__, mod, phase, loc, reason)
         row = self.copies.get(key)

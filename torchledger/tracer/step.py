@@ -47,7 +47,7 @@ class StepTracer:
 
     def __init__(self, model: torch.nn.Module, optimizer=None, tokens=None, *,
                  clock=time.perf_counter, peak_flops=None, step_index: int = 0, seq_len=None,
-                 carry=None):
+                 carry=None, memory_history=True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"trace() expects an nn.Module, got {type(model).__name__}")
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
@@ -63,6 +63,9 @@ class StepTracer:
         self.record: StepRecord | None = None
         self.carry_in = carry or {}     # storages kept from earlier steps (Ledger): key -> entry
         self.carry_out: dict = {}
+        self.memory_history = memory_history
+        """On CUDA: record the allocator's history (True, or the max events kept as an int)."""
+        self.history = None
         self._stack: ExitStack | None = None
 
     # -- install / remove ------------------------------------------------------------------
@@ -97,6 +100,11 @@ class StepTracer:
                 if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                     stack.enter_context(p.register_post_accumulate_grad_hook(self._grad_ready))
             attention_hook(self.mode, stack)
+            if self.cuda is not None and self.memory_history:
+                from .cuda_history import CudaMemoryHistory
+                entries = self.memory_history if type(self.memory_history) is int else 100_000
+                self.history = stack.enter_context(CudaMemoryHistory(max_entries=entries, device=self.cuda))
+                self.mode.marks = []
             stack.callback(self.storages.close)
             _ACTIVE.append(self)
             stack.callback(_ACTIVE.clear)
