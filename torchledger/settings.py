@@ -9,6 +9,7 @@
     tolerance = 0.05             # comparisons: unexplained gap that becomes a finding
     copy_share = 0.10            # copies: share of bytes moved that is reported
     baseline_tolerance = 0.01    # --baseline: growth that fails
+    leak_min_bytes = 1024        # TL-LEAK-001 ignores slower growth than this per step
 
 Values are validated; a bad one is an error naming the key, what was expected and what
 arrived.
@@ -33,6 +34,7 @@ _PARSERS = {
     "tolerance": ("a fraction such as 0.05", lambda v: _fraction(v)),
     "copy_share": ("a fraction such as 0.1", lambda v: _fraction(v)),
     "baseline_tolerance": ("a fraction such as 0.01", lambda v: _fraction(v)),
+    "leak_min_bytes": ("a size such as 1024 or 1KiB", lambda v: units.parse_bytes(v)),
 }
 
 
