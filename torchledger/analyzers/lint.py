@@ -1,0 +1,405 @@
+"""``torchledger lint``: static checks of PyTorch training code. The file is parsed with
+:mod:`ast` and never imported or run, so linting is safe on untrusted code and needs no torch.
+
+    >>> from torchledger.analyzers.lint import lint_source
+    >>> [f.rule for f in lint_source("import torch\\nsd = torch.load('ckpt.pt')\\n")]
+    ['TL-LINT-003']
+
+Every finding names a stable rule id (``RULES``; docs/lint-rules.md explains each) and can be
+silenced on its line, or from a comment-only line just above it, with
+``# torchledger: ignore[TL-LINT-001]`` (several ids comma separated; a bare
+``# torchledger: ignore`` silences every rule on that line).
+
+Known limitations: the rules are heuristics over names and syntax (see
+:mod:`.lint_rules`); nothing is type-checked, and helpers are followed within one file only.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import os
+import re
+import tokenize
+
+from ..record import Finding
+from .lint_rules import (LOOPS, OPTIMIZER, SCOPES, check_forward_syncs,
+                         check_grads_never_cleared, check_kept_graph, dotted, is_const, kwarg,
+                         loop_effects, model_like, step_loop, tail, walk_scope)
+from .sarif import findings_to_sarif
+
+__all__ = ["RULES", "LintError", "lint_source", "lint_file", "lint_paths", "python_files",
+           "findings_to_sarif"]
+
+#: rule id -> (severity, title, one-paragraph doc). Ids are stable; never reuse one.
+RULES = {
+    "TL-LINT-001": ("warning", "Loss tensor kept across iterations",
+                    "Appending or summing a tensor that carries an autograd graph (a loss, a model "
+                    "output) in a training loop keeps every step's graph alive: memory grows until "
+                    "OOM. Store loss.item() or loss.detach()."),
+    "TL-LINT-002": ("error", "Gradients never cleared",
+                    "A loop calls backward() and optimizer.step() but never zero_grad(): gradients "
+                    "add up across steps and the updates grow. Call "
+                    "optimizer.zero_grad(set_to_none=True) every step (or every k steps)."),
+    "TL-LINT-003": ("warning", "torch.load without weights_only=True",
+                    "torch.load unpickles arbitrary objects unless weights_only=True (the default "
+                    "only from torch 2.6): loading an untrusted checkpoint can run code."),
+    "TL-LINT-004": ("warning", "Host-device sync in forward",
+                    ".item(), .cpu(), .numpy(), .tolist(), print(tensor), branching on a tensor "
+                    "value or torch.cuda.synchronize() inside forward stall the host until the "
+                    "GPU catches up, on every call."),
+    "TL-LINT-005": ("info", "non_blocking copy from pageable memory",
+                    "non_blocking=True only overlaps the copy when the source is in pinned memory; "
+                    "from pageable memory it is synchronous. Use DataLoader(pin_memory=True)."),
+    "TL-LINT-006": ("info", "Model moved to a device inside the training loop",
+                    "model.to(device) / model.cuda() in the loop walks every parameter each step; "
+                    "move the model once, before building the optimizer."),
+    "TL-LINT-007": ("warning", "Whole module pickled by torch.save",
+                    "torch.save(model) pickles the class by import path: loading needs the same "
+                    "code layout and weights_only=False. Save model.state_dict()."),
+    "TL-LINT-008": ("warning", "backward(retain_graph=True) inside a loop",
+                    "retain_graph=True keeps the graph's saved tensors alive; in a loop that "
+                    "carries a tensor across steps memory grows each iteration. Detach carried "
+                    "state."),
+    "TL-LINT-009": ("warning", "Checkpoint without optimizer state",
+                    "A checkpoint with the model's state_dict but no optimizer state resumes with "
+                    "fresh optimizer moments, so the resumed run diverges from the original."),
+}
+
+
+class LintError(ValueError):
+    """Input that cannot be linted (missing path, unreadable file, invalid Python)."""
+
+
+class Source:
+    """One parsed file as the rules see it: tree, parents, import aliases, functions."""
+
+    def __init__(self, tree: ast.Module, path: str):
+        self.tree, self.path, self.cache = tree, path, {}
+        self.nodes = list(ast.walk(tree))
+        self.parents = {c: n for n in self.nodes for c in ast.iter_child_nodes(n)}
+        self.aliases, self.functions = {}, {}
+        for node in self.nodes:
+            if isinstance(node, ast.Import):
+                self.aliases.update({a.asname: a.name for a in node.names if a.asname})
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                self.aliases.update({a.asname or a.name: f"{node.module}.{a.name}"
+                                     for a in node.names})
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.functions.setdefault(node.name, []).append(node)
+        self.calls = [n for n in self.nodes if isinstance(n, ast.Call)]
+
+    def qualname(self, expr):
+        """``th.load`` -> ``torch.load`` after ``import torch as th``."""
+        name = dotted(expr)
+        if name is None:
+            return None
+        head, dot, rest = name.partition(".")
+        return self.aliases.get(head, head) + dot + rest
+
+    def ancestors(self, node):
+        while node in self.parents:
+            node = self.parents[node]
+            yield node
+
+    def ancestors_until(self, node, stop):
+        for a in self.ancestors(node):
+            if a is stop:
+                return
+            yield a
+
+    def scopes(self):
+        yield self.tree, self.tree.body
+        for node in self.nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield node, node.body
+
+    def scope_of(self, node) -> list:
+        """The body of the function (or module) that ``node`` runs in."""
+        for a in self.ancestors(node):
+            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return a.body
+        return self.tree.body
+
+    def loop_of(self, node):
+        """The innermost loop whose body holds ``node``, within the same function."""
+        prev = node
+        for a in self.ancestors(node):
+            if isinstance(a, SCOPES):
+                return None
+            if isinstance(a, LOOPS) and any(prev is s for s in a.body):
+                return a
+            prev = a
+        return None
+
+    def in_no_grad(self, node) -> bool:
+        """Under ``with torch.no_grad()/inference_mode()`` or in a function decorated so."""
+        for a in self.ancestors(node):
+            if isinstance(a, (ast.With, ast.AsyncWith)) and any(
+                    self._no_grad(i.context_expr) for i in a.items):
+                return True
+            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return any(self._no_grad(d) for d in a.decorator_list)
+            if isinstance(a, (ast.Lambda, ast.ClassDef)):
+                return False
+        return False
+
+    def _no_grad(self, expr) -> bool:
+        call = expr if isinstance(expr, ast.Call) else None
+        name = tail(self.qualname(call.func if call else expr))
+        if name == "set_grad_enabled":
+            return bool(call and call.args and is_const(call.args[0], False))
+        return name in ("no_grad", "inference_mode")
+
+
+# -- single-call rules --------------------------------------------------------------------------
+def check_unsafe_load(src):
+    """TL-LINT-003: ``torch.load(path)`` without ``weights_only=True``."""
+    for call in src.calls:
+        if src.qualname(call.func) != "torch.load" or any(k.arg is None for k in call.keywords):
+            continue
+        flag = kwarg(call, "weights_only")
+        if flag is None or is_const(flag, False):
+            said = "weights_only=False" if flag is not None else "no weights_only=True"
+            yield ("TL-LINT-003", call,
+                   f"torch.load() with {said} unpickles arbitrary objects: a malicious "
+                   f"checkpoint can execute code when loaded",
+                   "pass weights_only=True to load only tensors, dicts and primitives; allow "
+                   "your own trusted classes with torch.serialization.add_safe_globals")
+
+
+def check_non_blocking(src):
+    """TL-LINT-005: ``.to(dev, non_blocking=True)`` of a batch, with nothing in the file
+    pinning memory. Only data code is judged: a file that builds a DataLoader, or copies inside
+    a loop over batches (elsewhere the source is usually already on a device)."""
+    for call in src.calls:
+        pin = kwarg(call, "pin_memory")
+        if (pin is not None and not is_const(pin, False)) \
+                or tail(dotted(call.func, True)) == "pin_memory":
+            return                                    # something is pinned: trust it
+    data_file = any(tail(src.qualname(c.func)) == "DataLoader" for c in src.calls)
+    for call in src.calls:
+        f = call.func
+        if not (isinstance(f, ast.Attribute) and f.attr in ("to", "cuda", "copy_")
+                and is_const(kwarg(call, "non_blocking"), True)):
+            continue
+        target = kwarg(call, "device") or (call.args[0] if call.args and f.attr == "to" else None)
+        if isinstance(target, ast.Constant) and str(target.value).startswith("cpu"):
+            continue                                  # device-to-host: a different story
+        if not (data_file or _in_step_loop(src, call)):
+            continue
+        yield ("TL-LINT-005", call,
+               f"`{ast.unparse(call)}` asks for an asynchronous copy but nothing in this file "
+               f"pins memory: from pageable memory the copy is synchronous anyway",
+               "build the DataLoader with pin_memory=True, or call .pin_memory() on the batch, "
+               "so the host-to-device copy can overlap compute")
+
+
+def _in_step_loop(src, node) -> bool:
+    loop = src.loop_of(node)
+    while loop is not None and not step_loop(src, loop):
+        loop = src.loop_of(loop)
+    return loop is not None
+
+
+def check_model_moves(src):
+    """TL-LINT-006: ``model.to(device)`` inside a loop that trains."""
+    for call in src.calls:
+        f, stmt = call.func, src.parents.get(call)
+        if not (isinstance(f, ast.Attribute) and f.attr in ("to", "cuda")
+                and isinstance(f.value, (ast.Name, ast.Attribute)) and model_like(dotted(f.value))):
+            continue
+        if not (isinstance(stmt, ast.Expr) or (isinstance(stmt, ast.Assign) and
+                                               dotted(stmt.targets[0]) == dotted(f.value))):
+            continue                                  # DDP(model.cuda()) builds something new
+        loop = src.loop_of(call)
+        while loop is not None and "backward" not in loop_effects(src, loop):
+            loop = src.loop_of(loop)
+        if loop is not None:
+            yield ("TL-LINT-006", call,
+                   f"`{ast.unparse(call)}` runs on every iteration of the training loop "
+                   f"(line {loop.lineno}): it walks all parameters each step",
+                   "move the model to its device once, before the loop and before building "
+                   "the optimizer")
+
+
+def check_module_save(src):
+    """TL-LINT-007: ``torch.save(model, path)`` pickles the whole module."""
+    for call in src.calls:
+        if src.qualname(call.func) == "torch.save" and call.args \
+                and isinstance(call.args[0], (ast.Name, ast.Attribute)) \
+                and model_like(dotted(call.args[0])):
+            name = ast.unparse(call.args[0])
+            yield ("TL-LINT-007", call,
+                   f"torch.save({name}, ...) pickles the whole module: loading it needs the same "
+                   f"class at the same import path and weights_only=False",
+                   f"save {name}.state_dict() and rebuild the model before load_state_dict()")
+
+
+def check_retain_graph(src):
+    """TL-LINT-008: ``loss.backward(retain_graph=True)`` inside a loop."""
+    for call in src.calls:
+        f = call.func
+        if isinstance(f, ast.Attribute) and f.attr == "backward" \
+                and is_const(kwarg(call, "retain_graph"), True) and src.loop_of(call) is not None:
+            yield ("TL-LINT-008", call,
+                   "backward(retain_graph=True) in a loop keeps the graph's saved activations "
+                   "alive; if any tensor is carried to the next step, memory grows every iteration",
+                   "drop retain_graph, or detach state carried across steps: h = h.detach(); "
+                   "for several losses, sum them and call backward once")
+
+
+def _checkpoint_dict(src, expr, call):
+    """The dict literal saved by ``torch.save(expr, ...)``, following one local name."""
+    if isinstance(expr, ast.Name):
+        scope = list(walk_scope(src.scope_of(call)))
+        stores = [n for n in scope if isinstance(n, ast.Assign)
+                  and n.lineno < call.lineno and any(dotted(t) == expr.id for t in n.targets)]
+        changed = any(isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)
+                      and dotted(n.value) == expr.id for n in scope) or any(
+            isinstance(n, ast.Call) and dotted(n.func) == f"{expr.id}.update" for n in scope)
+        expr = None if changed or not stores else stores[-1].value
+    if isinstance(expr, ast.Dict):
+        return [k for k in expr.keys if k is not None], expr.values
+    if isinstance(expr, ast.Call) and dotted(expr.func) == "dict":
+        return ([ast.Constant(k.arg) for k in expr.keywords if k.arg],
+                [k.value for k in expr.keywords])
+    return None
+
+
+def check_checkpoint(src):
+    """TL-LINT-009: a checkpoint dict with a model state_dict and no optimizer state."""
+    if not any(OPTIMIZER.search(tail(dotted(n) or "").lower()) for n in src.nodes
+               if isinstance(n, (ast.Name, ast.Attribute))):
+        return                                        # no optimizer here: an export, not a resume
+    for call in src.calls:
+        if src.qualname(call.func) != "torch.save" or not call.args:
+            continue
+        found = _checkpoint_dict(src, call.args[0], call)
+        if found is None:
+            continue
+        keys, values = found
+        texts = [str(k.value).lower() for k in keys if isinstance(k, ast.Constant)]
+        states = [dotted(v.func.value, True) for v in values if isinstance(v, ast.Call)
+                  and isinstance(v.func, ast.Attribute) and v.func.attr == "state_dict"]
+        if not (any(model_like(s) for s in states) or any("model" in t for t in texts)):
+            continue                                  # not a model checkpoint
+        if any(OPTIMIZER.search(t) or "optim" in t for t in texts) \
+                or any(OPTIMIZER.search(tail(s).lower()) for s in states if s) \
+                or len(keys) < len(values):           # **extra: cannot tell
+            continue
+        yield ("TL-LINT-009", call,
+               "this checkpoint saves the model but no optimizer state: a run resumed from it "
+               "restarts the optimizer's moments (and LR schedule) and diverges",
+               "add 'optimizer': optimizer.state_dict(), plus the scheduler, step and RNG state")
+
+
+CHECKS = (check_kept_graph, check_grads_never_cleared, check_unsafe_load, check_forward_syncs,
+          check_non_blocking, check_model_moves, check_module_save, check_retain_graph,
+          check_checkpoint)
+
+
+# -- the engine ---------------------------------------------------------------------------------
+def lint_source(source: str, path: str = "<string>") -> list:
+    """Findings for one file's text, sorted by line. Raises :class:`LintError` when the text
+    is not valid Python (the message names ``path:line``)."""
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError as e:
+        raise LintError(f"{path}:{e.lineno or 1}: not valid Python ({e.msg}); fix the syntax or "
+                        f"leave the file out") from None
+    except ValueError as e:                            # e.g. null bytes on older Pythons
+        raise LintError(f"{path}: not valid Python ({e})") from None
+    src, ignored = Source(tree, path), _suppressions(source)
+    found = {}
+    for check in CHECKS:
+        try:
+            hits = list(check(src))
+        except RecursionError:                         # NB: absurdly deep expressions: skip rule
+            continue
+        for rule, node, message, hint in hits:
+            line = node.lineno
+            if _silenced(ignored, rule, node):
+                continue
+            found.setdefault((line, rule, message), Finding(
+                rule=rule, severity=RULES[rule][0], message=message,
+                location=f"{path}:{line}", hint=hint))
+    return [found[k] for k in sorted(found)]
+
+
+def _silenced(ignored: dict, rule: str, node) -> bool:
+    """A comment on any line of a simple statement or expression (black puts it after the
+    closing parenthesis), or on the header line of a compound one, silences it."""
+    last = node.lineno if isinstance(getattr(node, "body", None), list) else \
+        (getattr(node, "end_lineno", None) or node.lineno)
+    rules = set().union(*(ignored.get(i, ()) for i in range(node.lineno, last + 1)))
+    return rule in rules or "*" in rules
+
+
+_IGNORE = re.compile(r"#\s*torchledger:\s*ignore\b(\[[^\]]*\])?", re.I)
+
+
+def _suppressions(source: str) -> dict:
+    """line -> rule ids silenced there ("*" for all). A comment-only line covers the next."""
+    if "torchledger" not in source:
+        return {}
+    try:
+        comments = [(t.start[0], t.string, t.line) for t in
+                    tokenize.generate_tokens(io.StringIO(source).readline)
+                    if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):         # NB: fall back to a plain text scan
+        comments = [(i, line[line.index("#"):], line)
+                    for i, line in enumerate(source.splitlines(), 1) if "#" in line]
+    out = {}
+    for line, text, physical in comments:
+        m = _IGNORE.search(text)
+        if not m:
+            continue
+        ids = {"*"} if m.group(1) is None else \
+            {x.strip().upper() for x in m.group(1)[1:-1].split(",") if x.strip()}
+        for target in [line, line + 1] if physical.lstrip().startswith("#") else [line]:
+            out.setdefault(target, set()).update(ids)
+    return out
+
+
+def lint_file(path: str) -> list:
+    """Findings for one file on disk (decoded as Python does, honouring a coding cookie)."""
+    try:
+        with tokenize.open(path) as f:
+            source = f.read()
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise LintError(f"{path}: cannot decode as Python source ({e})") from None
+    except OSError as e:
+        raise LintError(f"{path}: cannot read ({e.strerror or e})") from None
+    return lint_source(source, path)
+
+
+_SKIP_DIRS = {"__pycache__", ".venv", "venv", "site-packages", "node_modules"}
+
+
+def python_files(paths) -> list:
+    """The files ``lint`` reads: files as given, directories walked for ``*.py`` (skipping
+    hidden directories, ``__pycache__``, virtualenvs and ``site-packages``), each once."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out, seen = [], set()
+    for path in map(os.fspath, paths):
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, files in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
+                found += [os.path.normpath(os.path.join(root, f)) for f in sorted(files)
+                          if f.endswith(".py")]
+        elif os.path.exists(path):
+            found = [path]
+        else:
+            raise LintError(f"{path}: no such file or directory")
+        for f in found:
+            if os.path.realpath(f) not in seen:
+                seen.add(os.path.realpath(f))
+                out.append(f)
+    return out
+
+
+def lint_paths(paths) -> list:
+    """Findings for every Python file under ``paths`` (files or directories), in file order."""
+    return [f for path in python_files(paths) for f in lint_file(path)]
