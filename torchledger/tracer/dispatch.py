@@ -30,6 +30,8 @@ _current_node = torch._C._current_autograd_node
 _aten = torch.ops.aten
 _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
 _PERMUTE_OPS = {_aten.transpose.int, _aten.permute.default, _aten.t.default}
+_PASSTHROUGH = {id(op) for op in (torch.ops.prim.device.default, torch.ops.prim.layout.default)
+                if op is not None}
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten.mul_.Scalar, _aten._foreach_zero_.default}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
@@ -90,6 +92,8 @@ class LedgerMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if id(func) in _PASSTHROUGH:    # metadata queries (fake tensors ask prim.device often)
+            return func(*args, **kwargs)
         try:                    # where we are is known before the op runs (CUDA marks need it)
             node = _current_node()
             scope = self.scope
