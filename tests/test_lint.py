@@ -724,3 +724,23 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, make):
 def test_cli_requires_a_path():
     r = lint()
     assert r.exit_code == 2 and "Traceback" not in r.stderr
+
+
+def test_step_function_filling_a_module_level_list():
+    from torchledger.analyzers.lint import lint_source
+    src = (
+        "losses = []\n"
+        "def step(model, x, opt):\n"
+        "    loss = model(x)\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "    losses.append(loss)\n"
+        "def log(model, x):\n"
+        "    out = model(x)\n"
+        "    losses.append(out)\n"          # not a training step: no backward/step here
+    )
+    found = [f for f in lint_source(src, "t.py") if f.rule == "TL-LINT-001"]
+    assert [f.location for f in found] == ["t.py:7"]
+    clean = src.replace("losses.append(loss)", "losses.append(loss.item())")
+    assert [f for f in lint_source(clean, "t.py") if f.rule == "TL-LINT-001"] == []

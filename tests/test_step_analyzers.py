@@ -139,3 +139,13 @@ def test_every_check_runs_on_empty_and_reloaded_records(check):
     rec = StepRecord.from_json(traced("gpt2-tiny").to_json())
     assert isinstance(check([rec], {"peak_flops": 1e12}), list)
     assert run_checks([rec]) == run_checks([StepRecord.from_json(rec.to_json())])
+
+
+def test_flops_below_6nd_are_explained_as_skipped_input_grads():
+    model = build_model("cruncher")
+    with torchledger.trace(model, tokens=4) as t:
+        model(torch.randn(4, 128)).sum().backward()
+    row = next(r for r in comparisons(t.record) if r["quantity"] == "training FLOPs vs 6ND")
+    # 6ND counts the first layer's input gradient (2*B*D*D) that x (no grad) does not need
+    assert row["measured"] == row["predicted"] - 2 * 4 * 128 * 128
+    assert "not needed" in row["explanation"]

@@ -82,7 +82,7 @@ def comparisons(record) -> list:
         rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
                          f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
                          f"D = {t['tokens']:,} tokens; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
-                         + (f", other matmul work {_pct(other, p['flops_6nd'])}" if other else "")))
+                         + _other(other, p["flops_6nd"])))
     if "flops_6nd_attention" in p:
         rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
                          "attention counted dense; causal-halved prediction "
@@ -138,6 +138,15 @@ def check_comparisons(records, options=None) -> list:
 def _row(quantity, measured, predicted, explanation) -> dict:
     return {"quantity": quantity, "measured": measured, "predicted": predicted,
             "ratio": measured / predicted if predicted else None, "explanation": explanation}
+
+
+def _other(other: int, base: int) -> str:
+    if other > 0:
+        return f", other matmul work (not parameter-bound) {_pct(other, base)}"
+    if other < 0:
+        return (f", {_pct(-other, base)} less: gradient matmuls that were not needed (inputs or frozen "
+                f"weights that need no grad, e.g. the first layer's input gradient)")
+    return ""
 
 
 def _pct(x, of) -> str:

@@ -306,6 +306,19 @@ def step_loop(src, loop) -> bool:
         and bool(_DATA_ITER.search(ast.unparse(loop.iter)))
 
 
+def _global_in_step(src, scope, name) -> bool:
+    """A training-step function (it runs backward or step) filling a module-level container:
+    the container outlives every call, so each step's graph is kept."""
+    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) or "." in name or not name:
+        return False
+    local = {n for node in walk_scope(scope.body) if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (getattr(node, "targets", None) or [node.target]) for n in _target_names(t)}
+    local |= {a.arg for a in scope.args.args + scope.args.kwonlyargs}
+    module = {n for node in src.tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+              for t in (getattr(node, "targets", None) or [node.target]) for n in _target_names(t)}
+    return name in module and name not in local and bool({"backward", "step"} & _function_effects(src, scope))
+
+
 def check_kept_graph(src):
     """TL-LINT-001: ``losses.append(loss)`` / ``total += loss`` keeps every step's graph."""
     for scope, body in src.scopes():
@@ -318,8 +331,10 @@ def check_kept_graph(src):
             name = dotted(container, loose=True) or ""
             loop = src.loop_of(node)
             if loop is None:                  # a method filling self.x outlives the call
-                if not name.startswith("self.") \
-                        or _NO_GRAPH_METHOD.match(getattr(scope, "name", "")):
+                if name.startswith("self."):
+                    if _NO_GRAPH_METHOD.match(getattr(scope, "name", "")):
+                        continue
+                elif not _global_in_step(src, scope, name):
                     continue
             elif not step_loop(src, loop) or (name and _reset_each_iteration(src, loop, name)):
                 continue
