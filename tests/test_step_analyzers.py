@@ -149,3 +149,29 @@ def test_flops_below_6nd_are_explained_as_skipped_input_grads():
     # 6ND counts the first layer's input gradient (2*B*D*D) that x (no grad) does not need
     assert row["measured"] == row["predicted"] - 2 * 4 * 128 * 128
     assert "not needed" in row["explanation"]
+
+
+def test_ledger_times_untraced_steps_for_mfu():
+    model = build_model("cruncher")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ticks = iter(float(i) for i in range(1000))
+    ledger = torchledger.Ledger(model, optimizer=opt, sample_every=2, clock=lambda: next(ticks))
+    for _ in range(4):
+        with ledger.step(tokens=4):
+            model(torch.randn(4, 128)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(ledger.records) == 2 and ledger.untraced_seconds == [1.0, 1.0]
+    flops = ledger.records[-1].totals["flops"]["total"]
+    found = ledger.findings(peak_flops=flops * 100)              # MFU = flops / 1 s / peak = 0.01
+    mfu_finding = next(f for f in found if f.rule == "TL-MFU-001")
+    assert mfu_finding.measured == pytest.approx(0.01, rel=1e-9)
+    assert "untraced steps" in mfu_finding.message
+
+
+def test_trace_findings_take_options():
+    model = build_model("cruncher")
+    with torchledger.trace(model, peak_flops=1e18) as t:
+        model(torch.randn(4, 128)).sum().backward()
+    assert "TL-MFU-001" in {f.rule for f in t.findings()}
+    assert "TL-MFU-001" not in {f.rule for f in t.findings(min_mfu=1e-30)}

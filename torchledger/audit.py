@@ -159,7 +159,7 @@ def default_tokens(inputs):
 
 
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
-              peak_flops=None) -> AuditRun:
+              peak_flops=None, timing_steps: int = 2) -> AuditRun:
     """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``."""
     import torch
     from .spec import as_spec
@@ -199,11 +199,21 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
                     raise
                 except Exception as e:
                     raise _step_error(e, path, device) from None
+        if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
+            for _ in range(timing_steps):
+                with ledger.time_step():
+                    _one_step(spec, model, inputs, opt)
     for r in ledger.records:
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq}
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
+    run.untraced_seconds = list(ledger.untraced_seconds)
+    if run.untraced_seconds:
+        t = run.record.totals
+        t["step_seconds_untraced"] = sorted(run.untraced_seconds)[len(run.untraced_seconds) // 2]
+        if peak_flops:
+            t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak_flops
     return run
 
 

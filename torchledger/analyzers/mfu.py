@@ -1,9 +1,10 @@
 """MFU and HFU: model FLOPs per second against the device's peak.
 
 ``mfu(record, peak_flops, seconds=None)`` = totals.flops.total / step time / peak;
-HFU uses totals.hardware_flops (recomputation included). Step time is the median over the
-records after the first (warm-up) unless ``seconds`` is given. Fake and meta steps have no
-meaningful time and get no MFU.
+HFU uses totals.hardware_flops (recomputation included). Step time is ``step_seconds`` of
+the options (the median of untraced steps, which ``Ledger`` and ``audit`` time) or else the
+median over the traced records after the first (warm-up), which includes the tracer's own
+overhead. Fake and meta steps have no meaningful time and get no MFU.
 
 * TL-MFU-001 (warning): MFU below ``min_mfu`` (default 0.3, the floor of a healthy GPU run);
 * TL-MFU-002 (warning): MFU above 1.0, a miscount or a wrong peak.
@@ -41,11 +42,14 @@ def check_mfu(records, options=None) -> list:
     rec = records[-1]
     if str(rec.meta.get("device", "")).startswith(("fake", "meta")):
         return []
-    seconds = step_seconds(records)
+    seconds = opts.get("step_seconds")
+    timed = "untraced steps" if seconds else "traced steps, tracer overhead included"
+    seconds = seconds or step_seconds(records)
     m, h = mfu(rec, peak, seconds)
     if m is None:
         return []
-    where = f"{rec.meta.get('device')} at a peak of {peak:.3g} FLOP/s ({opts.get('peak_source', 'given')})"
+    where = (f"{rec.meta.get('device')} at a peak of {peak:.3g} FLOP/s ({opts.get('peak_source', 'given')}; "
+             f"time from {timed})")
     floor = float(opts.get("min_mfu", 0.3))
     if m > 1.0:
         return [Finding("TL-MFU-002", "warning",

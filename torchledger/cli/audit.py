@@ -122,6 +122,9 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     if device == "cpu" and peak is None:
         from ..tracer.peak import measure_matmul_peak
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
+        t = run.record.totals
+        if t.get("step_seconds_untraced"):
+            t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak
     findings = _findings(run, settings, peak, peak_source)
     rec = run.record
     findings += check_budgets(rec, settings)
@@ -151,6 +154,8 @@ def _findings(run, settings, peak, peak_source) -> list:
     options = {k: v for k, v in settings.items() if not k.startswith("_")}
     if peak:
         options.update(peak_flops=peak, peak_source=peak_source)
+    if getattr(run, "untraced_seconds", None):
+        options["step_seconds"] = run.record.totals["step_seconds_untraced"]
     findings = run_checks(run.records, options)
     try:
         from ..analyzers.lint import lint_paths

@@ -116,7 +116,9 @@ def _totals_lines(record) -> list:
         mfu = f", MFU {t['mfu']:.3f}" if t.get("mfu") is not None else ""
         simulated = str(record.meta.get("device", "")).startswith(("fake", "meta"))
         note = " (traced; fake/meta: not a real step time)" if simulated else " (traced)"
-        lines.append(f"step time: {t['step_seconds'] * 1e3:.1f} ms{note}{mfu}")
+        untraced = (f"{t['step_seconds_untraced'] * 1e3:.1f} ms untraced, "
+                    if t.get("step_seconds_untraced") else "")
+        lines.append(f"step time: {untraced}{t['step_seconds'] * 1e3:.1f} ms{note}{mfu}")
     alloc = record.memory.get("allocator")
     if alloc:
         if alloc.get("available"):

@@ -33,10 +33,13 @@ class _Traced(StepTracer):
         return render_table(self.record, self.findings(), **options)
 
     def findings(self, **options) -> list:
+        """Findings of every analyzer; ``options`` as in ``[tool.torchledger]`` (and
+        ``peak_flops`` for MFU, defaulting to the one given to ``trace``)."""
         from ..analyzers.checks import run_checks
         if self.record is None:
             raise RuntimeError("findings() are available after the traced block ends")
-        return run_checks([self.record], **options)
+        options.setdefault("peak_flops", self.peak_flops)
+        return run_checks([self.record], options)
 
 
 def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
@@ -67,13 +70,17 @@ class Ledger:
         self.steps = 0
         self._carry: dict = {}      # storages kept by earlier traced steps (leak analysis)
         self.snapshot = None        # CUDA: the allocator snapshot of the last traced step
+        self.untraced_seconds: list = []   # wall time of each untraced step
+        self._cuda = None
 
     @contextmanager
     def step(self, tokens=None, seq_len=None):
         i = self.steps
         self.steps += 1
         if i % self.sample_every:
+            t0 = self._edge()
             yield None
+            self.untraced_seconds.append(self._edge() - t0)
             return
         tracer = StepTracer(self.model, optimizer=self.optimizer, tokens=tokens,
                             peak_flops=self.peak_flops, clock=self.clock, step_index=i,
@@ -87,12 +94,47 @@ class Ledger:
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)
 
+    def _edge(self) -> float:
+        """The clock at a step edge; on CUDA after a synchronize (NB: a CPU-GPU sync point)."""
+        if self._cuda is None:
+            import torch
+            p = next(self.model.parameters(), None)
+            self._cuda = bool(p is not None and p.device.type == "cuda" and torch.cuda.is_available()
+                              and type(p).__name__ != "FakeTensor")
+        if self._cuda:
+            import torch
+            torch.cuda.synchronize()
+        return self.clock()
+
+    def time_step(self):
+        """Context manager: run one untraced step and note its time (for MFU)."""
+        return _Timed(self)
+
     def findings(self, **options) -> list:
+        """Findings over the traced steps; MFU uses the untraced steps' median time when
+        there are any (tracing adds its own overhead to the traced ones)."""
         from ..analyzers.checks import run_checks
-        return run_checks(self.records, **options)
+        options.setdefault("peak_flops", self.peak_flops)
+        if self.untraced_seconds and "step_seconds" not in options:
+            options["step_seconds"] = sorted(self.untraced_seconds)[len(self.untraced_seconds) // 2]
+        return run_checks(self.records, options)
 
     def report(self, **options) -> str:
         from ..report import render_table
         if not self.records:
             return "No steps traced yet: wrap a training step in `with ledger.step(): ...`."
         return render_table(self.records[-1], self.findings(), **options)
+
+
+class _Timed:
+    def __init__(self, ledger):
+        self.ledger = ledger
+
+    def __enter__(self):
+        self.t0 = self.ledger._edge()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.ledger.untraced_seconds.append(self.ledger._edge() - self.t0)
+        return False
