@@ -32,7 +32,7 @@ _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
 _PERMUTE_OPS = {_aten.transpose.int, _aten.permute.default, _aten.t.default}
 _PASSTHROUGH = {id(op) for op in (torch.ops.prim.device.default, torch.ops.prim.layout.default)
                 if op is not None}
-_ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten.mul_.Scalar, _aten._foreach_zero_.default}
+_ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
