@@ -2,8 +2,10 @@
 
 Returns a plain dict in ``TransformerConfig`` terms (vocab_size, d_model, n_layers,
 n_heads, n_kv_heads, d_ff, mlp, norm, bias, tie_embeddings, n_positions) for torchledger's
-reference models and for Hugging Face models (from their ``config``), a Cruncher dict for
-the course model, or None when the model is not recognised.
+reference models, Hugging Face models and nanoGPT-style models (from their ``config``
+attribute names), a Cruncher dict for the course model, or None when the model has no
+``config`` it can read. The predictions built from it say when the model holds parameters
+the config does not describe.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ def model_config(model):
         d["kind"] = cfg.kind
         d["source"] = "torchledger"
         return d
-    if hasattr(cfg, "to_dict"):
-        return _from_hf(cfg)
+    if hasattr(cfg, "to_dict") or dataclasses.is_dataclass(cfg) or hasattr(cfg, "__dict__"):
+        return _from_attrs(cfg, model)
     return None
 
 
@@ -35,25 +37,43 @@ def _first(cfg, *names, default=None):
     return default
 
 
-def _from_hf(cfg):
-    d = _first(cfg, "hidden_size", "n_embd", "d_model")
-    L = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    h = _first(cfg, "num_attention_heads", "n_head", "num_heads")
+def _from_attrs(cfg, model):
+    """Hugging Face configs and nanoGPT-style config dataclasses, by their attribute names."""
+    d = _first(cfg, "hidden_size", "n_embd", "d_model", "dim")
+    L = _first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    h = _first(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
     V = _first(cfg, "vocab_size")
     if not all(isinstance(x, int) for x in (d, L, h, V)):
         return None
     act = str(_first(cfg, "hidden_act", "activation_function", default="")).lower()
     model_type = str(getattr(cfg, "model_type", ""))
     swiglu = act in ("silu", "swish") and model_type not in ("gpt2",)
+    if not act and not model_type:          # nanoGPT-style: no activation named
+        swiglu = False
     ff = _first(cfg, "intermediate_size", "n_inner")
     norm = "rmsnorm" if (hasattr(cfg, "rms_norm_eps") and not hasattr(cfg, "layer_norm_epsilon")) else "layernorm"
     return {
-        "kind": "transformer", "source": f"huggingface:{model_type or type(cfg).__name__}",
+        "kind": "transformer",
+        "source": (f"huggingface:{model_type or type(cfg).__name__}" if hasattr(cfg, "to_dict")
+                   else f"config:{type(cfg).__name__}"),
         "vocab_size": V, "d_model": d, "n_layers": L, "n_heads": h,
         "n_kv_heads": _first(cfg, "num_key_value_heads", default=h),
         "d_ff": ff if isinstance(ff, int) else 4 * d,
         "mlp": "swiglu" if swiglu else "gelu", "norm": norm,
         "bias": bool(_first(cfg, "attention_bias", "bias", default=model_type == "gpt2")),
         "tie_embeddings": bool(_first(cfg, "tie_word_embeddings", default=True)),
-        "n_positions": int(_first(cfg, "n_positions", default=0)) if model_type == "gpt2" else 0,
+        "n_positions": _learned_positions(cfg, model, V),
     }
+
+
+def _learned_positions(cfg, model, vocab) -> int:
+    """Rows of a learned position table: the config's context length, when the model has an
+    embedding (other than the tokens') of exactly that many rows."""
+    ctx = _first(cfg, "n_positions", "block_size", "max_position_embeddings", "n_ctx")
+    if not isinstance(ctx, int) or model is None:
+        return 0
+    import torch
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.num_embeddings == ctx and m.num_embeddings != vocab:
+            return ctx
+    return 0
