@@ -380,3 +380,12 @@ def test_autocast_weight_casts_still_count_as_matmul_params(device):
     assert t.record.totals["flops"]["total"] == 6 * N * 32 + 12 * cfg.n_layers * 16 * cfg.d_model * 32
     casts = [c for c in t.record.copies if c["reason"] == "dtype float32->bfloat16"]
     assert casts, "autocast's weight casts are copies"
+
+
+def test_views_are_counted_and_confirmed_by_storage():
+    model = build_model("cruncher")
+    with torchledger.trace(model) as t:
+        model(torch.randn(4, 128)).sum().backward()
+    views = t.record.totals["view_ops"]
+    assert views["forward"] >= 1            # squeeze(-1) of the output is a view, not a copy
+    assert t.record.copies == []

@@ -68,6 +68,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["elementwise_flops"] = {"forward": ew[FORWARD], "backward": ew[BACKWARD], "recompute": ew[RECOMPUTE],
                               "optimizer": ew[OPTIMIZER], "total": ew[FORWARD] + ew[BACKWARD] + ew[OPTIMIZER]}
     t["bytes_read"], t["bytes_written"] = read, written
+    t["view_ops"] = {PHASES[i]: n for i, n in enumerate(mode.views)}
     rec.ops = ops
 
     # -- parameters -----------------------------------------------------------------------

@@ -86,6 +86,8 @@ class LedgerMode(TorchDispatchMode):
         self.attn_ranges: list = []  # (first seq nr, end seq nr, causal) of SDPA calls
         self._attn_starts: list = []
         self._math_attention: dict = {}
+        self._view_checked: dict = {}    # id(func) -> alias confirmed by storage identity
+        self.views = [0, 0, 0, 0]        # view/alias ops per phase (no bytes moved)
         self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
         self._last_mark = None
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
@@ -176,7 +178,8 @@ class LedgerMode(TorchDispatchMode):
                     self._note_matmul_params(args)
             elif kind == "elementwise":
                 self.elementwise[phase] += fc.flops
-            elif alias:        # views: no bytes move, no storage is made
+            elif alias and self._is_view(func, args, out):   # no bytes move, no storage is made
+                self.views[phase] += 1
                 if info[3] and self.grad_watch:
                     for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
                         self.zeroed.add(t.untyped_storage()._cdata)
@@ -193,7 +196,7 @@ class LedgerMode(TorchDispatchMode):
                     if isinstance(b, _Tensor):
                         read += b.nbytes
         written = 0
-        track = not alias
+        track = not alias or self._view_checked.get(id(func)) is False   # an "alias" that copied
         st = self.storages
         if isinstance(out, _Tensor):
             written = out.nbytes
@@ -216,6 +219,20 @@ class LedgerMode(TorchDispatchMode):
             first = out if isinstance(out, _Tensor) else (out[0] if isinstance(out, tuple) and out else None)
             if isinstance(first, _Tensor) and first.dim() == 0:
                 self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
+
+    def _is_view(self, func, args, out) -> bool:
+        """The schema says ``func`` aliases its input; the first time each op is seen, confirm
+        it by storage identity (an op that made new storage after all is tracked as a copy)."""
+        ok = self._view_checked.get(id(func))
+        if ok is None:
+            src = args[0] if args and isinstance(args[0], _Tensor) else None
+            dst = out if isinstance(out, _Tensor) else None
+            ok = (src is None or dst is None
+                  or src.untyped_storage()._cdata == dst.untyped_storage()._cdata)
+            self._view_checked[id(func)] = ok
+            if not ok:
+                self._finfo[id(func)] = (False,) + self._finfo[id(func)][1:]
+        return ok
 
     def _in_attention(self, phase, node):
         """None outside SDPA; else whether the SDPA call was causal."""
