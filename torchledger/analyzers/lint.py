@@ -10,8 +10,9 @@ silenced on its line, or from a comment-only line just above it, with
 ``# torchledger: ignore[TL-LINT-001]`` (several ids comma separated; a bare
 ``# torchledger: ignore`` silences every rule on that line).
 
-Known limitations: the rules are heuristics over names and syntax (see
-:mod:`.lint_rules`); nothing is type-checked, and helpers are followed within one file only.
+Known limitations: the rules are heuristics over names and syntax (see :mod:`.lint_rules`,
+:mod:`.lint_forward` and :mod:`.lint_misc`); nothing is type-checked, and helpers are followed
+within one file only.
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ import re
 import tokenize
 
 from ..record import Finding
-from .lint_rules import (LOOPS, OPTIMIZER, SCOPES, check_forward_syncs,
-                         check_grads_never_cleared, check_kept_graph, dotted, is_const, kwarg,
-                         loop_effects, model_like, step_loop, tail, walk_scope)
+from .lint_ast import LOOPS, SCOPES, dotted, is_const, tail
+from .lint_forward import check_forward_syncs
+from .lint_misc import (check_checkpoint, check_model_moves, check_module_save,
+                        check_non_blocking, check_retain_graph, check_unsafe_load)
+from .lint_rules import check_grads_never_cleared, check_kept_graph
 from .sarif import findings_to_sarif
 
 __all__ = ["RULES", "LintError", "lint_source", "lint_file", "lint_paths", "python_files",
@@ -149,148 +152,6 @@ class Source:
         if name == "set_grad_enabled":
             return bool(call and call.args and is_const(call.args[0], False))
         return name in ("no_grad", "inference_mode")
-
-
-# -- single-call rules --------------------------------------------------------------------------
-def check_unsafe_load(src):
-    """TL-LINT-003: ``torch.load(path)`` without ``weights_only=True``."""
-    for call in src.calls:
-        if src.qualname(call.func) != "torch.load" or any(k.arg is None for k in call.keywords):
-            continue
-        flag = kwarg(call, "weights_only")
-        if flag is None or is_const(flag, False):
-            said = "weights_only=False" if flag is not None else "no weights_only=True"
-            yield ("TL-LINT-003", call,
-                   f"torch.load() with {said} unpickles arbitrary objects: a malicious "
-                   f"checkpoint can execute code when loaded",
-                   "pass weights_only=True to load only tensors, dicts and primitives; allow "
-                   "your own trusted classes with torch.serialization.add_safe_globals")
-
-
-def check_non_blocking(src):
-    """TL-LINT-005: ``.to(dev, non_blocking=True)`` of a batch, with nothing in the file
-    pinning memory. Only data code is judged: a file that builds a DataLoader, or copies inside
-    a loop over batches (elsewhere the source is usually already on a device)."""
-    for call in src.calls:
-        pin = kwarg(call, "pin_memory")
-        if (pin is not None and not is_const(pin, False)) \
-                or tail(dotted(call.func, True)) == "pin_memory":
-            return                                    # something is pinned: trust it
-    data_file = any(tail(src.qualname(c.func)) == "DataLoader" for c in src.calls)
-    for call in src.calls:
-        f = call.func
-        if not (isinstance(f, ast.Attribute) and f.attr in ("to", "cuda", "copy_")
-                and is_const(kwarg(call, "non_blocking"), True)):
-            continue
-        target = kwarg(call, "device") or (call.args[0] if call.args and f.attr == "to" else None)
-        if isinstance(target, ast.Constant) and str(target.value).startswith("cpu"):
-            continue                                  # device-to-host: a different story
-        if not (data_file or _in_step_loop(src, call)):
-            continue
-        yield ("TL-LINT-005", call,
-               f"`{ast.unparse(call)}` asks for an asynchronous copy but nothing in this file "
-               f"pins memory: from pageable memory the copy is synchronous anyway",
-               "build the DataLoader with pin_memory=True, or call .pin_memory() on the batch, "
-               "so the host-to-device copy can overlap compute")
-
-
-def _in_step_loop(src, node) -> bool:
-    loop = src.loop_of(node)
-    while loop is not None and not step_loop(src, loop):
-        loop = src.loop_of(loop)
-    return loop is not None
-
-
-def check_model_moves(src):
-    """TL-LINT-006: ``model.to(device)`` inside a loop that trains."""
-    for call in src.calls:
-        f, stmt = call.func, src.parents.get(call)
-        if not (isinstance(f, ast.Attribute) and f.attr in ("to", "cuda")
-                and isinstance(f.value, (ast.Name, ast.Attribute)) and model_like(dotted(f.value))):
-            continue
-        if not (isinstance(stmt, ast.Expr) or (isinstance(stmt, ast.Assign) and
-                                               dotted(stmt.targets[0]) == dotted(f.value))):
-            continue                                  # DDP(model.cuda()) builds something new
-        loop = src.loop_of(call)
-        while loop is not None and "backward" not in loop_effects(src, loop):
-            loop = src.loop_of(loop)
-        if loop is not None:
-            yield ("TL-LINT-006", call,
-                   f"`{ast.unparse(call)}` runs on every iteration of the training loop "
-                   f"(line {loop.lineno}): it walks all parameters each step",
-                   "move the model to its device once, before the loop and before building "
-                   "the optimizer")
-
-
-def check_module_save(src):
-    """TL-LINT-007: ``torch.save(model, path)`` pickles the whole module."""
-    for call in src.calls:
-        if src.qualname(call.func) == "torch.save" and call.args \
-                and isinstance(call.args[0], (ast.Name, ast.Attribute)) \
-                and model_like(dotted(call.args[0])):
-            name = ast.unparse(call.args[0])
-            yield ("TL-LINT-007", call,
-                   f"torch.save({name}, ...) pickles the whole module: loading it needs the same "
-                   f"class at the same import path and weights_only=False",
-                   f"save {name}.state_dict() and rebuild the model before load_state_dict()")
-
-
-def check_retain_graph(src):
-    """TL-LINT-008: ``loss.backward(retain_graph=True)`` inside a loop."""
-    for call in src.calls:
-        f = call.func
-        if isinstance(f, ast.Attribute) and f.attr == "backward" \
-                and is_const(kwarg(call, "retain_graph"), True) and src.loop_of(call) is not None:
-            yield ("TL-LINT-008", call,
-                   "backward(retain_graph=True) in a loop keeps the graph's saved activations "
-                   "alive; if any tensor is carried to the next step, memory grows every iteration",
-                   "drop retain_graph, or detach state carried across steps: h = h.detach(); "
-                   "for several losses, sum them and call backward once")
-
-
-def _checkpoint_dict(src, expr, call):
-    """The dict literal saved by ``torch.save(expr, ...)``, following one local name."""
-    if isinstance(expr, ast.Name):
-        scope = list(walk_scope(src.scope_of(call)))
-        stores = [n for n in scope if isinstance(n, ast.Assign)
-                  and n.lineno < call.lineno and any(dotted(t) == expr.id for t in n.targets)]
-        changed = any(isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)
-                      and dotted(n.value) == expr.id for n in scope) or any(
-            isinstance(n, ast.Call) and dotted(n.func) == f"{expr.id}.update" for n in scope)
-        expr = None if changed or not stores else stores[-1].value
-    if isinstance(expr, ast.Dict):
-        return [k for k in expr.keys if k is not None], expr.values
-    if isinstance(expr, ast.Call) and dotted(expr.func) == "dict":
-        return ([ast.Constant(k.arg) for k in expr.keywords if k.arg],
-                [k.value for k in expr.keywords])
-    return None
-
-
-def check_checkpoint(src):
-    """TL-LINT-009: a checkpoint dict with a model state_dict and no optimizer state."""
-    if not any(OPTIMIZER.search(tail(dotted(n) or "").lower()) for n in src.nodes
-               if isinstance(n, (ast.Name, ast.Attribute))):
-        return                                        # no optimizer here: an export, not a resume
-    for call in src.calls:
-        if src.qualname(call.func) != "torch.save" or not call.args:
-            continue
-        found = _checkpoint_dict(src, call.args[0], call)
-        if found is None:
-            continue
-        keys, values = found
-        texts = [str(k.value).lower() for k in keys if isinstance(k, ast.Constant)]
-        states = [dotted(v.func.value, True) for v in values if isinstance(v, ast.Call)
-                  and isinstance(v.func, ast.Attribute) and v.func.attr == "state_dict"]
-        if not (any(model_like(s) for s in states) or any("model" in t for t in texts)):
-            continue                                  # not a model checkpoint
-        if any(OPTIMIZER.search(t) or "optim" in t for t in texts) \
-                or any(OPTIMIZER.search(tail(s).lower()) for s in states if s) \
-                or len(keys) < len(values):           # **extra: cannot tell
-            continue
-        yield ("TL-LINT-009", call,
-               "this checkpoint saves the model but no optimizer state: a run resumed from it "
-               "restarts the optimizer's moments (and LR schedule) and diverges",
-               "add 'optimizer': optimizer.state_dict(), plus the scheduler, step and RNG state")
 
 
 CHECKS = (check_kept_graph, check_grads_never_cleared, check_unsafe_load, check_forward_syncs,

@@ -1,6 +1,7 @@
-"""The flow-aware lint rules (graphs kept across iterations, gradients never cleared, host
-syncs in ``forward``) and the AST helpers every rule shares. Pure functions of a parsed file:
-``ast`` only, nothing runs.
+"""The flow-aware lint rules (graphs kept across iterations, gradients never cleared). Pure
+functions of a parsed file: ``ast`` only, nothing runs. The AST helpers every rule shares are
+in :mod:`.lint_ast`; host syncs in ``forward`` are in :mod:`.lint_forward`, the single-call
+rules in :mod:`.lint_misc`.
 
 Each check takes the engine's parsed view of one file (``Source`` in :mod:`.lint`: tree,
 parents, import aliases, same-file functions) and yields ``(rule, node, message, hint)``;
@@ -19,20 +20,18 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Iterator, Optional
+from typing import Iterator
 
-__all__ = ["check_kept_graph", "check_grads_never_cleared", "check_forward_syncs"]
+from .lint_ast import (LOOPS, dotted, is_optimizer_step, pos, tail, target_names,
+                       walk_scope)
 
-SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
-LOOPS = (ast.For, ast.AsyncFor, ast.While)
-OPTIMIZER = re.compile(r"optim|(^|_)opt(_|\d|s?$)")
+__all__ = ["check_kept_graph", "check_grads_never_cleared"]
+
 _MODEL_CALL = re.compile(r"model|net|criterion|loss|forward|cross_entropy|kl_div|nll|"
                          r"encoder|decoder|classifier")
 _NOT_A_CALL_OF_MODEL = re.compile(r"(get|set|build|make|create|init|load|save|register|setup|"
                                   r"configure|prepare|wrap|compile|to|from|num|count|log)_")
 _LOSS_NAME = re.compile(r"loss", re.I)
-_NOT_A_MODEL = re.compile(r"dict|state|path|file|name|dir|cfg|config|args|url|type|class|cls|"
-                          r"fn$|id$")
 # Methods whose result holds no graph (or is a Python value).
 _DETACHING = {"item", "detach", "detach_", "tolist", "numpy", "argmax", "argmin", "long", "int",
               "bool", "numel", "size", "dim", "state_dict", "grad", "__len__"}
@@ -42,77 +41,7 @@ _PLAIN = {"float", "int", "bool", "len", "str", "round", "repr", "format", "isin
 _TORCH_ROOTS = {"torch", "F", "nn", "functional"}
 
 
-# -- small AST helpers -------------------------------------------------------------------------
-def dotted(node: ast.AST, loose: bool = False) -> Optional[str]:
-    """``self.model.to`` for a Name/Attribute chain. ``loose`` looks through calls and
-    subscripts (``self.optimizers()[0]`` -> ``self.optimizers``)."""
-    parts = []
-    while True:
-        if isinstance(node, ast.Attribute):
-            parts.append(node.attr)
-            node = node.value
-        elif isinstance(node, ast.Name):
-            parts.append(node.id)
-            return ".".join(reversed(parts))
-        elif loose and isinstance(node, ast.Call):
-            node = node.func
-        elif loose and isinstance(node, ast.Subscript):
-            node = node.value
-        else:
-            return None
-
-
-def tail(name: Optional[str]) -> str:
-    return (name or "").rsplit(".", 1)[-1]
-
-
-def walk_scope(nodes) -> Iterator[ast.AST]:
-    """Every node under ``nodes`` without entering nested functions, lambdas or classes."""
-    stack = list(reversed(list(nodes)))
-    while stack:
-        node = stack.pop()
-        yield node
-        stack.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, SCOPES))
-
-
-def pos(node: ast.AST) -> tuple:
-    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
-
-
-def kwarg(call: ast.Call, name: str):
-    return next((k.value for k in call.keywords if k.arg == name), None)
-
-
-def is_const(node, value) -> bool:
-    return isinstance(node, ast.Constant) and node.value is value
-
-
-def model_like(name: Optional[str]) -> bool:
-    """A receiver named like a model (``model``, ``self.net``, ``ddp_model.module``)."""
-    t = tail(name).lower()
-    return ("model" in t or t in {"net", "network", "module"}) and not _NOT_A_MODEL.search(t)
-
-
-def is_optimizer_step(call: ast.Call) -> bool:
-    """``opt.step()``, ``self.optimizer.step()``, ``scaler.step(optimizer)``."""
-    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "step"):
-        return False
-    names = [dotted(call.func.value, loose=True)] + [dotted(a, loose=True) for a in call.args]
-    return any(OPTIMIZER.search(tail(n).lower()) for n in names if n)
-
-
-def _target_names(target) -> Iterator[str]:
-    if isinstance(target, (ast.Tuple, ast.List)):
-        for t in target.elts:
-            yield from _target_names(t)
-    elif isinstance(target, ast.Starred):
-        yield from _target_names(target.value)
-    else:
-        name = dotted(target)
-        if name:
-            yield name
-
-
+# -- AST helpers of the data flow --------------------------------------------------------------
 def _pairs(target, value) -> Iterator[tuple]:
     """(name, value) per bound name; ``a, b = x, y`` pairs element-wise."""
     if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)) \
@@ -120,7 +49,7 @@ def _pairs(target, value) -> Iterator[tuple]:
         for t, v in zip(target.elts, value.elts):
             yield from _pairs(t, v)
     else:
-        for name in _target_names(target):
+        for name in target_names(target):
             yield name, value
 
 
@@ -276,12 +205,12 @@ def _accumulation(node):
 def _reset_each_iteration(src, loop, name) -> bool:
     """``name`` is re-bound unconditionally in each pass of ``loop`` (``loss = ...``,
     ``outs = []``, ``outs.clear()``, or it is the loop variable itself)."""
-    if isinstance(loop, (ast.For, ast.AsyncFor)) and name in set(_target_names(loop.target)):
+    if isinstance(loop, (ast.For, ast.AsyncFor)) and name in set(target_names(loop.target)):
         return True
     for node in walk_scope(loop.body):
         if isinstance(node, ast.Assign) or (isinstance(node, ast.AnnAssign) and node.value):
             targets = getattr(node, "targets", None) or [node.target]
-            reset = name in {n for t in targets for n in _target_names(t)} \
+            reset = name in {n for t in targets for n in target_names(t)} \
                 and name not in _names_in(node.value)
         else:
             reset = isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
@@ -312,10 +241,10 @@ def _global_in_step(src, scope, name) -> bool:
     if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) or "." in name or not name:
         return False
     local = {n for node in walk_scope(scope.body) if isinstance(node, (ast.Assign, ast.AnnAssign))
-             for t in (getattr(node, "targets", None) or [node.target]) for n in _target_names(t)}
+             for t in (getattr(node, "targets", None) or [node.target]) for n in target_names(t)}
     local |= {a.arg for a in scope.args.args + scope.args.kwonlyargs}
     module = {n for node in src.tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-              for t in (getattr(node, "targets", None) or [node.target]) for n in _target_names(t)}
+              for t in (getattr(node, "targets", None) or [node.target]) for n in target_names(t)}
     return name in module and name not in local and bool({"backward", "step"} & _function_effects(src, scope))
 
 
@@ -423,139 +352,3 @@ def check_grads_never_cleared(src):
                "each step adds to the previous gradients, so updates grow and training diverges",
                "call optimizer.zero_grad(set_to_none=True) once per step, or every k steps "
                "under an `if` when accumulating gradients")
-
-
-# -- TL-LINT-004: host-device syncs in forward -------------------------------------------------
-# Reading these never touches tensor values, so branching on them is free.
-_META_ATTRS = {"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad", "layout",
-               "is_sparse", "is_quantized", "is_meta", "names", "training"}
-_META_CALLS = {"size", "dim", "numel", "ndimension", "nelement", "element_size", "stride",
-               "is_contiguous", "is_floating_point", "is_complex", "get_device", "data_ptr",
-               "isinstance", "len", "hasattr", "getattr", "callable", "type", "id",
-               "item", "tolist", "int", "float", "bool"}       # the last five are flagged apart
-_FLAG_PARAM = re.compile(r"^(use|return|output|is|has|do|enable|disable|with|num|n)_|"
-                         r"_(size|len|length|dim|mode|type|flag|only)$|^(training|causal)$")
-_SYNC_CALLS = {"item": "copies a value to the host", "cpu": "copies to the host",
-               "numpy": "copies to the host", "tolist": "copies to the host",
-               "nonzero": "needs the result's size on the host"}
-_HINT_VALUE = ("keep values on the device inside forward: return the tensor and call .item() "
-               "once per step in the training loop, for logging")
-_HINT_BRANCH = ("branch on shapes or Python flags, or compute both sides and select with "
-                "torch.where or a mask; torch._assert_async checks without a sync")
-_META_PREFIX = re.compile(r"^_*(is|has|check|can|should)_")
-_COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)
-
-
-def _value_use(expr, tensors) -> bool:
-    """``expr`` reads the values (not just the shape/dtype) of a tensor in ``tensors``."""
-    stack = [(expr, tensors)]
-    while stack:
-        n, names = stack.pop()
-        if isinstance(n, ast.Attribute) and (n.attr in _META_ATTRS or _META_PREFIX.match(n.attr)):
-            continue
-        if isinstance(n, ast.Call):
-            name = tail(dotted(n.func, loose=True))
-            if name in _META_CALLS or _META_PREFIX.match(name):
-                continue
-        if isinstance(n, ast.Compare) and all(isinstance(o, (ast.Is, ast.IsNot)) for o in n.ops):
-            continue
-        if isinstance(n, ast.Name) and n.id in names:
-            return True
-        if isinstance(n, _COMPREHENSIONS):      # iterating a tuple of tensors reads no values
-            inner = set(names)
-            for gen in n.generators:
-                if _value_use(gen.iter, inner):
-                    inner |= set(_target_names(gen.target))
-                stack.extend((c, inner) for c in gen.ifs)
-            stack.extend((c, inner) for c in [getattr(n, "elt", None), getattr(n, "key", None),
-                                               getattr(n, "value", None)] if c is not None)
-            continue
-        stack.extend((c, names) for c in ast.iter_child_nodes(n) if not isinstance(c, SCOPES))
-    return False
-
-
-def _tensor_names(fn) -> tuple:
-    """Parameters of ``forward`` that may be tensors, and those plus every name computed
-    from them."""
-    a = fn.args
-    params = [*a.posonlyargs, *a.args][1:]
-    defaults = [None] * (len(params) - len(a.defaults)) + list(a.defaults)
-    names = set()
-    for p, default in [*zip(params, defaults), *zip(a.kwonlyargs, a.kw_defaults)]:
-        ann = ast.unparse(p.annotation).lower() if p.annotation is not None else ""
-        python_value = re.fullmatch(r"(optional\[)?(bool|int|float|str)\]?", ann) or \
-            (isinstance(default, ast.Constant) and default.value is not None)
-        if "tensor" in ann or not (python_value or _FLAG_PARAM.search(p.arg)):
-            names.add(p.arg)
-    args = set(names)
-    assigns = [n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
-               and n.value is not None]
-    grew = True
-    while grew:
-        before = len(names)
-        for n in assigns:
-            if _value_use(n.value, names):
-                for t in getattr(n, "targets", None) or [n.target]:
-                    names.update(x for x in _target_names(t) if "." not in x)
-        grew = len(names) > before
-    return args, names
-
-
-def _sync(node, params, tensors):
-    """(what, hint) when ``node`` forces a host-device sync."""
-    test = getattr(node, "test", None)
-    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        test = test.operand
-    if isinstance(test, ast.Name) and test.id in params:
-        return None                           # `if flag:` on an argument: a Python flag, mostly
-    if isinstance(node, (ast.If, ast.While, ast.Assert, ast.IfExp)) \
-            and _value_use(node.test, tensors):
-        word = {ast.If: "if", ast.While: "while", ast.Assert: "assert"}.get(type(node), "... if")
-        return f"`{word} {ast.unparse(node.test)}` reads a tensor value on the host", _HINT_BRANCH
-    if not isinstance(node, ast.Call):
-        return None
-    f, text = node.func, ast.unparse(node)
-    if isinstance(f, ast.Attribute) and f.attr in _SYNC_CALLS:
-        return f"`{text}` {_SYNC_CALLS[f.attr]}", _HINT_VALUE
-    device = kwarg(node, "device") or (node.args[0] if node.args else None)
-    if isinstance(f, ast.Attribute) and f.attr == "to" and isinstance(device, ast.Constant) \
-            and device.value == "cpu":
-        return f"`{text}` copies to the host", _HINT_VALUE
-    if isinstance(f, ast.Attribute) and f.attr == "synchronize":
-        return (f"`{text}` waits for all queued GPU work",
-                "synchronize only when timing, outside forward")
-    if isinstance(f, ast.Name) and f.id in ("print", "int", "float", "bool") \
-            and any(_value_use(x, tensors) for x in node.args):
-        hint = "print x.shape / x.dtype, or log outside forward" if f.id == "print" else _HINT_VALUE
-        return f"`{text}` reads a tensor value on the host", hint
-    return None
-
-
-def _module_classes(src) -> list:
-    """Classes deriving from ``nn.Module`` (or ``*Module``), directly or via this file."""
-    classes = {n.name: n for n in src.nodes if isinstance(n, ast.ClassDef)}
-    found, grew = {}, True
-    while grew:
-        grew = False
-        for name, cls in classes.items():
-            bases = [tail(dotted(b, loose=True)) for b in cls.bases]
-            if name not in found and any(b.endswith("Module") or b in found for b in bases):
-                found[name], grew = cls, True
-    return list(found.values())
-
-
-def check_forward_syncs(src):
-    """TL-LINT-004: ``.item()``, ``.cpu()``, ``print(x)``, ``if x.sum() > 0:``... in forward."""
-    for cls in _module_classes(src):
-        for fn in cls.body:
-            if not (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and fn.name == "forward"):
-                continue
-            (params, tensors), lines = _tensor_names(fn), set()
-            for node in ast.walk(fn):               # outer nodes first: one finding a line
-                hit = _sync(node, params, tensors)
-                if hit and node.lineno not in lines:
-                    lines.add(node.lineno)
-                    yield ("TL-LINT-004", node,
-                           f"{cls.name}.forward: {hit[0]}, so the host waits for the GPU on "
-                           f"every call (a host-device sync)", hit[1])
