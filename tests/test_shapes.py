@@ -74,3 +74,32 @@ def test_nanogpt_style_model_is_recognised():
     assert rec.totals["matmul_params"] == N
     assert rec.totals["flops"]["total"] == rec.predictions["flops_6nd_attention"] \
         == 6 * N * B * T + 12 * c.n_layer * T * c.n_embd * B * T
+
+
+def test_model_without_config_is_recognised_from_its_modules():
+    c = GPTConfig()
+    model = GPT(c)
+    del model.config                                    # a user model with no config object
+    B, T = 2, 16
+    idx = torch.randint(0, c.vocab_size, (B, T))
+    with torchledger.trace(model, tokens=B * T, seq_len=T) as t:
+        model(idx, idx).backward()
+    rec = t.record
+    cfg = rec.meta["config"]
+    assert cfg["partial"] and (cfg["n_layers"], cfg["d_model"], cfg["vocab_size"]) == (2, 32, 300)
+    assert cfg["n_heads"] == 4                          # found on the block (self.n_head)
+    assert rec.predictions["params_12ld2"] == 12 * 2 * 32 ** 2 + 300 * 32
+    assert "params_exact" not in rec.predictions        # no exact formula without a config
+    N = rec.totals["matmul_params"]
+    assert rec.predictions["flops_6nd_attention"] == rec.totals["flops"]["total"] \
+        == 6 * N * B * T + 12 * 2 * T * 32 * B * T
+    rows = {r["quantity"] for r in rec.predictions["comparisons"]}
+    assert "parameters (12*L*d^2 + V*d)" in rows and "parameters (exact formula)" not in rows
+
+
+def test_plain_mlp_is_not_taken_for_a_transformer():
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torchledger.trace(mlp, tokens=3) as t:
+        mlp(torch.randn(3, 4)).sum().backward()
+    assert t.record.meta["config"] is None
+    assert t.record.predictions["params_12ld2"] is None

@@ -3,8 +3,11 @@
 Returns a plain dict in ``TransformerConfig`` terms (vocab_size, d_model, n_layers,
 n_heads, n_kv_heads, d_ff, mlp, norm, bias, tie_embeddings, n_positions) for torchledger's
 reference models, Hugging Face models and nanoGPT-style models (from their ``config``
-attribute names), a Cruncher dict for the course model, or None when the model has no
-``config`` it can read. The predictions built from it say when the model holds parameters
+attribute names), a Cruncher dict for the course model. A model with no ``config`` that
+looks like a transformer (a token embedding and a list of identical blocks) gets a
+*partial* dict (``partial: True``): L, d and V from its modules, heads if a block names
+them; enough for 12Ld^2 + Vd and the attention term, not for an exact count. None when
+nothing is recognised. The predictions built from it say when the model holds parameters
 the config does not describe.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ __all__ = ["model_config"]
 def model_config(model):
     cfg = getattr(model, "config", None)
     if cfg is None:
-        return None
+        return _from_modules(model)
     from ..models.config import CruncherConfig, TransformerConfig
     if isinstance(cfg, (TransformerConfig, CruncherConfig)):
         d = dataclasses.asdict(cfg)
@@ -77,3 +80,31 @@ def _learned_positions(cfg, model, vocab) -> int:
         if isinstance(m, torch.nn.Embedding) and m.num_embeddings == ctx and m.num_embeddings != vocab:
             return ctx
     return 0
+
+
+_HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "heads")
+
+
+def _from_modules(model):
+    """L, d, V from the modules: the largest ``nn.Embedding`` (tokens) and the longest
+    ``nn.ModuleList`` of blocks of one class with submodules; heads from a block's attribute."""
+    import torch.nn as nn
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+             and len({type(c) for c in m}) == 1 and next(iter(m[0].children()), None) is not None]
+    if not embeddings or not lists:
+        return None
+    tokens = max(embeddings, key=lambda m: m.num_embeddings)
+    blocks = max(lists, key=len)
+    heads = None
+    for sub in blocks[0].modules():
+        for name in _HEAD_ATTRS:
+            value = getattr(sub, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                heads = value
+                break
+        if heads:
+            break
+    return {"kind": "transformer", "source": "modules", "partial": True,
+            "vocab_size": tokens.num_embeddings, "d_model": tokens.embedding_dim,
+            "n_layers": len(blocks), "n_heads": heads}
