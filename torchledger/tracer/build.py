@@ -44,8 +44,8 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     read = written = 0
     mod_flops = np.zeros((n_mod + 1, 4), dtype=np.int64)      # last row: no module
     ops = []
-    for (phase, mod, func), (count, f, fc, r, w) in mode.agg.items():
-        kind = mode.kinds.get(func)
+    for (phase, mod, fid), (count, f, fc, r, w) in mode.agg.items():
+        func, kind = mode.funcs[fid], mode.kinds.get(fid)
         flops[phase] += f
         causal[phase] += fc
         read += r
@@ -84,7 +84,8 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
 
     # -- uncounted ops ----------------------------------------------------------------------
     unc: dict = {}
-    for (func, phase, mod), count in mode.uncounted.items():
+    for (fid, phase, mod), count in mode.uncounted.items():
+        func = mode.funcs[fid]
         u = unc.setdefault(_op_name(func), {"op": _op_name(func), "count": 0, "phases": [], "modules": []})
         u["count"] += count
         if PHASES[phase] not in u["phases"]:

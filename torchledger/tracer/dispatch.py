@@ -64,12 +64,13 @@ class LedgerMode(TorchDispatchMode):
         self.n_ops = 0
         self.op_module: list[int] = []
         self.op_phase: list[int] = []
-        self.agg: dict = {}          # (phase, module, func) -> [count, flops, causal, read, written]
+        self.agg: dict = {}          # (phase, module, id(func)) -> [count, flops, causal, read, written]
         self.elementwise = [0, 0, 0, 0]
-        self.uncounted: dict = {}    # (func, phase, module) -> count
+        self.uncounted: dict = {}    # (id(func), phase, module) -> count
         self.copies: dict = {}       # (func, module, phase, location, reason) -> [count, bytes, detail]
         self.matmul_params: set = set()
-        self.kinds: dict = {}        # func -> FLOP kind (None: no formula)
+        self.kinds: dict = {}        # id(func) -> FLOP kind (None: no formula)
+        self.funcs: dict = {}        # id(func) -> func (kept alive, so ids are not reused)
         self.attention_kernels: dict = {}
         self.phase_changes: list = []   # (op index, phase) where the phase changed
         self._last_phase = -1
@@ -138,33 +139,35 @@ class LedgerMode(TorchDispatchMode):
             if self.on_phase is not None:
                 self.on_phase(phase)
 
-        info = self._finfo.get(id(func))
+        fid = id(func)                  # ops hash in Python; their ids hash in C
+        info = self._finfo.get(fid)
         if info is None:
-            info = self._finfo[id(func)] = (_is_alias_op(func), func in _COPY_OPS,
-                                             func in _PERMUTE_OPS, func in _ZERO_OPS)
+            info = self._finfo[fid] = (_is_alias_op(func), func in _COPY_OPS,
+                                       func in _PERMUTE_OPS, func in _ZERO_OPS)
+            self.funcs[fid] = func
         alias = info[0]
         self.op_func.append(func)
 
         fc = op_flops(func, args, kwargs, out)
-        fkey = func
         if fc is not None and fc.kind == "matmul" and (self.sdpa_depth or self.attn_ranges):
             causal = self._in_attention(phase, node)
             if causal is not None:      # a matmul of the SDPA math path: attention, not a layer
                 fc = FlopCount("attention", fc.flops, fc.flops // 2 if causal else fc.flops)
-                fkey = self._math_attention.get(func)
-                if fkey is None:
-                    fkey = self._math_attention[func] = MathAttention(func)
-                    self.kinds[fkey] = "attention"
-        func = fkey
-        key = (phase, mod, func)
+                wrapped = self._math_attention.get(fid)
+                if wrapped is None:
+                    wrapped = self._math_attention[fid] = MathAttention(func)
+                    self.funcs[id(wrapped)] = wrapped
+                    self.kinds[id(wrapped)] = "attention"
+                func, fid = wrapped, id(wrapped)
+        key = (phase, mod, fid)
         row = self.agg.get(key)
         if row is None:
             row = self.agg[key] = [0, 0, 0, 0, 0]
-            if func not in self.kinds:
-                self.kinds[func] = fc.kind if fc is not None else None
+            if fid not in self.kinds:
+                self.kinds[fid] = fc.kind if fc is not None else None
         row[0] += 1
         if fc is None:
-            ukey = (func, phase, mod)
+            ukey = (fid, phase, mod)
             self.uncounted[ukey] = self.uncounted.get(ukey, 0) + 1
         else:
             kind = fc.kind
