@@ -4,7 +4,8 @@
 
 1. CPU training step of a small GPT (gpt-mini: d=256, 4 layers, 8 heads, V=8192; batch 8,
    sequence 128, AdamW): untraced, torchledger, FlopCounterMode, torch.profiler (memory and
-   FLOPs), MemTracker. Runs are interleaved round-robin and the median is kept, so machine
+   FLOPs), MemTracker, and an empty pass-through TorchDispatchMode (the floor any dispatch
+   tracer pays). Runs are interleaved round-robin and the median is kept, so machine
    noise hits every variant alike. Target: torchledger <= 1.15x untraced.
 2. The llama2-7b preset on fake tensors (batch 1, sequence 2048, fp32, AdamW): untraced fake
    step against the traced fake step. Target: <= 2x.
@@ -56,7 +57,18 @@ def variants(model, opt, inputs):
                                     profile_memory=True, with_flops=True):
             step(model, opt, inputs)
 
-    out = {"untraced": untraced, "torchledger": ledger, "FlopCounterMode": flop_counter,
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def pass_through():
+        with PassThrough():
+            step(model, opt, inputs)
+
+    out = {"untraced": untraced, "torchledger": ledger, "pass-through dispatch mode": pass_through,
+           "FlopCounterMode": flop_counter,
            "torch.profiler(memory,flops)": profiler}
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
