@@ -165,7 +165,7 @@ def test_sarif_levels_locations_and_rules():
         Finding("TL-MEM-001", "error", "does not fit", module=""),
         Finding("TL-FLOP-001", "info", "3 ops uncounted: a, b. More text."),
         Finding("TL-COPY-003", "warning", "again", location="/abs/dir with space/m.py:7"),
-        Finding("TL-LINT-001", "info", "windows", location="C:\\work\\m.py:3"),
+        Finding("TL-LINT-001", "info", "windows", location="C:\\proj\\m.py:3"),
     ]
     log = findings_to_sarif(findings, "1.2.3")
     assert log["$schema"] == SARIF_SCHEMA and log["version"] == "2.1.0"
@@ -187,7 +187,7 @@ def test_sarif_levels_locations_and_rules():
     assert "locations" not in res[2]
     assert res[3]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == \
         "file:///abs/dir%20with%20space/m.py"
-    assert res[4]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "file:///C:/work/m.py"
+    assert res[4]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "file:///C:/proj/m.py"
     json.dumps(log)                                     # plain JSON all the way down
 
 
