@@ -59,6 +59,22 @@ def _emit(text: str, output) -> None:
         click.echo(text)
 
 
+def _load_record(path, label):
+    """A saved record, or one line saying what arrived instead and how to make one."""
+    from ..record import StepRecord
+    try:
+        with open(path, encoding="utf-8") as f:
+            return StepRecord.from_json(f.read())
+    except FileNotFoundError:
+        raise InputError(f"{label}: no such file; expected a record JSON written by "
+                         f"`torchledger audit FILE.py --format json --output a.json`") from None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise InputError(f"{label}: not a torchledger record ({e}); write one with "
+                         f"`torchledger audit FILE.py --format json --output a.json`") from None
+    except OSError as e:
+        raise InputError(f"{label}: cannot read ({e.strerror or e})") from None
+
+
 def _exit_code(findings, fail_on: str) -> int:
     from ..settings import SEVERITY_RANK
     limit = SEVERITY_RANK[fail_on]
@@ -90,7 +106,6 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline."""
     from ..audit import AuditError, run_audit
-    from ..record import StepRecord
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings
 
     fmt = _resolve_format(fmt, output)
@@ -99,17 +114,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         settings = load_settings(file if os.path.exists(file) else os.getcwd())
     except SettingsError as e:
         raise InputError(str(e)) from None
-    base = None
-    if baseline:
-        try:
-            with open(baseline, encoding="utf-8") as f:
-                base = StepRecord.from_json(f.read())
-        except FileNotFoundError:
-            raise InputError(f"--baseline {baseline}: no such file; expected a JSON written by "
-                             f"`torchledger audit --format json`") from None
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise InputError(f"--baseline {baseline}: not a torchledger audit JSON ({e}); write one "
-                             f"with `torchledger audit FILE.py --format json --output base.json`") from None
+    base = _load_record(baseline, f"--baseline {baseline}") if baseline else None
     if memory_snapshot and device != "cuda":
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
@@ -172,16 +177,8 @@ def _findings(run, settings, peak, peak_source) -> list:
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
 def report(record_file, fmt, output, depth):
     """Render a saved audit or trace record (JSON) in any format, offline."""
-    from ..record import StepRecord
     from ..render import render
     fmt = _resolve_format(fmt, output)
-    try:
-        with open(record_file, encoding="utf-8") as f:
-            rec = StepRecord.from_json(f.read())
-    except FileNotFoundError:
-        raise InputError(f"{record_file}: no such file; expected a record JSON from "
-                         f"`torchledger audit --format json`") from None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise InputError(f"{record_file}: not a torchledger record ({e})") from None
+    rec = _load_record(record_file, record_file)
     _emit(render(rec, rec.findings, fmt, depth=depth), output)
     return 0

@@ -275,20 +275,14 @@ class LedgerMode(TorchDispatchMode):
         dst = out if isinstance(out, _Tensor) else None
         if not isinstance(src, _Tensor) or dst is None:
             return
-        if func is _aten._to_copy.default:
+        if func is _aten._to_copy.default or func is _aten.copy_.default:
+            prefix = "" if func is _aten._to_copy.default else "copy_ "
             if dst.dtype != src.dtype:
-                reason = f"dtype {_short(src.dtype)}->{_short(dst.dtype)}"
+                reason = f"{prefix}dtype {_short(src.dtype)}->{_short(dst.dtype)}"
             elif dst.device != src.device:
-                reason = f"device {src.device.type}->{dst.device.type}"
+                reason = f"{prefix}device {src.device.type}->{dst.device.type}"
             else:
-                reason = "to() copy"
-        elif func is _aten.copy_.default:
-            if dst.dtype != src.dtype:
-                reason = f"copy_ dtype {_short(src.dtype)}->{_short(dst.dtype)}"
-            elif dst.device != src.device:
-                reason = f"copy_ device {src.device.type}->{dst.device.type}"
-            else:
-                reason = "copy_"
+                reason = prefix.strip() or "to() copy"
         else:
             reason = "contiguous of non-contiguous" if not src.is_contiguous() else "clone"
         if func is _aten._to_copy.default and phase != BACKWARD:
