@@ -66,7 +66,7 @@ class LedgerGroup(click.Group):
             if debug:
                 raise
             click.echo(f"torchledger: error: {_one_line(e)}", err=True)
-            code = 2 if not isinstance(e, click.exceptions.FileError) else 2
+            code = 2
         else:
             code = rv if isinstance(rv, int) else 0
         if standalone_mode:
@@ -75,7 +75,7 @@ class LedgerGroup(click.Group):
 
 
 def _one_line(e: click.ClickException) -> str:
-    msg = e.format_message() if not isinstance(e, click.UsageError) else e.format_message()
+    msg = e.format_message()
     ctx = getattr(e, "ctx", None)
     if isinstance(e, click.UsageError) and ctx is not None and not isinstance(e, InputError):
         msg = f"{msg} (see '{ctx.command_path} --help')"
