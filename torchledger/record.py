@@ -134,8 +134,10 @@ class StepRecord:
         schema = d.get("schema")
         if schema != SCHEMA:
             raise ValueError(f"expected schema {SCHEMA!r}, got {schema!r}; is this a torchledger record?")
+        _check_shape(d)
         totals = _empty_totals()
-        totals.update(d.get("totals", {}))
+        for key, value in d.get("totals", {}).items():      # nested parts keep their defaults
+            totals[key] = {**totals[key], **value} if key in _NESTED_TOTALS else value
         return cls(meta=d.get("meta", {}), totals=totals, predictions=d.get("predictions", {}),
                    modules=d.get("modules", []), ops=d.get("ops", []),
                    uncounted_ops=d.get("uncounted_ops", []), copies=d.get("copies", []),
@@ -165,6 +167,51 @@ class StepRecord:
 
 _OP_COLUMNS = ["op", "phase", "module", "kind", "count", "flops", "flops_causal",
                "bytes_read", "bytes_written"]
+
+
+_SECTIONS = {"meta": dict, "totals": dict, "predictions": dict, "modules": list, "ops": list,
+             "uncounted_ops": list, "copies": list, "memory": dict, "optimizer": dict,
+             "findings": list, "warnings": list}
+_NESTED_TOTALS = ("flops", "attention_flops", "elementwise_flops")
+_MODULE_KEYS = {"name": str, "type": str, "depth": int, "params": int, "flops_forward": int,
+                "flops_backward": int, "activation_bytes": int}
+
+
+def _check_shape(d: dict) -> None:
+    """Refuse a record whose fields the renderers and analyzers could not read, naming the
+    first bad field (a hand-edited or truncated file must be one clear error, not a crash)."""
+    def bad(where, expected, value):
+        raise ValueError(f"{where}: expected {expected}, got {type(value).__name__}")
+
+    for key, kind in _SECTIONS.items():
+        if key in d and not isinstance(d[key], kind):
+            bad(key, "an object" if kind is dict else "a list", d[key])
+    totals = d.get("totals", {})
+    for key, value in totals.items():
+        if key in _NESTED_TOTALS:
+            if not isinstance(value, dict) or not all(_is_num(v) for v in value.values()):
+                bad(f"totals.{key}", "an object of numbers", value)
+        elif key in ("peak_phase", "peak_module"):
+            if not (value is None or isinstance(value, str)):
+                bad(f"totals.{key}", "a string", value)
+        elif not (value is None or _is_num(value) or isinstance(value, dict)):
+            bad(f"totals.{key}", "a number", value)
+    for section in ("modules", "ops", "uncounted_ops", "copies", "findings"):
+        for i, item in enumerate(d.get(section, [])):
+            if not isinstance(item, dict):
+                bad(f"{section}[{i}]", "an object", item)
+    for i, m in enumerate(d.get("modules", [])):
+        for key, kind in _MODULE_KEYS.items():
+            if key in m and not (isinstance(m[key], kind) and not isinstance(m[key], bool)):
+                bad(f"modules[{i}].{key}", "a string" if kind is str else "a whole number", m[key])
+    for i, f in enumerate(d.get("findings", [])):
+        for key in ("rule", "severity", "message"):
+            if not isinstance(f.get(key), str):
+                bad(f"findings[{i}].{key}", "a string", f.get(key))
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _jsonable(x):
