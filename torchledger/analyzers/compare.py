@@ -76,9 +76,10 @@ def predictions(record) -> dict:
     return out
 
 
-def comparisons(record) -> list:
-    """Rows of measured vs predicted with the gap explained."""
-    t, p = record.totals, predictions(record)
+def comparisons(record, p=None) -> list:
+    """Rows of measured vs predicted with the gap explained (``p``: ``predictions(record)``,
+    when the caller has it already)."""
+    t, p = record.totals, p if p is not None else predictions(record)
     rows = []
     cfg = _config(record)
     if "params_exact" in p:

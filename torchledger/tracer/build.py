@@ -228,7 +228,7 @@ def _predictions(rec) -> dict:
     from ..analyzers.compare import comparisons, predictions
     try:
         p = predictions(rec)
-        rows = comparisons(rec)
+        rows = comparisons(rec, p)
     except Exception as e:  # a prediction must never cost the user the measurement
         rec.warnings.append(f"predictions unavailable: {type(e).__name__}: {e}")
         p, rows = {}, []

@@ -76,7 +76,6 @@ class LedgerMode(TorchDispatchMode):
         self._last_phase = -1
         self.on_phase = None         # callback(phase) at phase changes (CUDA memory marks)
         self._finfo = {}             # id(func) -> (is alias, is copy, is permute, zeroes)
-        self.op_func: list = []      # the op of each index (for where retained storages came from)
         self.grad_watch = False      # after an optimizer step: note grads being zeroed
         self.zeroed: set = set()
         self.scalar_sites: dict = {}  # op index -> user line, for 0-dim forward outputs
@@ -146,7 +145,6 @@ class LedgerMode(TorchDispatchMode):
                                        func in _PERMUTE_OPS, func in _ZERO_OPS)
             self.funcs[fid] = func
         alias = info[0]
-        self.op_func.append(func)
 
         fc = op_flops(func, args, kwargs, out)
         if fc is not None and fc.kind == "matmul" and (self.sdpa_depth or self.attn_ranges):
@@ -204,13 +202,13 @@ class LedgerMode(TorchDispatchMode):
         if isinstance(out, _Tensor):
             written = out.nbytes
             if track:
-                st.add(out.untyped_storage(), TEMP, at=idx)
+                st.add(out.untyped_storage(), TEMP, at=idx, op=func)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, _Tensor):
                     written += o.nbytes
                     if track:
-                        st.add(o.untyped_storage(), TEMP, at=idx)
+                        st.add(o.untyped_storage(), TEMP, at=idx, op=func)
         row[3] += read
         row[4] += written
         if info[1]:

@@ -33,13 +33,15 @@ class StorageTracker:
         self.free: list[int] = []
         self.nbytes: list[int] = []
         self.cat: list[int] = []
+        self.op: list = []                  # the op that made each storage (None: not an op)
         self.live: dict[int, int] = {}      # storage cdata -> lifetime index (while alive)
         self._refs: dict[int, object] = {}
         self.now = 0                        # ops completed so far (set by the dispatch mode)
         self.closed = False
 
-    def add(self, storage, category: int, at: int | None = None) -> int:
-        """Start tracking ``storage`` (an UntypedStorage); returns its lifetime index."""
+    def add(self, storage, category: int, at: int | None = None, op=None) -> int:
+        """Start tracking ``storage`` (an UntypedStorage) made by ``op`` (if an op made it);
+        returns its lifetime index."""
         key = storage._cdata
         k = self.live.get(key)
         if k is not None:
@@ -49,6 +51,7 @@ class StorageTracker:
         self.free.append(-1)
         self.nbytes.append(storage.nbytes())
         self.cat.append(category)
+        self.op.append(op)
         self.live[key] = k
         self._refs[key] = weakref.ref(storage, lambda _r, key=key, k=k: self._freed(key, k))
         return k

@@ -38,7 +38,7 @@ def retention(tracer, model, record) -> None:
         origin = tracer._carried.get(k)
         if origin is None:
             i = st.alloc[k]
-            op = mode.op_func[i] if i < len(mode.op_func) else None
+            op = st.op[k]
             origin = {"step": tracer.step_index, "op": str(op) if op is not None else None,
                       "module": scope.name(mode.op_module[i]) if i < len(mode.op_module) else None,
                       "phase": PHASES[mode.op_phase[i]] if i < len(mode.op_phase) else None,
