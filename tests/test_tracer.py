@@ -389,3 +389,25 @@ def test_views_are_counted_and_confirmed_by_storage():
     views = t.record.totals["view_ops"]
     assert views["forward"] >= 1            # squeeze(-1) of the output is a view, not a copy
     assert t.record.copies == []
+
+
+def test_bytes_and_peak_by_hand():
+    class MM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 6))
+
+        def forward(self, x):
+            return torch.mm(x, self.w)
+    model, x = MM(), torch.randn(4, 5)
+    with torchledger.trace(model) as t:
+        model(x)
+    tot, mem = t.record.totals, t.record.memory
+    assert tot["flops"]["forward"] == 240                          # 4*6*2*5
+    assert tot["bytes_read"] == 4 * 5 * 4 + 5 * 6 * 4              # x 80 + w 120 = 200
+    assert tot["bytes_written"] == 4 * 6 * 4                       # y 96
+    assert tot["activation_bytes"] == 80                           # mm saves x for w's grad
+    # live at the mm: w 120 (parameters) + x 80 (saved: activations) + y 96 (temporaries)
+    assert tot["peak_bytes"] == 296
+    assert mem["peak_breakdown"] == {"parameters": 120, "buffers": 0, "gradients": 0,
+                                     "optimizer_state": 0, "activations": 80, "temporaries": 96}
