@@ -334,7 +334,7 @@ def test_ledger_samples_one_step_in_k():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ledger = torchledger.Ledger(model, optimizer=opt, sample_every=3)
     for _ in range(7):
-        with ledger.step(tokens=4) as t:
+        with ledger.step(tokens=4):
             model(torch.randn(4, 128)).sum().backward()
             opt.step()
             opt.zero_grad()

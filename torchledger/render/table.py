@@ -26,7 +26,6 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
     if is_empty(record):
         return EMPTY_SENTENCE
     findings = as_findings(record, findings)
-    t = record.totals
     m = record.meta
     kernels = m.get("attention_kernels")
     lines = [
