@@ -208,3 +208,26 @@ def test_allocator_unavailable_is_said_not_zeroed(tmp_path):
     alloc = json.loads(r.stdout)["memory"]["allocator"]
     assert alloc["available"] is False and "unavailable" in alloc["reason"]
     assert "CUDA allocator: CUDA allocator data unavailable" in run("audit", path, "--steps", "1").stdout
+
+
+def test_console_entry_exits_fast_but_runs_exit_handlers_and_flushes(tmp_path):
+    """`python -m torchledger` leaves with os._exit (no interpreter teardown): the exit code,
+    the whole report on stdout, the one-line error on stderr and the user's atexit handlers
+    must all survive that."""
+    import subprocess
+    import sys
+    marker = tmp_path / "atexit.txt"
+    model = write(tmp_path, "m.py", f"""
+        import atexit, torch, torchledger
+        atexit.register(lambda: open({str(marker)!r}, "w").write("ran"))
+        def audit_spec():
+            return torchledger.AuditSpec(torch.nn.Linear(4, 6), torch.randn(2, 4))
+    """)
+    r = subprocess.run([sys.executable, "-m", "torchledger", "audit", str(model), "--steps", "1",
+                        "--format", "json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["totals"]["flops"]["forward"] == 2 * 2 * 4 * 6   # 96: all of it arrived
+    assert marker.read_text() == "ran"
+    r = subprocess.run([sys.executable, "-m", "torchledger", "audit", str(tmp_path / "none.py")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
