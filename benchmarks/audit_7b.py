@@ -1,11 +1,13 @@
 """`torchledger audit` of a Hugging Face Llama-2-7B file on fake tensors: wall time and peak RSS.
 
-    python benchmarks/audit_7b.py [--repeats 3] [--example examples/hf_llama2_7b.py]
+    python benchmarks/audit_7b.py [--repeats 3] [--example examples/hf_llama2_7b.py] [--json OUT]
 
 Runs the real command line in a fresh process each time (imports included), batch 1,
-sequence 2048, one step, and reports the median wall time and the largest peak RSS
-(getrusage of the child). Beside it, the same model's untraced fake step in one process,
-so the tracer's share of the time is visible. Targets: <= 10 s wall, <= 1 GB RSS.
+sequence 2048, one step, and reports the median wall time and the largest peak RSS. Beside
+it, interleaved run for run, the floor: a fresh process that imports the same things, builds
+the same spec and runs the same step on fake tensors with no tracing, no analysis and no
+report, and exits the same way. The ratio audit / floor is torchledger's cost; the floor is
+what the machine, torch and transformers cost. Targets: <= 10 s wall, <= 1 GB RSS.
 Needs `pip install transformers`.
 """
 from __future__ import annotations
@@ -13,24 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-UNTRACED = r"""
-import time, sys
+FLOOR = r"""
+import os, sys, time
 t0 = time.perf_counter()
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 sys.path.insert(0, sys.argv[2])
 from torchledger.audit import load_entry, default_loss
+t1 = time.perf_counter()
 fn = load_entry(sys.argv[1])
 with FakeTensorMode(allow_non_fake_inputs=True):
-    t1 = time.perf_counter()
     spec = fn()
     t2 = time.perf_counter()
     model = spec.model
@@ -38,12 +40,23 @@ with FakeTensorMode(allow_non_fake_inputs=True):
     loss = default_loss(model(**spec.inputs))
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     t3 = time.perf_counter()
-print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f}")
+print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f}", flush=True)
+os._exit(0)
 """
 
 
-def child_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # Linux: KiB
+def run_child(cmd) -> tuple[float, int, subprocess.CompletedProcess]:
+    """Wall seconds, this child's own peak RSS in bytes, and the finished process."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    return wall, usage.ru_maxrss * 1024, done        # Linux: ru_maxrss in KiB
 
 
 def main():
@@ -52,26 +65,35 @@ def main():
     ap.add_argument("--example", default=os.path.join(ROOT, "examples", "hf_llama2_7b.py"))
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
-    walls = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "torchledger", "audit", args.example, "--steps", "1",
-                            "--format", "json"], capture_output=True, text=True, cwd=ROOT)
-        walls.append(time.perf_counter() - t0)
+    audit_cmd = [sys.executable, "-m", "torchledger", "audit", args.example, "--steps", "1",
+                 "--format", "json"]
+    floor_cmd = [sys.executable, "-c", FLOOR, args.example, ROOT]
+    walls, floors, parts, rss = [], [], [], 0
+    for _ in range(args.repeats):               # interleaved, so drift of the machine hits both
+        wall, peak, r = run_child(audit_cmd)
         if r.returncode not in (0, 1):
             sys.exit(f"audit failed ({r.returncode}): {r.stderr.strip()[-500:]}")
-    totals = json.loads(r.stdout)["totals"]
-    rss = child_rss_bytes()
-    u = subprocess.run([sys.executable, "-c", UNTRACED, args.example, ROOT], capture_output=True,
-                       text=True, cwd=ROOT)
-    imports, build, step = (float(x) for x in u.stdout.split()[-3:])
-    out = {"audit_wall_s_median": statistics.median(walls), "audit_wall_s": walls,
-           "peak_rss_bytes": rss, "params": totals["params"], "flops_total": totals["flops"]["total"],
-           "untraced": {"imports_s": imports, "build_s": build, "step_s": step}}
-    print(f"audit (fake, 1 step, imports included): median {out['audit_wall_s_median']:.2f} s "
-          f"over {len(walls)} runs; peak RSS {rss / 2**20:.0f} MiB")
+        walls.append(wall)
+        rss = max(rss, peak)
+        totals = json.loads(r.stdout)["totals"]
+        wall, _, u = run_child(floor_cmd)
+        if u.returncode != 0:
+            sys.exit(f"floor run failed ({u.returncode}): {u.stderr.strip()[-500:]}")
+        floors.append(wall)
+        parts.append([float(x) for x in u.stdout.split()[-3:]])
+    audit_s, floor_s = statistics.median(walls), statistics.median(floors)
+    imports, build, step = (statistics.median(p[i] for p in parts) for i in range(3))
+    out = {"audit_wall_s_median": audit_s, "audit_wall_s": walls, "floor_wall_s_median": floor_s,
+           "floor_wall_s": floors, "audit_over_floor": audit_s / floor_s, "peak_rss_bytes": rss,
+           "params": totals["params"], "flops_total": totals["flops"]["total"],
+           "floor_parts_s": {"imports": imports, "load_and_build": build, "fake_step": step}}
+    print(f"audit (fake, 1 step, imports included): median {audit_s:.2f} s over {len(walls)} runs; "
+          f"peak RSS {rss / 2**20:.0f} MiB")
+    print(f"floor (same imports, spec and fake step, untraced, no report): median {floor_s:.2f} s; "
+          f"audit / floor = {audit_s / floor_s:.2f}x")
+    print(f"floor parts (medians): import torch + torchledger {imports:.2f} s, load file + import "
+          f"transformers + build {build:.2f} s, fake step {step:.2f} s")
     print(f"params {totals['params']:,}; FLOPs {totals['flops']['total']:,}")
-    print(f"untraced in one process: imports {imports:.2f} s, build {build:.2f} s, fake step {step:.2f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
