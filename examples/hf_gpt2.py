@@ -12,7 +12,8 @@ def audit_spec():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
-                        attn_implementation="sdpa")
+                        attn_implementation="sdpa",
+                        use_cache=False)    # training: no K/V cache in the output (TL-MEM-001)
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, config.vocab_size, (1, 1024))
     return torchledger.AuditSpec(model, {"input_ids": ids, "labels": ids})

@@ -14,7 +14,8 @@ def audit_spec():
     config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                          max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         attn_implementation="sdpa")
+                         attn_implementation="sdpa",
+                         use_cache=False)   # training: no K/V cache (2 GiB here) in the output (TL-MEM-001)
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (1, 2048))
     return torchledger.AuditSpec(model, {"input_ids": ids, "labels": ids})

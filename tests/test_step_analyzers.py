@@ -175,3 +175,61 @@ def test_trace_findings_take_options():
         model(torch.randn(4, 128)).sum().backward()
     assert "TL-MFU-001" in {f.rule for f in t.findings()}
     assert "TL-MFU-001" not in {f.rule for f in t.findings(min_mfu=1e-30)}
+
+
+class _CachingLM(nn.Module):
+    """Returns its keys and values beside the loss, as Hugging Face models do with use_cache."""
+
+    def __init__(self, d=32, vocab=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.k, self.v, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        k, v = self.k(x), self.v(x)
+        att = torch.softmax(x @ k.transpose(1, 2), dim=-1) @ v
+        loss = nn.functional.cross_entropy(self.head(att).flatten(0, 1), ids.flatten())
+        return {"loss": loss, "past_key_values": [(k, v)]}
+
+
+def _cache_step(model, train=True, no_grad=False):
+    model.train(train)
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 64, (4, 16))
+    with torchledger.trace(model, optimizer=opt, tokens=64) as t:
+        if no_grad:
+            with torch.no_grad():
+                model(ids)
+        else:
+            out = model(ids)
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    return t
+
+
+def test_returned_kv_cache_is_measured_and_flagged():
+    torch.manual_seed(0)
+    t = _cache_step(_CachingLM())
+    cache = t.record.memory["output_cache"]
+    kv = 2 * 4 * 16 * 32 * 4          # k and v: batch 4 x seq 16 x d 32, fp32 = 16,384 bytes
+    assert cache["field"] == "past_key_values" and cache["cache_type"] == "list"
+    assert cache["tensors"] == 2 and cache["bytes"] == kv
+    assert cache["bytes_at_optimizer"] == kv        # `out` still holds them during opt.step()
+    assert t.record.totals["peak_phase"] == "optimizer"          # AdamW's first step allocates state
+    (f,) = [f for f in t.findings() if f.rule == "TL-MEM-001"]
+    assert f.severity == "warning" and f.measured == kv == cache["bytes_at_peak"]
+    assert f"({kv / t.record.totals['peak_bytes']:.1%})" in f.message
+    assert "use_cache=False" in f.hint
+    again = StepRecord.from_json(t.record.to_json())             # offline: same verdict
+    assert [g.to_dict() for g in run_checks([again]) if g.rule == "TL-MEM-001"] == [f.to_dict()]
+    # the share that makes it a warning comes from the options
+    assert [g.severity for g in t.findings(cache_share=1.0) if g.rule == "TL-MEM-001"] == ["info"]
+
+
+@pytest.mark.parametrize("train,no_grad", [(False, False), (True, True)])
+def test_no_cache_finding_for_eval_or_no_grad_forwards(train, no_grad):
+    t = _cache_step(_CachingLM(), train=train, no_grad=no_grad)
+    assert "output_cache" not in t.record.memory
+    assert not [f for f in t.findings() if f.rule == "TL-MEM-001"]

@@ -8,6 +8,7 @@
     min_mfu = 0.3                # also the low-MFU threshold
     tolerance = 0.05             # comparisons: unexplained gap that becomes a finding
     copy_share = 0.10            # copies: share of bytes moved that is reported
+    cache_share = 0.01           # TL-MEM-001: a returned KV cache this share of the peak warns
     baseline_tolerance = 0.01    # --baseline: growth that fails
     leak_min_bytes = 1024        # TL-LEAK-001 ignores slower growth than this per step
 
@@ -33,6 +34,7 @@ _PARSERS = {
     "min_mfu": ("a fraction in (0, 1]", lambda v: _fraction(v)),
     "tolerance": ("a fraction such as 0.05", lambda v: _fraction(v)),
     "copy_share": ("a fraction such as 0.1", lambda v: _fraction(v)),
+    "cache_share": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "baseline_tolerance": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "leak_min_bytes": ("a size such as 1024 or 1KiB", lambda v: units.parse_bytes(v)),
 }

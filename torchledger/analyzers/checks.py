@@ -50,8 +50,9 @@ def _all():
     from .copies import check_copies
     from .leaks import check_leaks
     from .mfu import check_mfu
-    return [check_comparisons, check_copies, check_leaks, check_mfu, check_allocator,
-            check_uncounted_ops, check_tracer_warnings]
+    from .outputs import check_output_cache
+    return [check_comparisons, check_copies, check_leaks, check_output_cache, check_mfu,
+            check_allocator, check_uncounted_ops, check_tracer_warnings]
 
 
 ALL_CHECKS = _all()

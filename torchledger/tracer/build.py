@@ -149,6 +149,9 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
                 "gradients and optimizer state; inputs made before the step count once saved",
     }
 
+    if tracer._output_caches:
+        rec.memory["output_cache"] = _output_cache(tracer, op_phase, peak_idx)
+
     # -- modules (inclusive of children, named_modules() order) --------------------------------
     own = {
         "params": np.asarray(scope.own_params + [0], dtype=np.int64),
@@ -202,6 +205,23 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     rec.memory["allocator"] = _allocator(tracer)
     rec.predictions = _predictions(rec)
     return rec
+
+
+def _output_cache(tracer, op_phase, peak_idx: int) -> dict:
+    """The key/value caches the model returned, and how much of them was live when it counted:
+    at the step's peak, and when the optimizer step began (after backward nothing reads them)."""
+    st, caches = tracer.storages, tracer._output_caches
+    lifetimes = sorted({k for c in caches for k in c["lifetimes"]})
+    opt_ops = np.flatnonzero(op_phase[:-1] == OPTIMIZER)
+
+    def live_at(i: int) -> int:
+        return sum(st.nbytes[k] for k in lifetimes if st.alloc[k] <= i and (st.free[k] < 0 or st.free[k] > i))
+
+    first = caches[0]
+    return {"field": first["field"], "cache_type": first["cache_type"], "forwards": len(caches),
+            "tensors": sum(c["tensors"] for c in caches), "bytes": sum(c["bytes"] for c in caches),
+            "bytes_at_peak": live_at(peak_idx),
+            "bytes_at_optimizer": live_at(int(opt_ops[0])) if opt_ops.size else None}
 
 
 def _allocator(tracer) -> dict:

@@ -20,6 +20,7 @@ from .build import build_record
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker
 from .modules import ModuleScope
+from .outputs import output_cache
 
 __all__ = ["StepTracer", "active_tracer"]
 
@@ -91,6 +92,8 @@ class StepTracer:
             self._grads_after_step: dict = {}
             self.optimizer_steps = 0
             self.scope.install(stack)
+            self._output_caches: list = []
+            stack.enter_context(model.register_forward_hook(self._model_output))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
             from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                                register_optimizer_step_pre_hook)
@@ -161,6 +164,27 @@ class StepTracer:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
         return t
 
+    def _model_output(self, model, args, output):
+        """A key/value cache returned by a training forward (see ``outputs``)."""
+        try:
+            if not model.training or not torch.is_grad_enabled() or _current_node() is not None:
+                return
+            found = output_cache(output)
+            if found is None:
+                return
+            name, cache_type, tensors = found
+            lifetimes, nbytes = set(), {}
+            for t in tensors:
+                s = t.untyped_storage()
+                nbytes[s._cdata] = s.nbytes()
+                k = self.storages.live.get(s._cdata)
+                if k is not None:
+                    lifetimes.add(k)
+            self._output_caches.append({"field": name, "cache_type": cache_type, "tensors": len(tensors),
+                                        "bytes": sum(nbytes.values()), "lifetimes": sorted(lifetimes)})
+        except Exception as e:
+            self._warn(f"model output hook: {type(e).__name__}: {e}")
+
     def _grad_ready(self, p):
         try:
             if p.grad is not None:
@@ -211,6 +235,9 @@ class StepTracer:
     def _warn(self, msg: str) -> None:
         if len(self._warnings) < 50:
             self._warnings.append(msg)
+
+
+_current_node = torch._C._current_autograd_node
 
 
 def _unpack(t):
