@@ -10,8 +10,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from _optional_hypothesis import given, settings, st  # skipped without hypothesis
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -3,9 +3,8 @@ import json
 
 import pytest
 import torch
+from _optional_hypothesis import given, settings, st  # skipped without hypothesis
 from click.testing import CliRunner
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from torchledger.analyzers import count_params
 from torchledger.cli import cli
