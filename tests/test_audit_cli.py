@@ -231,3 +231,31 @@ def test_console_entry_exits_fast_but_runs_exit_handlers_and_flushes(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torchledger", "audit", str(tmp_path / "none.py")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
+
+
+DEVICELESS_COUNTER = """
+    import torch, torchledger
+    from torchledger.models import build_model
+
+    class CountingSGD(torch.optim.SGD):
+        # as torch 2.11/2.12's Adam: a step counter made with no device, read back with .item()
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                st = self.state[p]
+                st["n"] = st.get("n", torch.tensor(0.0)) + 1
+                st["n"].item()
+            return super().step(closure)
+
+    def audit_spec():
+        model = build_model("gpt2-tiny")
+        idx = torch.randint(0, 512, (2, 16))
+        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx},
+                                     optimizer=lambda ps: CountingSGD(ps, lr=0.1))
+"""
+
+
+def test_meta_audit_optimizer_scalars_made_without_device(tmp_path):
+    path = write(tmp_path, "m.py", DEVICELESS_COUNTER)
+    r = run("audit", path, "--device", "meta", "--format", "json", "--steps", "2")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["totals"]["flops"]["total"] > 0

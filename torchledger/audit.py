@@ -190,6 +190,8 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
             opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
         except Exception as e:
             raise AuditError(f"{_where(e, path)}: making the optimizer raised {type(e).__name__}: {_msg(e)}") from None
+        if device == "meta":
+            opt.step = _step_with_cpu_default(opt.step)
         ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
         for _ in range(steps):
             with ledger.step(tokens=tokens, seq_len=seq):
@@ -215,6 +217,25 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
         if peak_flops:
             t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak_flops
     return run
+
+
+def _step_with_cpu_default(step):
+    """``optimizer.step`` with the CPU as the default device, for meta audits.
+
+    The step runs inside ``torch.device("meta")``; an optimizer that makes a scalar with no
+    device and reads it back with ``.item()`` (Adam/AdamW's ``state["step"]`` on torch 2.11
+    and 2.12; 2.13 says ``device="cpu"``) fails there. State made ``*_like`` a parameter
+    stays on meta either way.
+    """
+    import functools
+
+    import torch
+
+    @functools.wraps(step)
+    def wrapped(*args, **kwargs):
+        with torch.device("cpu"):
+            return step(*args, **kwargs)
+    return wrapped
 
 
 def _one_step(spec, model, inputs, opt):
