@@ -259,3 +259,18 @@ def test_meta_audit_optimizer_scalars_made_without_device(tmp_path):
     r = run("audit", path, "--device", "meta", "--format", "json", "--steps", "2")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["totals"]["flops"]["total"] > 0
+
+
+def test_audit_gpu_fit_gates_ci():
+    """llama2-7b in fp32 with AdamW holds ~16 bytes/param: it cannot fit one 80 GB H100 (error,
+    exit 1) and fits a 141 GB H200 with room to spare (info, exit 0)."""
+    path = os.path.join(EXAMPLES, "llama2_7b.py")
+    r = run("audit", path, "--steps", "1", "--gpu", "h100", "--format", "json")
+    assert r.exit_code == 1, r.output
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "TL-MEM-002"]
+    assert f["severity"] == "error" and f["expected"] == 80e9 and f["measured"] > 16 * 6_738_415_616
+    r = run("audit", path, "--steps", "1", "--gpu", "h200", "--format", "json")
+    assert r.exit_code == 0, r.output
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "TL-MEM-002"]
+    assert f["severity"] == "info" and f["measured"] < 0.9 * 141e9
+    one_line_error(run("audit", path, "--gpu", "z999"), "--gpu")

@@ -233,3 +233,31 @@ def test_no_cache_finding_for_eval_or_no_grad_forwards(train, no_grad):
     t = _cache_step(_CachingLM(), train=train, no_grad=no_grad)
     assert "output_cache" not in t.record.memory
     assert not [f for f in t.findings() if f.rule == "TL-MEM-001"]
+
+
+def _with_peak(peak_bytes, phase="optimizer"):
+    rec = StepRecord()
+    rec.totals.update(peak_bytes=peak_bytes, peak_phase=phase, param_bytes=10, grad_bytes=10,
+                      optimizer_state_bytes=20)
+    return rec
+
+
+@pytest.mark.parametrize("peak, severity", [
+    (80_000_000_001, "error"),        # one byte over an H100's 80 GB
+    (80_000_000_000, "warning"),      # fits exactly: no room for the CUDA context
+    (72_000_000_001, "warning"),      # 0.1% less than 10% headroom
+    (72_000_000_000, "info"),         # exactly 10% to spare
+])
+def test_gpu_fit_thresholds_by_hand(peak, severity):
+    from torchledger.analyzers.fit import check_gpu_fit
+    (f,) = check_gpu_fit([_with_peak(peak)], {"gpu": "H100"})
+    assert (f.rule, f.severity, f.measured, f.expected) == ("TL-MEM-002", severity, peak, 80e9)
+    assert "H100 SXM" in f.message and "the optimizer step" in f.message
+    assert check_gpu_fit([_with_peak(peak)], {}) == []                   # no GPU named: no verdict
+    assert check_gpu_fit([_with_peak(peak)], {"gpu": "no-such-gpu"}) == []
+
+
+def test_gpu_fit_from_a_traced_step():
+    rec = traced("gpt2-tiny")
+    (f,) = [f for f in run_checks([rec], {"gpu": "A100"}) if f.rule == "TL-MEM-002"]
+    assert f.severity == "info" and f.measured == rec.totals["peak_bytes"] and "under 0.1%" in f.message

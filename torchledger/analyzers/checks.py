@@ -49,10 +49,11 @@ def _all():
     from .compare import check_comparisons
     from .copies import check_copies
     from .leaks import check_leaks
+    from .fit import check_gpu_fit
     from .mfu import check_mfu
     from .outputs import check_output_cache
-    return [check_comparisons, check_copies, check_leaks, check_output_cache, check_mfu,
-            check_allocator, check_uncounted_ops, check_tracer_warnings]
+    return [check_comparisons, check_copies, check_leaks, check_output_cache, check_gpu_fit,
+            check_mfu, check_allocator, check_uncounted_ops, check_tracer_warnings]
 
 
 ALL_CHECKS = _all()

@@ -97,7 +97,9 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--baseline", type=click.Path(dir_okay=False), default=None,
               help="A previous audit JSON: fail when FLOPs or bytes grew beyond the tolerance.")
 @click.option("--peak-flops", type=FLOPS, default=None, help="Peak FLOP/s for MFU (e.g. 989.5T).")
-@click.option("--gpu", default=None, help="GPU whose bf16 peak to use for MFU (e.g. H100).")
+@click.option("--gpu", default=None,
+              help="GPU (e.g. H100) whose memory the step's peak must fit (TL-MEM-002) and whose bf16 "
+                   "peak MFU is measured against.")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
 @click.option("--memory-snapshot", type=click.Path(dir_okay=False), default=None,
               help="CUDA only: write the allocator snapshot of the last step (opens in PyTorch's memory_viz).")
@@ -130,7 +132,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         t = run.record.totals
         if t.get("step_seconds_untraced"):
             t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak
-    findings = _findings(run, settings, peak, peak_source)
+    findings = _findings(run, settings, peak, peak_source, gpu)
     rec = run.record
     findings += check_budgets(rec, settings)
     if base is not None:
@@ -154,9 +156,11 @@ def _write_snapshot(run, path) -> None:
     click.echo(f"torchledger: wrote {path} (open it at https://pytorch.org/memory_viz)", err=True)
 
 
-def _findings(run, settings, peak, peak_source) -> list:
+def _findings(run, settings, peak, peak_source, gpu=None) -> list:
     from ..analyzers.checks import run_checks
     options = {k: v for k, v in settings.items() if not k.startswith("_")}
+    if gpu:
+        options["gpu"] = gpu                    # TL-MEM-002: does the peak fit in its memory?
     if peak:
         options.update(peak_flops=peak, peak_source=peak_source)
     if getattr(run, "untraced_seconds", None):

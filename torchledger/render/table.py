@@ -44,6 +44,8 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
         for fd in findings:
             where = f" [{fd.location}]" if fd.location else (f" [{fd.module}]" if fd.module else "")
             lines.append(f"  {fd.severity:7s} {fd.rule}{where}: {fd.message}")
+            if fd.hint:
+                lines.append(f"          hint: {fd.hint}")
     for w in record.warnings[:5]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
