@@ -34,7 +34,8 @@ def check_gpu_fit(records, options=None) -> list:
     peak, memory = rec.totals.get("peak_bytes") or 0, gpu.memory_bytes
     if not peak or not memory:
         return []
-    where = {"optimizer": "the optimizer step"}.get(rec.totals.get("peak_phase"), rec.totals.get("peak_phase"))
+    phase = rec.totals.get("peak_phase")
+    where = "the optimizer step" if phase == "optimizer" else phase
     share = peak / memory
     what = (f"its peak, {fmt_bytes(peak)}{f' in {where}' if where else ''}, is "
             f"{f'{share:.1%}' if share >= 0.001 else 'under 0.1%'} of one {gpu.name}'s {fmt_bytes(memory)}")

@@ -28,17 +28,18 @@ def check_output_cache(records, options=None) -> list:
     model = rec.meta.get("model") or "the model"
     at_peak, at_opt = cache.get("bytes_at_peak") or 0, cache.get("bytes_at_optimizer")
     peak, phase = rec.totals.get("peak_bytes") or 0, rec.totals.get("peak_phase")
+    size = lambda n: fmt_bytes(n, binary=True)     # noqa: E731
     what = (f"{model} returned a key/value cache ({cache.get('cache_type')}, output field "
-            f"`{cache.get('field')}`) from a training forward: {fmt_bytes(cache['bytes'], binary=True)} of keys "
+            f"`{cache.get('field')}`) from a training forward: {size(cache['bytes'])} of keys "
             f"and values in {cache.get('tensors')} tensors, which a training step never reads")
     share = float((options or {}).get("cache_share", 0.01))
     if at_peak and phase == "optimizer" and peak and at_peak >= share * peak:
         severity = "warning"
         cost = (f"; it stays alive through the optimizer step, where the peak is: "
-                f"{fmt_bytes(at_peak, binary=True)} of the {fmt_bytes(peak, binary=True)} peak ({at_peak / peak:.1%})")
+                f"{size(at_peak)} of the {size(peak)} peak ({at_peak / peak:.1%})")
     elif at_opt:
         severity = "info"
-        cost = f"; {fmt_bytes(at_opt, binary=True)} of it is still alive when the optimizer step begins"
+        cost = f"; {size(at_opt)} of it is still alive when the optimizer step begins"
     else:
         severity = "info"
         cost = ""

@@ -214,8 +214,9 @@ def _output_cache(tracer, op_phase, peak_idx: int) -> dict:
     lifetimes = sorted({k for c in caches for k in c["lifetimes"]})
     opt_ops = np.flatnonzero(op_phase[:-1] == OPTIMIZER)
 
-    def live_at(i: int) -> int:
-        return sum(st.nbytes[k] for k in lifetimes if st.alloc[k] <= i and (st.free[k] < 0 or st.free[k] > i))
+    def live_at(i: int) -> int:             # as in the timeline: alloc <= i < free
+        return sum(st.nbytes[k] for k in lifetimes
+                   if st.alloc[k] <= i and (st.free[k] < 0 or st.free[k] > i))
 
     first = caches[0]
     return {"field": first["field"], "cache_type": first["cache_type"], "forwards": len(caches),
