@@ -115,6 +115,31 @@ def test_exception_inside_step_leaves_nothing_installed():
     assert hook_state() == before
     assert t.record is not None and t.record.meta["failed"]
     model(torch.randint(0, 512, (1, 8)))                              # model still works
+    assert model_hooks(model) == {}
+
+
+def model_hooks(model) -> dict:
+    """Hooks a tracer could leave on the user's own objects (the leak guard sees global ones)."""
+    left = {}
+    for name, mod in model.named_modules():
+        for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(mod, kind, None):
+                left[f"{name or '(root)'}.{kind}"] = len(getattr(mod, kind))
+    for name, p in model.named_parameters():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            left[f"{name}._post_accumulate_grad_hooks"] = len(p._post_accumulate_grad_hooks)
+    return left
+
+
+def test_a_finished_step_leaves_no_hooks_on_the_model():
+    model = build_model("gpt2-tiny")
+    opt = torch.optim.AdamW(model.parameters())
+    inputs = example_inputs("gpt2-tiny", batch=1, seq_len=8)
+    with torchledger.trace(model, optimizer=opt):
+        assert model_hooks(model)                                     # installed while tracing
+        model(**inputs).backward()
+        opt.step()
+    assert model_hooks(model) == {}
 
 
 def test_second_trace_is_a_clear_error():
