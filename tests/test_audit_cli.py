@@ -274,3 +274,13 @@ def test_audit_gpu_fit_gates_ci():
     (f,) = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "TL-MEM-002"]
     assert f["severity"] == "info" and f["measured"] < 0.9 * 141e9
     one_line_error(run("audit", path, "--gpu", "z999"), "--gpu")
+
+
+def test_python_api_example_runs_as_a_script():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "trace_step.py")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("torchledger step report: Transformer on cpu")
+    assert "FLOPs: forward" in r.stdout
