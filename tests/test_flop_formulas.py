@@ -132,6 +132,29 @@ def test_grouped_mm_direct_on_meta():
     assert cost.flops == 3072
 
 
+def test_transformers_grouped_mm_fallback_custom_op():
+    """transformers' MoE fallback: one custom op per grouped matmul; the mm calls inside it
+    never reach a dispatch mode, so the op itself carries the formula."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    x = torch.randn(12, 16, requires_grad=True)         # 12 token rows, sorted by expert
+    w = torch.randn(3, 16, 8, requires_grad=True)       # 3 experts, 16 -> 8
+    offs = torch.tensor([4, 9, 12])                     # groups of 4, 5 and 3 rows
+    # the Python body, traced op by op: 2*4*16*8 + 2*5*16*8 + 2*3*16*8 = 3072 = 2*12*16*8
+    assert tally(moe._grouped_mm_fallback, x.detach(), w.detach(), offs).flops["matmul"] == 3072
+    with FlopTally() as t:
+        torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs).sum().backward()
+    assert not t.uncounted
+    fwd = [c for f, c in t.ops if f is torch.ops.transformers.grouped_mm_fallback.default]
+    bwd = [c for f, c in t.ops if f is torch.ops.transformers.grouped_mm_fallback_backward.default]
+    assert fwd == [FlopCount("matmul", 3072, 3072)]
+    # grad_input 2*12*8*16 + grad_weight 2*16*12*8 = 6144
+    assert bwd == [FlopCount("matmul", 6144, 6144)]
+    # meta tensors, every argument by keyword
+    cost = op_flops(torch.ops.transformers.grouped_mm_fallback.default, (),
+                    {"input": meta(12, 16), "weight": meta(3, 16, 8), "offs": meta(3)}, None)
+    assert cost == FlopCount("matmul", 3072, 3072)
+
+
 @settings(deadline=None, max_examples=40)
 @given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 9), st.integers(1, 4))
 def test_matmul_property(m, k, n, b):
@@ -355,6 +378,11 @@ def test_elementwise_examples():
     t = tally(torch._foreach_add_, [torch.randn(3), torch.randn(2, 2)], 1.0)
     assert t.flops["elementwise"] == 7  # 3 + 2*2
     assert not t.uncounted
+    # floor_divide carries no pointwise tag in torch; MoE routing uses it
+    t = tally(torch.floor_divide, torch.arange(12).view(3, 4), torch.full((4,), 5))
+    assert dict(t.flops) == {"elementwise": 12} and not t.uncounted  # 3*4 outputs
+    t = tally(torch.arange(6).floor_divide_, 4)
+    assert dict(t.flops) == {"elementwise": 6} and not t.uncounted  # 6 outputs, in place
 
 
 def test_embedding_is_free_and_its_backward_elementwise():

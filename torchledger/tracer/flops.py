@@ -36,7 +36,9 @@ Known limitations:
       explicit attention mask are ignored: such attention is counted dense.
     - The math SDPA fallback (e.g. Dqk != Dv on CPU) reaches the tracer as bmm/softmax ops, so
       it is counted as "matmul" and never gets a causal discount.
-    - ``_grouped_mm`` assumes the groups in ``offs`` cover every row/column.
+    - ``_grouped_mm`` assumes the groups in ``offs`` cover every row/column; so do the
+      custom grouped-matmul ops of other libraries registered in ``_CUSTOM`` (a custom op's
+      inner aten ops never reach a dispatch mode, so each needs a formula of its own).
     - Counts are built from ``.shape``/``.numel()``: with symbolic shapes they are SymInts.
     - Composite ops (matmul, linear, einsum, conv2d) are costed through the ops they
       decompose into; they never reach a dispatch mode themselves.
@@ -141,6 +143,17 @@ def _grouped_mm(args, kwargs, out) -> FlopCount:
     return _matmul(n)
 
 
+def _grouped_fallback(func, passes: int) -> Handler:
+    """A grouped matmul run as one custom op: input [S, K] x weight [G, K, N] -> [S, N], the
+    rows split among the G groups (2*S*K*N); its backward makes grad_input and grad_weight
+    (``passes=2``). Read by argument name: callers pass some arguments as keywords."""
+    a_get, w_get = _getter(func, "input"), _getter(func, "weight")
+
+    def flops(args, kwargs, out):
+        return _matmul(passes * 2 * a_get(args, kwargs).numel() * w_get(args, kwargs).shape[-1])
+    return flops
+
+
 _MATMUL = {
     "mm": _contract(0, 1), "bmm": _contract(0, 1), "_int_mm": _contract(0, 1),
     "_scaled_mm": _scaled_mm,
@@ -148,6 +161,16 @@ _MATMUL = {
     "_addmm_activation": _contract(1, 2),
     "mv": _matvec(0), "dot": _matvec(0), "vdot": _matvec(0), "addmv": _matvec(1),
     "_grouped_mm": _grouped_mm, "_scaled_grouped_mm": _grouped_mm,
+}
+
+
+# Custom ops (full schema name -> handler builder) whose matmuls run inside the op, out of a
+# dispatch mode's sight. transformers' MoE experts fall back to this one (a loop of mm over the
+# experts) on CPU with torch <= 2.8, on unaligned CPU tensors with torch <= 2.10, and under
+# torch.compile with non-bf16 weights; uncounted, a Mixtral step loses 2/3 of its FLOPs.
+_CUSTOM = {
+    "transformers::grouped_mm_fallback": lambda func: _grouped_fallback(func, 1),
+    "transformers::grouped_mm_fallback_backward": lambda func: _grouped_fallback(func, 2),
 }
 
 
@@ -286,6 +309,9 @@ _FREE_OPS = frozenset("""
     sym_is_contiguous _has_compatible_shallow_copy_type
 """.split())
 _FREE_NAMESPACES = frozenset({"prim", "profiler"})
+# Element-wise arithmetic that torch leaves without the pointwise tag (on every overload):
+# floor_divide routes tokens to experts in transformers' MoE layers.
+_UNTAGGED_POINTWISE = frozenset({"floor_divide", "floor_divide_"})
 
 
 # --- resolution: once per OpOverload ------------------------------------------------------
@@ -308,8 +334,8 @@ def _resolve(func) -> Optional[Handler]:
     namespace, _, name = schema.name.partition("::")
     if namespace in _FREE_NAMESPACES:
         return _free
-    if namespace != "aten":
-        return None  # custom and collective ops: uncounted unless registered here
+    if namespace != "aten":  # custom and collective ops: uncounted unless registered here
+        return _CUSTOM[schema.name](func) if schema.name in _CUSTOM else None
     if name in _MATMUL:
         return _MATMUL[name]
     if name in _CONV_FORWARD:
@@ -334,6 +360,8 @@ def _resolve(func) -> Optional[Handler]:
         return _numel_of(func, "src" if "src" in [a.name for a in schema.arguments] else "index")
     if name in _FREE_OPS:
         return _free
+    if name in _UNTAGGED_POINTWISE:
+        return _pointwise
     tags = func.tags
     returns = schema.returns
     if (torch.Tag.view_copy in tags or torch.Tag.inplace_view in tags or (returns and all(
