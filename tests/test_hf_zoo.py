@@ -202,10 +202,6 @@ def test_llama_eager_attention_is_plain_bmm(audit):
     assert d["totals"]["attention_flops"]["dense"] == 0        # documented: no "attention" kind
 
 
-@pytest.mark.xfail(strict=True, reason="TL-COPY-003 false positive: HF repeat_kv materialises "
-                   "the expanded K (stride 0) with reshape, a copy that is required; the later "
-                   "K.transpose(2, 3) for Q K^T is read as 'permuted back' (tracer/dispatch.py "
-                   "_check_undone flags any non-contiguous view of the copy)")
 def test_llama_eager_gqa_copy_is_not_flagged(audit):
     assert warnings_of(audit("llama_eager")) == []
 
@@ -362,9 +358,6 @@ def test_mixtral_no_cmp_warning(audit):
     assert "TL-CMP-001" not in warnings_of(audit("mixtral_bf16"))
 
 
-@pytest.mark.xfail(strict=True, reason="TL-COPY-001 false positive: RMSNorm's deliberate "
-                   "bf16 -> fp32 (compute) -> bf16 is paired as a round trip, once per norm "
-                   "(analyzers/copies.py _round_trips pairs casts by module and dtype only)")
 def test_bf16_norm_upcast_is_not_a_round_trip(audit):
     assert "TL-COPY-001" not in warnings_of(audit("mixtral_bf16"))
 
@@ -416,9 +409,6 @@ def test_t5_no_cmp_warning(audit):
     assert "TL-CMP-001" not in warnings_of(audit("t5"))
 
 
-@pytest.mark.xfail(strict=True, reason="TL-COPY-001 false positive: T5's relative position "
-                   "buckets cast int64 -> float32 for log() and the result back to int64; "
-                   "other values, not a round trip (analyzers/copies.py _round_trips)")
 def test_t5_bucket_casts_are_not_a_round_trip(audit):
     assert "TL-COPY-001" not in warnings_of(audit("t5"))
 

@@ -261,3 +261,49 @@ def test_gpu_fit_from_a_traced_step():
     rec = traced("gpt2-tiny")
     (f,) = [f for f in run_checks([rec], {"gpu": "A100"}) if f.rule == "TL-MEM-002"]
     assert f.severity == "info" and f.measured == rec.totals["peak_bytes"] and "under 0.1%" in f.message
+
+
+class NormUpcast(nn.Module):
+    """RMSNorm as bf16 models write it: compute in fp32, cast the *result* back (not a round trip)."""
+    shape, dtype = (2, 8, 4), torch.bfloat16
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h.to(torch.bfloat16).sum()                # a new value goes back
+
+
+class TransposeForMatmul(nn.Module):
+    """Heads first, materialised, then K^T for Q K^T: the later transpose is a new layout."""
+    shape, dtype = (2, 8, 2, 4), torch.float32          # (B, T, heads, head dim)
+
+    def forward(self, x):
+        k = x.transpose(1, 2).contiguous()               # (B, heads, T, hd), a copy
+        return (k @ k.transpose(-2, -1)).sum()
+
+
+class ExpandReshape(nn.Module):
+    """GQA's repeat_kv: an expanded K must be materialised to be reshaped (stride 0)."""
+    shape, dtype = (2, 8, 4), torch.float32
+
+    def forward(self, x):
+        k = x[:, :, None].expand(2, 8, 3, 4).reshape(2, 24, 4)
+        return (k.transpose(1, 2) @ k).sum()
+
+
+@pytest.mark.parametrize("cls", [NormUpcast, TransposeForMatmul, ExpandReshape])
+def test_needed_casts_and_copies_are_not_flagged(cls):
+    model = cls()
+    with torchledger.trace(model) as t:
+        model(torch.randn(*cls.shape, dtype=cls.dtype, requires_grad=True)).backward()
+    assert t.record.copies                                   # the copies are there, and counted
+    assert not [f.rule for f in t.findings() if f.rule in ("TL-COPY-001", "TL-COPY-003")]
+
+
+def test_round_trip_finding_counts_both_casts():
+    model = RoundTrip()
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 8, 4, requires_grad=True)).backward()
+    (f,) = [f for f in t.findings() if f.rule == "TL-COPY-001"]
+    # 64 values: fp32 -> bf16 writes 128 bytes, bf16 -> fp32 reads 128 and writes 256: 128 + 256 = 384
+    assert f.measured == 64 * 2 + 64 * 4 == 384 and "float32 -> bfloat16 -> float32" in f.message

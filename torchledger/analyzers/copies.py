@@ -3,10 +3,13 @@
 ``copy_table(record)`` groups the copy events by source line and module with count, bytes and
 share of the step's bytes moved. ``check_copies`` flags the needless ones:
 
-* TL-COPY-001 (warning): a dtype round trip (a -> b and b -> a in the same module);
+* TL-COPY-001 (warning): a dtype round trip by data flow: a cast b -> a that reads the output
+  of a cast a -> b (``x.to(bf16).to(fp32)``); a norm that computes in fp32 and casts its
+  result back is not one;
 * TL-COPY-002 (warning): the same device move repeated within one step at one line;
 * TL-COPY-003 (warning): a ``.contiguous()``/``reshape`` copy of a transposed or permuted
-  tensor that is permuted again afterwards (the copy bought nothing);
+  tensor that is permuted back to the layout it was copied from (the copy bought nothing;
+  copies of expanded tensors, which must be materialised, are never flagged);
 * TL-COPY-004 (info): copies that move more than ``copy_share`` (default 10%) of the
   step's bytes.
 """
@@ -69,27 +72,21 @@ def check_copies(records, options=None) -> list:
 
 
 def _round_trips(copies) -> list:
-    casts: dict = {}
-    for c in copies:
-        r = c["reason"]
-        if "dtype " in r:
-            pair = r.split("dtype ", 1)[1]
-            a, b = pair.split("->")
-            casts.setdefault(c.get("module"), []).append((a, b, c))
+    """TL-COPY-001: casts that read the output of a cast the other way (``round_trip`` is
+    set by the tracer by data flow: the cast back's input is the first cast's output)."""
     out = []
-    for module, items in casts.items():
-        seen = {(a, b) for a, b, _ in items}
-        for a, b, c in items:
-            if (b, a) in seen and _rank(a) > _rank(b):      # report once, at the narrowing cast
-                back = next(x for x in items if (x[0], x[1]) == (b, a))[2]
-                out.append(Finding("TL-COPY-001", "warning",
-                                   f"dtype round trip {a} -> {b} -> {a} ({c['bytes'] + back['bytes']:,} "
-                                   f"bytes copied)", module=module, location=c.get("location"),
-                                   measured=c["bytes"] + back["bytes"], expected=0,
-                                   hint=f"keep the tensor in one dtype (the cast back is at "
-                                        f"{back.get('location')})"))
+    for c in copies:
+        trip = c.get("round_trip")
+        if not trip or not trip.get("events"):
+            continue
+        back = c["reason"].split("dtype ", 1)[-1]           # "bf16->fp32": the cast back
+        b, a = back.split("->") if "->" in back else ("?", "?")
+        first_loc = (trip.get("from") or [None])[0]
+        out.append(Finding("TL-COPY-001", "warning",
+                           f"dtype round trip {a} -> {b} -> {a}: a cast back reads the cast's own "
+                           f"output ({trip['events']} time(s), {trip['bytes']:,} bytes copied)",
+                           module=c.get("module"), location=first_loc or c.get("location"),
+                           measured=trip["bytes"], expected=0,
+                           hint=f"keep the tensor in one dtype (the cast back is at {c.get('location')})"))
     return out
 
-
-def _rank(dtype: str) -> int:
-    return {"float64": 5, "float32": 4, "bfloat16": 3, "float16": 3}.get(dtype, 0)

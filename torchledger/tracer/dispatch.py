@@ -80,7 +80,8 @@ class LedgerMode(TorchDispatchMode):
         self.zeroed: set = set()
         self.scalar_sites: dict = {}  # op index -> user line, for 0-dim forward outputs
         self.errors: list[str] = []
-        self._copied: dict = {}      # storage of a contiguous() copy -> its copy key
+        self._copied: dict = {}      # storage of a contiguous() copy -> (its copy key, source dim order)
+        self._casts: dict = {}       # lifetime of a dtype cast's output -> (copy key, source dtype)
         self.sdpa_depth = 0          # > 0 inside F.scaled_dot_product_attention (see attention_hook)
         self.sdpa_causal = False
         self.attn_ranges: list = []  # (first seq nr, end seq nr, causal) of SDPA calls
@@ -248,12 +249,13 @@ class LedgerMode(TorchDispatchMode):
         return None
 
     def _check_undone(self, args, out):
-        """A copy made contiguous and now permuted again: the copy bought nothing."""
+        """A copy made contiguous and now permuted back to the layout it was copied from: the
+        copy bought nothing. (A permute to some other layout is new work, e.g. K^T for Q K^T.)"""
         src = args[0]
         if isinstance(src, _Tensor) and isinstance(out, _Tensor) and not out.is_contiguous():
-            key = self._copied.get(src.untyped_storage()._cdata)
-            if key is not None and key in self.copies:
-                self.copies[key][2]["permuted_back"] = True
+            hit = self._copied.get(src.untyped_storage()._cdata)
+            if hit is not None and hit[0] in self.copies and _dim_order(out) == hit[1]:
+                self.copies[hit[0]][2]["permuted_back"] = True
 
     def _note_matmul_params(self, args):
         ps = self.param_storages
@@ -297,10 +299,37 @@ class LedgerMode(TorchDispatchMode):
                                                "dtype": _short(dst.dtype)}]
         row[0] += 1
         row[1] += nbytes
-        if reason == "contiguous of non-contiguous" and phase != BACKWARD:
+        if reason == "contiguous of non-contiguous" and phase != BACKWARD and 0 not in src.stride():
+            # NB: a source with a zero stride (expand) must be materialised to be reshaped:
+            # that copy is needed whatever follows, so it is never "permuted back"
             if len(self._copied) > 256:
                 self._copied.clear()
-            self._copied[dst.untyped_storage()._cdata] = key
+            self._copied[dst.untyped_storage()._cdata] = (key, _dim_order(src))
+        if reason.startswith("dtype") and phase != BACKWARD:
+            self._note_cast(key, src, dst, row, nbytes)
+
+    def _note_cast(self, key, src, dst, row, nbytes) -> None:
+        """Dtype round trips by data flow: a cast whose input is the output of an earlier cast
+        from the dtype it now casts back to (``x.to(bf16).to(fp32)``). A norm that computes in
+        fp32 and casts its *result* back is not one: that result is a new value."""
+        live = self.storages.live
+        first = self._casts.get(live.get(src.untyped_storage()._cdata, -1))
+        if first is not None and first[1] == dst.dtype and first[0] in self.copies:
+            trip = row[2].setdefault("round_trip", {"from": list(first[0][3:5]), "events": 0, "bytes": 0})
+            trip["events"] += 1
+            trip["bytes"] += src.nbytes + nbytes
+        k = live.get(dst.untyped_storage()._cdata)
+        if k is not None:
+            if len(self._casts) > 4096:
+                self._casts.clear()
+            self._casts[k] = (key, src.dtype)
+
+
+def _dim_order(t) -> tuple:
+    """``t``'s dims from the outermost (largest stride) to the innermost, its layout in
+    memory; dims of size 1 have no place in it (their stride is arbitrary)."""
+    stride = t.stride()
+    return (t.dim(),) + tuple(sorted((i for i, n in enumerate(t.shape) if n != 1), key=lambda i: -stride[i]))
 
 
 class MathAttention:
