@@ -279,9 +279,6 @@ def test_gemma_head_dim_wider_than_hidden(audit):
     assert d["uncounted_ops"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="TL-CMP-001 false positive (+6.7%): the 6ND + 12LTd "
-                   "prediction uses d = hidden_size (64); attention runs at heads x head_dim = "
-                   "128 (tracer/shape.py _from_attrs ignores config.head_dim)")
 def test_gemma_prediction_uses_attention_width(audit):
     d = audit("gemma")
     assert d["predictions"]["flops_6nd_attention"] == flops(d)

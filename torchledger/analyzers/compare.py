@@ -33,12 +33,15 @@ def _config(record):
 
 
 def _shape(record):
-    """(L, d, V) of a recognised transformer, exact config or found from its modules."""
+    """(L, d, V, d_attn) of a recognised transformer, exact config or found from its modules;
+    d_attn = heads x head dim, the width the attention term runs at (d unless the config
+    sets a head_dim apart, as Gemma does)."""
     cfg = record.meta.get("config")
     if not cfg or cfg.get("kind") != "transformer":
         return None
     try:
-        return int(cfg["n_layers"]), int(cfg["d_model"]), int(cfg["vocab_size"])
+        d = int(cfg["d_model"])
+        return int(cfg["n_layers"]), d, int(cfg["vocab_size"]), int(cfg.get("d_attn") or d)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -58,10 +61,10 @@ def predictions(record) -> dict:
     if cfg is not None:
         out["params_exact"] = count_params(cfg).total
     if shape is not None:
-        L, d, V = shape
+        L, d, V, d_attn = shape
         out["params_12ld2"] = 12 * L * d * d + V * d
         if D and T:
-            attn = 12 * L * T * d * D
+            attn = 12 * L * T * d_attn * D
             out["flops_6nd_attention"] = 6 * N * D + attn
             out["flops_6nd_attention_causal"] = 6 * N * D + attn // 2
     if cfg is not None and D and T:
@@ -99,9 +102,12 @@ def comparisons(record, p=None) -> list:
                          f"D = {t['tokens']:,} tokens; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
                          + _other(other, p["flops_6nd"])))
     if "flops_6nd_attention" in p:
+        d, d_attn = _shape(record)[1], _shape(record)[3]
         rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
                          "attention counted dense; causal-halved prediction "
-                         f"{p['flops_6nd_attention_causal']:,}"))
+                         f"{p['flops_6nd_attention_causal']:,}"
+                         + (f"; d in 12LTd is heads x head_dim = {d_attn:,}, not the hidden size {d:,}"
+                            if d_attn != d else "")))
     if "static_bytes" in p:
         measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
                     + (record.optimizer or {}).get("master_weight_bytes", 0))

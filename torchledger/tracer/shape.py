@@ -54,6 +54,7 @@ def _from_attrs(cfg, model):
     if not act and not model_type:          # nanoGPT-style: no activation named
         swiglu = False
     ff = _first(cfg, "intermediate_size", "n_inner")
+    head_dim = _first(cfg, "head_dim", "attention_head_dim")
     norm = "rmsnorm" if (hasattr(cfg, "rms_norm_eps") and not hasattr(cfg, "layer_norm_epsilon")) else "layernorm"
     return {
         "kind": "transformer",
@@ -66,6 +67,8 @@ def _from_attrs(cfg, model):
         "bias": bool(_first(cfg, "attention_bias", "bias", default=model_type == "gpt2")),
         "tie_embeddings": bool(_first(cfg, "tie_word_embeddings", default=True)),
         "n_positions": _learned_positions(cfg, model, V),
+        # attention runs at heads x head_dim, which some models (Gemma) set apart from d
+        "d_attn": h * head_dim if isinstance(head_dim, int) and head_dim > 0 else d,
     }
 
 
