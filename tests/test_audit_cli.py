@@ -184,7 +184,7 @@ def test_fake_unsupported_op_suggests_other_devices(tmp_path):
         def audit_spec():
             return torchledger.AuditSpec(DataDependent(), torch.randn(3, 4))
     """)
-    err = one_line_error(run("audit", path), "fake tensors cannot run")
+    err = one_line_error(run("audit", path), "cannot run on fake tensors")
     assert "--device meta" in err or "--device cpu" in err
     assert run("audit", path, "--device", "cpu", "--steps", "1").exit_code == 0
 
@@ -284,3 +284,64 @@ def test_python_api_example_runs_as_a_script():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("torchledger step report: Transformer on cpu")
     assert "FLOPs: forward" in r.stdout
+
+
+READS_A_VALUE = """
+    import torch, torchledger
+
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if (x > 0).all():                    # reads a value: meta tensors have none
+                x = x * 2
+            return self.lin(x).sum()
+
+    def audit_spec():
+        return torchledger.AuditSpec(Gate(), torch.randn(2, 4))
+"""
+
+TRUNC_NORMAL_INIT = """
+    import torch, torchledger
+
+    def audit_spec():
+        model = torch.nn.Linear(8, 8)
+        torch.nn.init.trunc_normal_(model.weight, std=0.02)     # ViT-style init reads values
+        return torchledger.AuditSpec(model, torch.randn(2, 8))
+"""
+
+CAST_AFTER_BUILD = """
+    import torch, torchledger
+
+    def audit_spec():
+        model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        return torchledger.AuditSpec(model, torch.randn(2, 8, dtype=torch.bfloat16))
+"""
+
+
+def test_meta_step_that_reads_a_value_points_to_fake_and_cpu(tmp_path):
+    path = write(tmp_path, "m.py", READS_A_VALUE)
+    one_line_error(run("audit", path, "--device", "meta"), "meta tensors have no values",
+                   "--device cpu", f"{path}:10")
+    one_line_error(run("audit", path), "fake tensors have no values", "--device cpu")
+    assert run("audit", path, "--device", "cpu", "--steps", "1").exit_code == 0     # real values
+
+
+def test_trunc_normal_init_builds_on_fake_tensors(tmp_path):
+    import torch.nn.init as init
+    before = init._no_grad_trunc_normal_
+    path = write(tmp_path, "m.py", TRUNC_NORMAL_INIT)
+    r = run("audit", path, "--steps", "1", "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["totals"]["params"] == 8 * 8 + 8
+    assert init._no_grad_trunc_normal_ is before                                # restored
+
+
+def test_cast_after_build_on_fake_says_what_to_do(tmp_path):
+    path = write(tmp_path, "m.py", CAST_AFTER_BUILD)
+    r = run("audit", path)
+    if r.exit_code == 0:
+        pytest.skip("this torch converts fake parameters in place")
+    one_line_error(r, "model.to(dtype)", "set_default_dtype", "--device meta")

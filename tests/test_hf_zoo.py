@@ -435,10 +435,6 @@ def test_vit_meta(audit):
     vit_checks(audit("vit", "meta"))
 
 
-@pytest.mark.xfail(strict=True, reason="ViT cannot be built on fake tensors: torch 2.13's "
-                   "trunc_normal_ rejection loop calls mask.any() (DataDependentOutputException); "
-                   "audit.py builds the spec inside FakeTensorMode and neither makes init "
-                   "fake-safe nor hints at --device meta")
 def test_vit_fake(audit):
     vit_checks(audit("vit"))
 
@@ -454,10 +450,6 @@ def test_qwen2_cpu_matches_fake(audit):
     assert warnings_of(cpu, "cpu") == []
 
 
-@pytest.mark.xfail(strict=True, reason="meta: HF decoders read a tensor in their mask code "
-                   "(masking_utils find_packed_sequence_indices: .all()), and the error tells "
-                   "the user to 'check the inputs' instead of using --device fake or cpu "
-                   "(audit.py _step_error special-cases fake only)")
 def test_meta_data_dependent_error_points_to_other_devices(tmp_path_factory):
     code, _, out = run_audit(tmp_path_factory, "qwen2", "meta")
     assert code == 2

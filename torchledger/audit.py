@@ -170,11 +170,13 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
     fn = load_entry(path, entry)
     with device_context(device):
         try:
-            raw = fn()
+            with _fake_safe_init(device):
+                raw = fn()
         except AuditError:
             raise
         except Exception as e:
-            raise AuditError(f"{_where(e, path)}: {entry}() raised {type(e).__name__}: {_msg(e)}") from None
+            raise AuditError(f"{_where(e, path)}: {entry}() raised {type(e).__name__}: {_msg(e)}"
+                             f"{_device_hint(e, device)}") from None
         try:
             spec = as_spec(raw)
         except TypeError as e:
@@ -249,12 +251,49 @@ def _one_step(spec, model, inputs, opt):
     opt.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def _fake_safe_init(device: str):
+    """While the spec is built on fake tensors: ``nn.init.trunc_normal_`` leaves them alone, as
+    torch itself does for meta tensors (its rejection loop reads values: ``mask.any()``, which
+    fake tensors do not have; ViT, DeiT and Swin initialise with it)."""
+    import torch.nn.init as init
+    original = getattr(init, "_no_grad_trunc_normal_", None)
+    if device != "fake" or original is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def trunc_normal(tensor, *args, **kwargs):
+        return tensor if isinstance(tensor, FakeTensor) else original(tensor, *args, **kwargs)
+
+    init._no_grad_trunc_normal_ = trunc_normal
+    try:
+        yield
+    finally:
+        init._no_grad_trunc_normal_ = original
+
+
+def _device_hint(e: Exception, device: str) -> str:
+    """What to try when a build or step failed because of the device it ran on."""
+    name, text = type(e).__name__, str(e)
+    if device == "fake" and "Couldn't swap" in text:
+        return ("; fake tensors cannot convert parameters in place (model.to(dtype)): build the "
+                "model in its dtype (torch.set_default_dtype, or dtype= in its constructor) or use "
+                "--device meta")
+    if device == "fake" and ("Fake" in name or "DataDependent" in name or "DynamicOutputShape" in name):
+        return "; fake tensors have no values: try --device cpu (or --device meta)"
+    if device == "meta" and ("meta tensor" in text or "DataDependent" in name):
+        return "; meta tensors have no values and this reads one: try --device cpu (or --device fake)"
+    return ""
+
+
 def _step_error(e: Exception, path: str, device: str) -> AuditError:
     name = type(e).__name__
-    if device == "fake" and ("Fake" in name or "DataDependent" in name or "DynamicOutputShape" in name
-                             or "fake" in str(e).lower()[:200]):
-        return AuditError(f"{_where(e, path)}: fake tensors cannot run this step ({name}: {_msg(e)}); "
-                          f"try --device meta or --device cpu")
+    hint = _device_hint(e, device) or (
+        "; try --device cpu (or --device meta)" if device == "fake" and "fake" in str(e).lower()[:200] else "")
+    if hint:
+        return AuditError(f"{_where(e, path)}: the step cannot run on {device} tensors ({name}: "
+                          f"{_msg(e)}){hint}")
     return AuditError(f"{_where(e, path)}: the training step raised {name}: {_msg(e)}; check the "
                       f"inputs your audit_spec() returns against what the model expects")
 
