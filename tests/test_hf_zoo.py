@@ -348,9 +348,6 @@ def test_mixtral_batched_mm_matmul_params(audit):
     assert audit("mixtral_batched")["totals"]["matmul_params"] == 238_080
 
 
-@pytest.mark.xfail(strict=True, reason="TL-CMP-001 false positive (-66.4%) on MoE: 6ND uses "
-                   "every expert's weights as N; a token meets only the top-k experts "
-                   "(analyzers/compare.py predictions)")
 def test_mixtral_no_cmp_warning(audit):
     assert "TL-CMP-001" not in warnings_of(audit("mixtral_bf16"))
 
@@ -399,9 +396,6 @@ def test_t5_encoder_decoder(audit):
     assert d["uncounted_ops"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="TL-CMP-001 false positive (-29.6%) on encoder-decoder: "
-                   "D = encoder tokens only (the first integer input) and one T for every "
-                   "stack; the decoder runs 32 tokens, cross-attention reads 32 encoder positions")
 def test_t5_no_cmp_warning(audit):
     assert "TL-CMP-001" not in warnings_of(audit("t5"))
 

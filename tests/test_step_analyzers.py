@@ -307,3 +307,23 @@ def test_round_trip_finding_counts_both_casts():
     (f,) = [f for f in t.findings() if f.rule == "TL-COPY-001"]
     # 64 values: fp32 -> bf16 writes 128 bytes, bf16 -> fp32 reads 128 and writes 256: 128 + 256 = 384
     assert f.measured == 64 * 2 + 64 * 4 == 384 and "float32 -> bfloat16 -> float32" in f.message
+
+
+def test_weights_that_see_fewer_tokens_are_explained_per_weight():
+    """A classifier head that reads only the CLS row: 6ND counts it for every token; the
+    per-weight prediction 6 x sum(P x rows) does not, and no TL-CMP-001 fires."""
+    from torchledger.analyzers.compare import check_comparisons
+    rec = traced("gpt2-tiny")
+    t = rec.totals
+    assert rec.predictions.get("flops_6nd_per_weight") == rec.predictions["flops_6nd"]   # all rows
+    assert not check_comparisons([rec])
+    # now the LM head (V x d, tied) multiplies 1 row of the D tokens, not D: take its FLOPs away
+    V, d, D = 512, 64, t["tokens"]
+    head_fwd = 2 * V * d * D
+    t["flops"]["total"] -= 3 * head_fwd - 3 * 2 * V * d          # fwd + bwd of D rows -> of 1 row
+    t["param_matmul_flops_forward"] -= head_fwd - 2 * V * d
+    from torchledger.analyzers.compare import predictions
+    assert predictions(rec)["flops_6nd_per_weight"] == 3 * t["param_matmul_flops_forward"]
+    assert not [f for f in check_comparisons([rec]) if f.rule == "TL-CMP-001"]
+    del t["param_matmul_flops_forward"]                              # an older record: 6ND only
+    assert [f.rule for f in check_comparisons([rec])] == ["TL-CMP-001"]

@@ -57,6 +57,11 @@ def predictions(record) -> dict:
     N, D = t.get("matmul_params", 0), t.get("tokens", 0)
     if D:
         out["flops_6nd"] = 6 * N * D
+    if t.get("param_matmul_flops_forward"):
+        # 6 x sum(P_i x rows_i): each weight times the rows it really multiplied. Equal to 6ND
+        # when every weight sees every token; not for experts (top-k of E), encoder-decoder
+        # stacks (their own lengths) or heads that read a few rows (a classifier's CLS token)
+        out["flops_6nd_per_weight"] = 3 * int(t["param_matmul_flops_forward"])
     cfg, shape, T = _config(record), _shape(record), _seq_len(record)
     if cfg is not None:
         out["params_exact"] = count_params(cfg).total
@@ -97,10 +102,14 @@ def comparisons(record, p=None) -> list:
         f = t["flops"]["total"]
         attn = t["attention_flops"]["dense"]
         other = f - p["flops_6nd"] - attn
+        per_weight = p.get("flops_6nd_per_weight")
+        uneven = per_weight is not None and per_weight != p["flops_6nd"]
         rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
                          f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
                          f"D = {t['tokens']:,} tokens; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
-                         + _other(other, p["flops_6nd"])))
+                         + (f"; weights do not all see D tokens (experts, encoder/decoder lengths, "
+                            f"heads on a few rows): 6 x sum(weight x rows it multiplied) = {per_weight:,}"
+                            if uneven else _other(other, p["flops_6nd"]))))
     if "flops_6nd_attention" in p:
         d, d_attn = _shape(record)[1], _shape(record)[3]
         rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
@@ -135,7 +144,10 @@ def check_comparisons(records, options=None) -> list:
     out = []
     t = rec.totals
     if "flops_6nd" in p and _shape(rec) is not None and t["flops"]["total"]:
-        explained = p.get("flops_6nd_attention") or p["flops_6nd"] + t["attention_flops"]["dense"]
+        if p.get("flops_6nd_per_weight") is not None and p["flops_6nd_per_weight"] != p["flops_6nd"]:
+            explained = p["flops_6nd_per_weight"] + t["attention_flops"]["dense"]
+        else:
+            explained = p.get("flops_6nd_attention") or p["flops_6nd"] + t["attention_flops"]["dense"]
         gap = (t["flops"]["total"] - explained) / t["flops"]["total"]
         if abs(gap) > tol:
             out.append(Finding("TL-CMP-001", "warning" if _config(rec) is not None else "info",

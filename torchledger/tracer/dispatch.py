@@ -69,6 +69,7 @@ class LedgerMode(TorchDispatchMode):
         self.uncounted: dict = {}    # (id(func), phase, module) -> count
         self.copies: dict = {}       # (func, module, phase, location, reason) -> [count, bytes, detail]
         self.matmul_params: set = set()
+        self.param_matmul_flops = 0  # forward matmul FLOPs with a parameter operand: 2 x sum(P x rows)
         self.kinds: dict = {}        # id(func) -> FLOP kind (None: no formula)
         self.funcs: dict = {}        # id(func) -> func (kept alive, so ids are not reused)
         self.attention_kernels: dict = {}
@@ -177,7 +178,8 @@ class LedgerMode(TorchDispatchMode):
                     name = func.kernel_name if type(func) is MathAttention else func._schema.name.split("::")[-1]
                     self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
                 elif phase == FORWARD:
-                    self._note_matmul_params(args)
+                    if self._note_matmul_params(args):
+                        self.param_matmul_flops += fc.flops
             elif kind == "elementwise":
                 self.elementwise[phase] += fc.flops
             elif alias and self._is_view(func, args, out):   # no bytes move, no storage is made
@@ -257,8 +259,10 @@ class LedgerMode(TorchDispatchMode):
             if hit is not None and hit[0] in self.copies and _dim_order(out) == hit[1]:
                 self.copies[hit[0]][2]["permuted_back"] = True
 
-    def _note_matmul_params(self, args):
+    def _note_matmul_params(self, args) -> bool:
+        """Note the parameters this forward matmul multiplies; True if it has one."""
         ps = self.param_storages
+        found = False
         for a in args[:3]:
             if isinstance(a, _Tensor) and a.dim() >= 2:     # operands, not biases
                 try:
@@ -267,8 +271,11 @@ class LedgerMode(TorchDispatchMode):
                     continue
                 if key in ps:
                     self.matmul_params.add(key)
+                    found = True
                 elif key in self.derived_params:          # autocast's bf16 copy of a weight
                     self.matmul_params.add(self.derived_params[key])
+                    found = True
+        return found
 
     def _note_copy(self, func, args, kwargs, out, phase, mod, nbytes):
         src = args[1] if func is _aten.copy_.default else args[0]
