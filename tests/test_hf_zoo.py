@@ -448,3 +448,15 @@ def test_meta_data_dependent_error_points_to_other_devices(tmp_path_factory):
     code, _, out = run_audit(tmp_path_factory, "qwen2", "meta")
     assert code == 2
     assert "--device fake" in out and "check the inputs" not in out
+
+
+@pytest.mark.parametrize("name, exact", [("mistral", True), ("qwen2", False), ("falcon", False),
+                                         ("gemma", False)])
+def test_exact_parameter_row_only_where_the_formula_fits(audit, name, exact):
+    """Qwen2's q/k/v-only biases, Falcon's fused multi-query projection and Gemma's head_dim
+    are outside the decoder formula: no "exact" prediction that is not."""
+    d = audit(name)
+    assert ("params_exact" in d["predictions"]) is exact
+    if exact:
+        assert d["predictions"]["params_exact"] == d["totals"]["params"]
+    assert d["predictions"]["params_12ld2"] > 0                       # the approximation stays

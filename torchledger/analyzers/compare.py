@@ -32,6 +32,21 @@ def _config(record):
         return None
 
 
+#: Hugging Face model types whose parameters the decoder formula (ACCOUNTING section 6)
+#: describes exactly. Others (q/k/v-only biases, multi-query with fused projections, experts,
+#: encoder-decoder stacks, parallel blocks) get the 12Ld^2 approximation only, never an
+#: "exact" row that is not.
+EXACT_HF_TYPES = frozenset({"gpt2", "llama", "mistral"})
+
+
+def _exact_formula_fits(cfg) -> bool:
+    source = str((cfg or {}).get("source", ""))
+    if source.startswith("huggingface:"):
+        return (source.split(":", 1)[1] in EXACT_HF_TYPES
+                and cfg.get("d_attn", cfg.get("d_model")) == cfg.get("d_model"))
+    return True                      # torchledger's own configs and nanoGPT-style ones
+
+
 def _shape(record):
     """(L, d, V, d_attn) of a recognised transformer, exact config or found from its modules;
     d_attn = heads x head dim, the width the attention term runs at (d unless the config
@@ -63,7 +78,7 @@ def predictions(record) -> dict:
         # stacks (their own lengths) or heads that read a few rows (a classifier's CLS token)
         out["flops_6nd_per_weight"] = 3 * int(t["param_matmul_flops_forward"])
     cfg, shape, T = _config(record), _shape(record), _seq_len(record)
-    if cfg is not None:
+    if cfg is not None and _exact_formula_fits(record.meta.get("config")):
         out["params_exact"] = count_params(cfg).total
     if shape is not None:
         L, d, V, d_attn = shape
