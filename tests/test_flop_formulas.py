@@ -496,3 +496,27 @@ def test_cache_resolves_each_overload_once():
     handler = flops._HANDLERS[id(aten.mm.default)]
     assert op_flops(aten.mm.default, (a, b), None, None).flops == 48  # 2*4*2*3
     assert flops._HANDLERS[id(aten.mm.default)] is handler
+
+
+def test_matrices_gathered_from_a_weight_stack_count_as_that_weight():
+    """MoE's batched path picks each token's expert matrices out of a [E, out, in] weight and
+    multiplies them with bmm: N counts the stack; rows picked from a 2-D table (an embedding)
+    are an input, never a weight."""
+    import torchledger
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 6, 5))        # 4 experts, 5 -> 6
+            self.table = torch.nn.Parameter(torch.randn(10, 5))      # an embedding-like table
+
+        def forward(self, ids, expert_ids):
+            x = self.table[ids]                                      # (3, 5): rows of a 2-D table
+            w = self.w[expert_ids]                                   # (3, 6, 5): one matrix per token
+            return torch.bmm(w, x[:, :, None]).sum()
+
+    m = Experts()
+    with torchledger.trace(m, tokens=3) as t:
+        m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 2])).backward()
+    assert t.record.totals["matmul_params"] == 4 * 6 * 5                 # the stack, not the table
+    assert t.record.totals["param_matmul_flops_forward"] == 2 * 3 * 6 * 5   # 180: 3 tokens x 6x5

@@ -341,9 +341,6 @@ def test_mixtral_batched_mm_flops(audit):
     assert matmul_uncounted(d) == []
 
 
-@pytest.mark.xfail(strict=True, reason="matmul_params misses the expert weights when they "
-                   "reach bmm through a gather (weight[expert_ids]): tracer/dispatch.py "
-                   "_note_matmul_params knows params and autocast casts of them only")
 def test_mixtral_batched_mm_matmul_params(audit):
     assert audit("mixtral_batched")["totals"]["matmul_params"] == 238_080
 

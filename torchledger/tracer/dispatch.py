@@ -29,6 +29,7 @@ _Tensor = torch.Tensor
 _current_node = torch._C._current_autograd_node
 _aten = torch.ops.aten
 _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
+_GATHER_OPS = {_aten.index.Tensor, _aten.index_select.default}
 _PERMUTE_OPS = {_aten.transpose.int, _aten.permute.default, _aten.t.default}
 _PASSTHROUGH = {id(op) for op in (torch.ops.prim.device.default, torch.ops.prim.layout.default)
                 if op is not None}
@@ -144,7 +145,7 @@ class LedgerMode(TorchDispatchMode):
         info = self._finfo.get(fid)
         if info is None:
             info = self._finfo[fid] = (_is_alias_op(func), func in _COPY_OPS,
-                                       func in _PERMUTE_OPS, func in _ZERO_OPS)
+                                       func in _PERMUTE_OPS, func in _ZERO_OPS, func in _GATHER_OPS)
             self.funcs[fid] = func
         alias = info[0]
 
@@ -216,6 +217,8 @@ class LedgerMode(TorchDispatchMode):
         row[4] += written
         if info[1]:
             self._note_copy(func, args, kwargs, out, phase, mod, written)
+        elif info[4] and phase != BACKWARD:
+            self._note_gather(args, out)
         elif info[3] and self.grad_watch:
             for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
                 self.zeroed.add(t.untyped_storage()._cdata)
@@ -276,6 +279,16 @@ class LedgerMode(TorchDispatchMode):
                     self.matmul_params.add(self.derived_params[key])
                     found = True
         return found
+
+    def _note_gather(self, args, out) -> None:
+        """Matrices picked out of a stacked weight (``experts.w[expert_ids]``, MoE's batched
+        path) are that weight when a matmul multiplies them. Only stacks of matrices (3+
+        dims): rows picked from a 2-D table are embeddings, an input to matmuls, not a weight."""
+        src = args[0] if args else None
+        if isinstance(src, _Tensor) and isinstance(out, _Tensor) and src.dim() >= 3:
+            key = src.untyped_storage()._cdata
+            if key in self.param_storages:
+                self.derived_params[out.untyped_storage()._cdata] = key
 
     def _note_copy(self, func, args, kwargs, out, phase, mod, nbytes):
         src = args[1] if func is _aten.copy_.default else args[0]
