@@ -47,6 +47,11 @@ def _exact_formula_fits(cfg) -> bool:
     return True                      # torchledger's own configs and nanoGPT-style ones
 
 
+def _uneven(p) -> bool:
+    """Weights did not all multiply every token: 6 x sum(weight x rows) is not 6ND."""
+    return p.get("flops_6nd_per_weight") is not None and p["flops_6nd_per_weight"] != p.get("flops_6nd")
+
+
 def _shape(record):
     """(L, d, V, d_attn) of a recognised transformer, exact config or found from its modules;
     d_attn = heads x head dim, the width the attention term runs at (d unless the config
@@ -117,16 +122,15 @@ def comparisons(record, p=None) -> list:
         f = t["flops"]["total"]
         attn = t["attention_flops"]["dense"]
         other = f - p["flops_6nd"] - attn
-        per_weight = p.get("flops_6nd_per_weight")
-        uneven = per_weight is not None and per_weight != p["flops_6nd"]
         rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
                          f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
                          f"D = {t['tokens']:,} tokens; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
                          + (f"; weights do not all see D tokens (experts, encoder/decoder lengths, "
-                            f"heads on a few rows): 6 x sum(weight x rows it multiplied) = {per_weight:,}"
-                            if uneven else _other(other, p["flops_6nd"]))))
+                            f"heads on a few rows): 6 x sum(weight x rows it multiplied) = "
+                            f"{p['flops_6nd_per_weight']:,}"
+                            if _uneven(p) else _other(other, p["flops_6nd"]))))
     if "flops_6nd_attention" in p:
-        d, d_attn = _shape(record)[1], _shape(record)[3]
+        _, d, _, d_attn = _shape(record)
         rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
                          "attention counted dense; causal-halved prediction "
                          f"{p['flops_6nd_attention_causal']:,}"
@@ -159,7 +163,7 @@ def check_comparisons(records, options=None) -> list:
     out = []
     t = rec.totals
     if "flops_6nd" in p and _shape(rec) is not None and t["flops"]["total"]:
-        if p.get("flops_6nd_per_weight") is not None and p["flops_6nd_per_weight"] != p["flops_6nd"]:
+        if _uneven(p):
             explained = p["flops_6nd_per_weight"] + t["attention_flops"]["dense"]
         else:
             explained = p.get("flops_6nd_attention") or p["flops_6nd"] + t["attention_flops"]["dense"]

@@ -28,7 +28,10 @@ def check_output_cache(records, options=None) -> list:
     model = rec.meta.get("model") or "the model"
     at_peak, at_opt = cache.get("bytes_at_peak") or 0, cache.get("bytes_at_optimizer")
     peak, phase = rec.totals.get("peak_bytes") or 0, rec.totals.get("peak_phase")
-    size = lambda n: fmt_bytes(n, binary=True)     # noqa: E731
+
+    def size(n) -> str:
+        return fmt_bytes(n, binary=True)
+
     what = (f"{model} returned a key/value cache ({cache.get('cache_type')}, output field "
             f"`{cache.get('field')}`) from a training forward: {size(cache['bytes'])} of keys "
             f"and values in {cache.get('tensors')} tensors, which a training step never reads")

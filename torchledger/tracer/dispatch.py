@@ -334,7 +334,7 @@ class LedgerMode(TorchDispatchMode):
         fp32 and casts its *result* back is not one: that result is a new value."""
         live = self.storages.live
         first = self._casts.get(live.get(src.untyped_storage()._cdata, -1))
-        if first is not None and first[1] == dst.dtype and first[0] in self.copies:
+        if first is not None and first[1] == dst.dtype:
             trip = row[2].setdefault("round_trip", {"from": list(first[0][3:5]), "events": 0, "bytes": 0})
             trip["events"] += 1
             trip["bytes"] += src.nbytes + nbytes
@@ -349,7 +349,8 @@ def _dim_order(t) -> tuple:
     """``t``'s dims from the outermost (largest stride) to the innermost, its layout in
     memory; dims of size 1 have no place in it (their stride is arbitrary)."""
     stride = t.stride()
-    return (t.dim(),) + tuple(sorted((i for i, n in enumerate(t.shape) if n != 1), key=lambda i: -stride[i]))
+    dims = [i for i, n in enumerate(t.shape) if n != 1]
+    return (t.dim(),) + tuple(sorted(dims, key=lambda i: -stride[i]))
 
 
 class MathAttention:
