@@ -456,6 +456,91 @@ def test_training_step_fully_counted(fused):
     assert not fwd.uncounted and not rest.uncounted
 
 
+# --- recurrent layers ----------------------------------------------------------------------
+
+def _rnn_step(make, x, device):
+    """(forward tally, backward tally) of one nn.LSTM/GRU/RNN step on ``device``."""
+    with FakeTensorMode() if device == "fake" else torch.device(device):
+        rnn, xx = make(), x()
+        with FlopTally() as fwd:
+            out = rnn(xx)[0]
+        with FlopTally() as bwd:
+            out.sum().backward()
+    return fwd, bwd
+
+
+# LSTM(8, 16), x [T=5, B=2, 8]: rows 10; w_ih 64x8 = 512, w_hh 64x16 = 1024
+LSTM_FWD = 2 * 10 * (512 + 1024)    # = 30720
+# 2 layers, bidirectional: layer 0 per direction 512 + 1024, layer 1 per direction w_ih 64x32
+# = 2048 + 1024: 2 * 10 * 2 * (1536 + 3072)
+LSTM2BI_FWD = 2 * 10 * 2 * (1536 + 3072)    # = 184320
+
+
+@pytest.mark.parametrize("device", ["cpu", "fake"])
+@pytest.mark.parametrize("layers, bidirectional, fwd", [(1, False, LSTM_FWD), (2, True, LSTM2BI_FWD)])
+def test_lstm_fused_onednn_kernel(device, layers, bidirectional, fwd):
+    f, b = _rnn_step(lambda: torch.nn.LSTM(8, 16, num_layers=layers, bidirectional=bidirectional),
+                     lambda: torch.randn(5, 2, 8), device)
+    assert {str(func) for func, _ in f.ops} >= {"aten.mkldnn_rnn_layer.default"}
+    assert f.flops["matmul"] == fwd
+    assert b.flops["matmul"] == 2 * fwd   # oneDNN makes every gradient, the input's too
+    assert not f.uncounted and not b.uncounted
+
+
+def test_lstm_decomposed_on_meta_matches_the_fused_forward():
+    # no oneDNN on meta: the same LSTM runs as addmm/mm per step; forward work is identical.
+    # Backward skips the first step's grad w.r.t. h0 (zeros, no grad): 2*B*w_hh = 2*2*1024
+    f, b = _rnn_step(lambda: torch.nn.LSTM(8, 16), lambda: torch.randn(5, 2, 8), "meta")
+    assert f.flops["matmul"] == LSTM_FWD
+    # dW_ih (2*10*512) + dW_hh (2*10*1024) + dh through w_hh for steps 2..5 (2*8*1024);
+    # the input needs no grad, so no dx
+    assert b.flops["matmul"] == 2 * 10 * 512 + 2 * 10 * 1024 + 2 * 8 * 1024
+    assert not f.uncounted and not b.uncounted
+
+
+@pytest.mark.parametrize("cell, gates", [(torch.nn.GRU, 3), (torch.nn.RNN, 1)])
+def test_gru_and_rnn_decompose_into_counted_matmuls(cell, gates):
+    f, b = _rnn_step(lambda: cell(8, 16), lambda: torch.randn(5, 2, 8), "cpu")
+    # w_ih (gates*16)x8, w_hh (gates*16)x16, 10 rows: 2 * 10 * gates*16 * 24
+    assert f.flops["matmul"] == 2 * 10 * gates * 16 * 24
+    assert not f.uncounted and not b.uncounted
+
+
+def _cudnn_args(proj=0):
+    """_cudnn_rnn for a 1-layer LSTM(8, 16) on x [5, 2, 8] (optionally with projections)."""
+    ws = [meta(64, 8), meta(64, 16 if not proj else proj), meta(64), meta(64)]
+    if proj:
+        ws.append(meta(proj, 16))       # w_hr
+    buf = meta(sum(w.numel() for w in ws))
+    h = proj or 16
+    return (meta(5, 2, 8), ws, len(ws), buf, meta(1, 2, h), meta(1, 2, 16), 2, 16, proj, 1,
+            False, 0.0, True, False, [], None)
+
+
+def test_cudnn_rnn_forward_and_backward_on_meta():
+    args = _cudnn_args()
+    out = aten._cudnn_rnn.default(*args)
+    assert op_flops(aten._cudnn_rnn.default, args, {}, out) == FlopCount("matmul", LSTM_FWD, LSTM_FWD)
+    # with projections to 4: w_hh 64x4 = 256, w_hr 4x16 = 64: 2 * 10 * (512 + 256 + 64)
+    pargs = _cudnn_args(proj=4)
+    assert op_flops(aten._cudnn_rnn.default, pargs, {}, None).flops == 2 * 10 * 832
+    # backward(input, weight, weight_stride0, weight_buf, hx, cx, output, grad_output, grad_hy,
+    #          grad_cy, mode, hidden, proj, layers, batch_first, dropout, train, bidir,
+    #          batch_sizes, dropout_state, reserve, output_mask)
+    bw = (args[0], args[1], 4, args[3], args[4], args[5], out[0], out[0], None, None, 2, 16, 0, 1,
+          False, 0.0, True, False, [], None, out[3])
+    for mask, passes in [([True, True, True, True], 2), ([True, True, True, False], 1)]:
+        assert op_flops(aten._cudnn_rnn_backward.default, bw + (mask,), {}, None).flops == \
+            passes * LSTM_FWD
+
+
+def test_fused_cell_kernels_are_elementwise():
+    # nn.LSTMCell on CUDA: two linears (counted as mm) and a fused gate kernel: 1 per gate element
+    gates = meta(2, 64)
+    c = op_flops(aten._thnn_fused_lstm_cell.default, (gates, gates, meta(2, 16)), {}, None)
+    assert c == FlopCount("elementwise", 128, 128)   # 2*64
+
+
 # --- free and unknown ----------------------------------------------------------------------
 
 def test_free_ops():
@@ -520,3 +605,47 @@ def test_matrices_gathered_from_a_weight_stack_count_as_that_weight():
         m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 2])).backward()
     assert t.record.totals["matmul_params"] == 4 * 6 * 5                 # the stack, not the table
     assert t.record.totals["param_matmul_flops_forward"] == 2 * 3 * 6 * 5   # 180: 3 tokens x 6x5
+
+
+def test_recurrent_weights_are_matmul_params_in_6nd():
+    import torchledger
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8)
+            self.rnn = torch.nn.LSTM(8, 16, batch_first=True)
+            self.head = torch.nn.Linear(16, 20, bias=False)
+
+        def forward(self, ids):
+            return self.head(self.rnn(self.emb(ids))[0]).float().mean()
+
+    m = Tagger()
+    with torchledger.trace(m, tokens=10) as t:
+        m(torch.randint(0, 20, (2, 5))).backward()
+    # w_ih 64x8 + w_hh 64x16 + head 20x16 = 512 + 1024 + 320 (biases and the lookup excluded)
+    assert t.record.totals["matmul_params"] == 1856
+    assert t.record.totals["flops"]["total"] == 6 * 1856 * 10     # 6ND exactly (oneDNN: dx too)
+    assert not t.record.uncounted_ops
+
+
+def test_params_sharing_one_storage_all_count_when_it_is_multiplied():
+    # cuDNN's flatten_parameters() makes every weight of an RNN a view of one flat buffer; the
+    # fused kernel reads them all: N must hold every one of them, not the last registered.
+    import torchledger
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            buf = torch.randn(4 * 6 + 6 * 3)
+            self.a = torch.nn.Parameter(buf[:24].view(4, 6))
+            self.b = torch.nn.Parameter(buf[24:].view(6, 3))
+
+        def forward(self, x):
+            return (x @ self.a @ self.b).sum()
+
+    m = Flat()
+    assert m.a.untyped_storage().data_ptr() == m.b.untyped_storage().data_ptr()
+    with torchledger.trace(m, tokens=2) as t:
+        m(torch.randn(2, 4))
+    assert t.record.totals["matmul_params"] == 24 + 18

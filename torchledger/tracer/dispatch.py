@@ -266,7 +266,7 @@ class LedgerMode(TorchDispatchMode):
         """Note the parameters this forward matmul multiplies; True if it has one."""
         ps = self.param_storages
         found = False
-        for a in args[:3]:
+        for a in _operands(args[:3]):
             if isinstance(a, _Tensor) and a.dim() >= 2:     # operands, not biases
                 try:
                     key = a.untyped_storage()._cdata
@@ -343,6 +343,16 @@ class LedgerMode(TorchDispatchMode):
             if len(self._casts) > 4096:
                 self._casts.clear()
             self._casts[k] = (key, src.dtype)
+
+
+def _operands(args):
+    """The tensors among a matmul-class op's leading arguments; a list is opened (the weights
+    of a fused recurrent layer: ``_cudnn_rnn(input, [w_ih, w_hh, b_ih, b_hh, ...], ...)``)."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
 
 
 def _dim_order(t) -> tuple:

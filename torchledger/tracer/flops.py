@@ -10,7 +10,9 @@ convolution is not counted (the convention of ``torch.utils.flop_counter`` and o
 ``alpha``/``beta`` are ignored. A convolution costs 2 x (output elements) x (C_in/groups x
 kernel volume), padding taps included; a transposed one 2 x (input elements) x (C_out/groups x
 kernel volume); its backward costs one forward for grad_input and one for grad_weight, as
-``output_mask`` asks. Attention is counted dense, 2*B*Hq*Sq*Sk*(Dqk + Dv), with the QUERY
+``output_mask`` asks. A fused recurrent layer (cuDNN, MIOpen, oneDNN LSTM/GRU/RNN) costs
+2 x rows (time steps x batch) x numel(weight matrices) forward, its backward twice that (once
+when cuDNN is asked for no weight grads). Attention is counted dense, 2*B*Hq*Sq*Sk*(Dqk + Dv), with the QUERY
 heads (GQA/MQA broadcast K/V heads); ``flops_causal`` is exactly half the dense figure when
 the kernel is causal (the exact pair count T(T+1)/2 differs by a factor 1 + 1/T); backward is
 counted as 2x forward (four score-sized matmuls; the flash kernels' recomputation of the
@@ -216,6 +218,57 @@ _CONV_FORWARD = {  # op name -> transposed (None: read the schema argument)
     "_mps_convolution_transpose": True,
 }
 
+# --- recurrent layers ---------------------------------------------------------------------
+
+def _rnn_weight_numel(weights) -> int:
+    """Elements of the weight matrices (2-D: w_ih, w_hh, LSTM's projection w_hr; not biases)."""
+    return sum(w.numel() for w in weights if isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+def _rnn(func, weights: tuple, passes: Callable[[tuple, dict], int]) -> Handler:
+    """A fused recurrent kernel (cuDNN, MIOpen, oneDNN): every weight matrix of every layer and
+    direction multiplies every row (time step x batch element; packed sequences: their total
+    length), so one pass is 2 * rows * numel(weight matrices); ``passes`` is 1 forward, 2 for
+    a backward that makes weight grads as well as data grads. The gate non-linearities inside
+    the kernel are not counted (not even as element-wise)."""
+    x_get = _getter(func, "input")
+    w_gets = [_getter(func, n) for n in weights]
+
+    def flops(args, kwargs, out):
+        x = x_get(args, kwargs)
+        n = 0
+        for get in w_gets:
+            w = get(args, kwargs)
+            n += _rnn_weight_numel(w if isinstance(w, (list, tuple)) else (w,))
+        return _matmul(passes(args, kwargs) * 2 * (x.numel() // x.shape[-1]) * n)
+    return flops
+
+
+def _rnn_backward_passes(func) -> Callable[[tuple, dict], int]:
+    """cuDNN/MIOpen run the data backward (dx, dhx, dcx) always, the weight backward when
+    ``output_mask[3]`` asks for it."""
+    mask = _getter(func, "output_mask")
+    return lambda args, kwargs: 1 + bool(mask(args, kwargs)[3])
+
+
+_RNN = {  # op name -> handler builder
+    "mkldnn_rnn_layer": lambda f: _rnn(f, ("weight0", "weight1"), lambda a, k: 1),
+    # oneDNN's backward makes every gradient (input, weights, biases, states) each call
+    "mkldnn_rnn_layer_backward": lambda f: _rnn(f, ("weight1", "weight2"), lambda a, k: 2),
+    "_cudnn_rnn": lambda f: _rnn(f, ("weight",), lambda a, k: 1),
+    "miopen_rnn": lambda f: _rnn(f, ("weight",), lambda a, k: 1),
+    "_cudnn_rnn_backward": lambda f: _rnn(f, ("weight",), _rnn_backward_passes(f)),
+    "miopen_rnn_backward": lambda f: _rnn(f, ("weight",), _rnn_backward_passes(f)),
+}
+# The fused cell kernels of nn.LSTMCell/GRUCell on CUDA take the gates the two linear layers
+# made (counted as matmuls): what is left is gate arithmetic, ~1 FLOP per gate element.
+_CELL_GATES = {
+    "_thnn_fused_lstm_cell": "input_gates", "_thnn_fused_gru_cell": "input_gates",
+    "_thnn_fused_lstm_cell_backward_impl": "workspace", "_thnn_fused_lstm_cell_backward": "workspace",
+    "_thnn_fused_gru_cell_backward": "workspace",
+    "_thnn_differentiable_lstm_cell_backward": "input_gates",
+}
+
 # --- element-wise -------------------------------------------------------------------------
 
 def _pointwise(args, kwargs, out) -> FlopCount:
@@ -294,6 +347,7 @@ _FREE_OPS = frozenset("""
     clone copy_ _copy_from _copy_from_and_resize _to_copy contiguous _pin_memory lift lift_fresh
     lift_fresh_copy detach alias _unsafe_view view t transpose permute reshape _reshape_alias
     as_strided expand slice select narrow split split_with_sizes chunk unbind squeeze unsqueeze
+    unsafe_split unsafe_split_with_sizes unsafe_chunk
     cat stack index _unsafe_index index_select gather take masked_select masked_scatter
     index_fill index_fill_ embedding slice_backward select_backward slice_scatter select_scatter
     diagonal_scatter as_strided_scatter constant_pad_nd repeat repeat_interleave flip roll
@@ -344,6 +398,10 @@ def _resolve(func) -> Optional[Handler]:
         return _conv_backward
     if name in _ATTENTION:
         return _attention(func, _getter, FlopCount, **_ATTENTION[name])
+    if name in _RNN:
+        return _RNN[name](func)
+    if name in _CELL_GATES:
+        return _numel_of(func, _CELL_GATES[name])
     if name in _OPTIMIZERS:
         return _fused_optimizer(func, *_OPTIMIZERS[name])
     if name.startswith("_foreach_") or name == "_amp_foreach_non_finite_check_and_unscale_":

@@ -135,7 +135,9 @@ class StepTracer:
         self._param_storages = {}
         for p in self._params:
             s = p.untyped_storage()
-            self._param_storages[s._cdata] = p.numel()
+            # params sharing one storage (cuDNN's flattened RNN weights) add up: a matmul that
+            # reads the storage counts them all in N
+            self._param_storages[s._cdata] = self._param_storages.get(s._cdata, 0) + p.numel()
             st.add(s, PARAM, at=0)
             if p.grad is not None:
                 st.add(p.grad.untyped_storage(), GRAD, at=0)
