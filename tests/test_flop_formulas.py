@@ -573,6 +573,42 @@ def test_unknown_ops_are_none(custom_op):
     assert op_flops(aten.topk.default, (x, 2), {}, (meta(4, 2), meta(4, 2))) is None
 
 
+def test_custom_op_counted_by_the_formula_registered_with_pytorch():
+    """A custom op's author may register its cost with torch.utils.flop_counter; torchledger
+    uses it (FlopCounterMode does too), and the op's weight counts in N."""
+    import torchledger
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
+
+    lib = torch.library.Library("tl_flops_reg", "DEF")
+    lib.define("mylinear(Tensor x, Tensor w) -> Tensor")
+    lib.impl("mylinear", lambda x, w: x @ w.t(), "CPU")
+    op = torch.ops.tl_flops_reg.mylinear
+    try:
+        @register_flop_formula(op)
+        def _cost(x_shape, w_shape, *, out_shape=None, **kwargs):
+            return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.randn(6, 5))
+
+            def forward(self, x):
+                return op(x, self.w).sum()
+
+        m, x = M(), torch.randn(4, 5)
+        with torchledger.trace(m, tokens=4) as t:
+            m(x)
+        assert t.record.totals["flops"]["forward"] == 240              # 2*4*5*6
+        assert t.record.totals["matmul_params"] == 30 and not t.record.uncounted_ops
+        with FlopCounterMode(display=False) as ref:
+            m(x)
+        assert ref.get_total_flops() == 240
+    finally:
+        flop_registry.pop(op, None)
+        lib._destroy()
+
+
 def test_cache_resolves_each_overload_once():
     from torchledger.tracer import flops
 

@@ -42,6 +42,9 @@ Known limitations:
       custom grouped-matmul ops of other libraries registered in ``_CUSTOM`` (a custom op's
       inner aten ops never reach a dispatch mode, so each needs a formula of its own).
     - Counts are built from ``.shape``/``.numel()``: with symbolic shapes they are SymInts.
+    - A custom op (outside aten) is counted only by a formula of ``_CUSTOM`` or one its
+      author registered with ``torch.utils.flop_counter.register_flop_formula`` before the
+      op was first traced; its own inner ops never reach a dispatch mode.
     - Composite ops (matmul, linear, einsum, conv2d) are costed through the ops they
       decompose into; they never reach a dispatch mode themselves.
     - The PyTorch 2.13 ``FlopCounterMode`` reads (B, S, H, D) ``_flash_attention_forward``
@@ -50,6 +53,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
@@ -381,6 +385,21 @@ def _packet_tags(namespace: str, name: str) -> set:
     return tags
 
 
+def _registered(func) -> Optional[Handler]:
+    """A formula the user registered for a custom op with PyTorch's
+    ``torch.utils.flop_counter.register_flop_formula`` (counted as matmul-class work, as
+    ``FlopCounterMode`` does). Only for ops outside aten: aten ops use this module's own formulas.
+    The registry is looked up only if that module was imported (registering imports it)."""
+    counter = sys.modules.get("torch.utils.flop_counter")
+    formula = getattr(counter, "flop_registry", {}).get(func.overloadpacket) if counter else None
+    if formula is None:
+        return None
+
+    def flops(args, kwargs, out):
+        return _matmul(int(formula(*args, **kwargs, out_val=out)))
+    return flops
+
+
 def _resolve(func) -> Optional[Handler]:
     schema = getattr(func, "_schema", None)
     if schema is None:  # a HigherOrderOperator or something else without a schema
@@ -388,8 +407,10 @@ def _resolve(func) -> Optional[Handler]:
     namespace, _, name = schema.name.partition("::")
     if namespace in _FREE_NAMESPACES:
         return _free
-    if namespace != "aten":  # custom and collective ops: uncounted unless registered here
-        return _CUSTOM[schema.name](func) if schema.name in _CUSTOM else None
+    if namespace != "aten":  # custom and collective ops: uncounted unless a formula is known
+        if schema.name in _CUSTOM:
+            return _CUSTOM[schema.name](func)
+        return _registered(func)
     if name in _MATMUL:
         return _MATMUL[name]
     if name in _CONV_FORWARD:
