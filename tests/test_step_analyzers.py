@@ -327,3 +327,24 @@ def test_weights_that_see_fewer_tokens_are_explained_per_weight():
     assert not [f for f in check_comparisons([rec]) if f.rule == "TL-CMP-001"]
     del t["param_matmul_flops_forward"]                              # an older record: 6ND only
     assert [f.rule for f in check_comparisons([rec])] == ["TL-CMP-001"]
+
+
+@pytest.mark.parametrize("device, fires", [("fake", True), ("cpu", False), ("meta", False)])
+def test_fake_rnn_workspace_gap_is_stated(device, fires):
+    """PyTorch's fake kernel of oneDNN's LSTM returns an empty workspace (the real one keeps
+    it for backward): on fake tensors the report must say its bytes are missing. On cpu the
+    workspace is measured; on meta the LSTM decomposes into mm ops and has no workspace."""
+    from torchledger.analyzers.checks import check_fake_kernel_gaps
+    from torchledger.record import StepRecord
+
+    with FakeTensorMode() if device == "fake" else torch.device(device):
+        lstm, x = nn.LSTM(8, 16), torch.randn(5, 2, 8)
+        model = nn.ModuleDict({"rnn": lstm})
+        with torchledger.trace(model) as t:
+            lstm(x)[0].sum().backward()
+    found = [f for f in t.findings() if f.rule == "TL-FAKE-001"]
+    assert [f.module for f in found] == (["rnn"] if fires else [])
+    if fires:
+        assert found[0].severity == "warning" and "mkldnn_rnn_layer" in found[0].message
+        again = check_fake_kernel_gaps([StepRecord.from_dict(t.record.to_dict())])
+        assert [f.message for f in again] == [found[0].message]

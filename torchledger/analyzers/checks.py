@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ..record import Finding
 
-__all__ = ["ALL_CHECKS", "run_checks", "check_uncounted_ops", "check_tracer_warnings"]
+__all__ = ["ALL_CHECKS", "run_checks", "check_uncounted_ops", "check_fake_kernel_gaps",
+           "check_tracer_warnings", "FAKE_KERNEL_GAPS"]
 
 
 def check_uncounted_ops(records, options=None) -> list:
@@ -23,6 +24,39 @@ def check_uncounted_ops(records, options=None) -> list:
                     f"totals: {names}",
                     measured=sum(u["count"] for u in rec.uncounted_ops),
                     hint="if any of these does real arithmetic, the FLOP totals are a lower bound")]
+
+
+#: Ops whose fake/meta kernel (``torch._meta_registrations``) returns an empty buffer where
+#: the real kernel returns one that autograd saves for backward: on fake or meta tensors the
+#: activation and peak bytes leave that buffer out.
+FAKE_KERNEL_GAPS = {
+    "mkldnn_rnn_layer": "oneDNN's RNN workspace",
+    "_cudnn_rnn": "cuDNN's RNN reserve space",
+    "miopen_rnn": "MIOpen's RNN reserve space",
+}
+
+
+def check_fake_kernel_gaps(records, options=None) -> list:
+    """TL-FAKE-001 (warning): a fake/meta step ran an op whose fake kernel under-reports what
+    the real kernel keeps for backward, so activation and peak bytes are low."""
+    if not records:
+        return []
+    rec = records[-1]
+    device = str(rec.meta.get("device") or "")
+    if not (device == "meta" or device.startswith("fake")):
+        return []
+    seen: dict = {}
+    for o in rec.ops:
+        name = str(o.get("op", "")).split(".")
+        if len(name) >= 2 and name[1] in FAKE_KERNEL_GAPS and o.get("phase") == "forward":
+            first = seen.setdefault(name[1], [0, o.get("module")])
+            first[0] += o.get("count", 0)
+    return [Finding("TL-FAKE-001", "warning",
+                    f"on {device} tensors aten.{op} (x{n}) returns an empty buffer where the real "
+                    f"kernel keeps {FAKE_KERNEL_GAPS[op]} for backward: activation and peak bytes "
+                    f"leave it out", module=module, measured=n,
+                    hint="audit with --device cpu (or cuda) to measure it")
+            for op, (n, module) in seen.items()]
 
 
 def check_tracer_warnings(records, options=None) -> list:
@@ -53,7 +87,8 @@ def _all():
     from .mfu import check_mfu
     from .outputs import check_output_cache
     return [check_comparisons, check_copies, check_leaks, check_output_cache, check_gpu_fit,
-            check_mfu, check_allocator, check_uncounted_ops, check_tracer_warnings]
+            check_mfu, check_allocator, check_uncounted_ops, check_fake_kernel_gaps,
+            check_tracer_warnings]
 
 
 ALL_CHECKS = _all()
