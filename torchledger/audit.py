@@ -14,8 +14,12 @@ import os
 import sys
 import traceback
 import types
+from typing import NamedTuple, Optional
 
-__all__ = ["AuditError", "AuditRun", "load_entry", "run_audit", "DEVICES"]
+from .record import SAMPLES_NOT_TOKENS, TOKENS_FROM_SPEC
+
+__all__ = ["AuditError", "AuditRun", "load_entry", "run_audit", "infer_tokens", "default_tokens",
+           "TokenCount", "DEVICES"]
 
 DEVICES = ("fake", "meta", "cpu", "cuda")
 
@@ -144,18 +148,87 @@ def _call(model, inputs):
     return model(inputs)
 
 
+class TokenCount(NamedTuple):
+    """D for an audit and where it came from (``source`` goes to ``totals.tokens_source``)."""
+
+    tokens: Optional[int]
+    seq_len: Optional[int]
+    source: str
+
+
+def infer_tokens(inputs) -> TokenCount:
+    """Tokens per step (D of 6ND) read off the step's ``inputs``, with where it came from.
+
+    The tensors of ``inputs`` (a tensor, a tuple/list, a dict such as Hugging Face's
+    ``input_ids``/``attention_mask``/``labels``/``pixel_values``, nested up to 4 levels) are
+    ranked; the first tensor of the best rank wins:
+
+    1. an integer tensor of 2 dims, token ids ``[B, T]``: its numel (``seq_len`` = T);
+    2. a float tensor of 2-3 dims, ``[B, d]`` or ``[B, T, d]``: its rows (numel / last dim);
+    3. a float tensor of 4+ dims or an integer one of 3+ (images, video, uint8 pixels,
+       segmentation maps, ``[B, C, H, W, ...]``): its batch B. D then counts **samples, not
+       tokens**, and the source says so;
+    4. a 1-D integer tensor (class labels, or a packed token stream): its numel, used only
+       when nothing above exists (a vision batch's ``labels [B]`` never wins over its pixels);
+    5. a 1-D float tensor: its numel.
+
+    Bool tensors (masks), 0-dim and empty tensors are skipped; with nothing left ``tokens`` is
+    None and the source says why. ``AuditSpec(tokens=...)`` overrides all of this.
+    """
+    found = list(_tensors(inputs, "inputs"))
+    best = None
+    for position, (path, t) in enumerate(found):
+        ranked = _rank(path, t)
+        if ranked is not None and (best is None or (ranked[0], position) < best[0]):
+            best = ((ranked[0], position), ranked[1:])
+    if best is None:
+        why = ("no countable tensor in inputs (bool, 0-dim and empty tensors are skipped)" if found
+               else "no tensor in inputs")
+        return TokenCount(None, None, why)
+    return TokenCount(*best[1])
+
+
 def default_tokens(inputs):
-    """Tokens per step: numel of the first integer tensor, else rows of the first float tensor."""
+    """``(tokens, seq_len)`` of :func:`infer_tokens` (its rule; without the source)."""
+    count = infer_tokens(inputs)
+    return count.tokens, count.seq_len
+
+
+def _tensors(x, path: str, depth: int = 0):
+    """``(path, tensor)`` for each tensor in ``x``, in order: ``inputs['input_ids']``, ``inputs[0]``."""
+    import collections.abc
+
     import torch
-    flat = list(inputs.values()) if isinstance(inputs, dict) else (
-        list(inputs) if isinstance(inputs, (tuple, list)) else [inputs])
-    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-    for t in tensors:
-        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
-            return int(t.numel()), int(t.shape[-1]) if t.dim() >= 2 else None
-    for t in tensors:
-        return int(t.numel() // t.shape[-1]) if t.dim() >= 1 and t.shape[-1] else int(t.numel()), None
-    return None, None
+    if isinstance(x, torch.Tensor):
+        yield path, x
+    elif depth >= 4:
+        return
+    elif isinstance(x, collections.abc.Mapping):
+        for k, v in x.items():
+            yield from _tensors(v, f"{path}[{k!r}]", depth + 1)
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            yield from _tensors(v, f"{path}[{i}]", depth + 1)
+
+
+def _rank(path: str, t):
+    """``(rank, tokens, seq_len, source)`` of one tensor under :func:`infer_tokens`'s rule, or
+    None when it is skipped."""
+    import torch
+    if t.dtype == torch.bool or t.dim() == 0 or t.numel() == 0:
+        return None
+    shape = list(t.shape)
+    where = f"{path} {shape}"
+    integer = not (t.is_floating_point() or t.is_complex())
+    if integer and t.dim() == 2:
+        return 1, int(t.numel()), int(shape[1]), f"numel of {where}"
+    if not integer and t.dim() in (2, 3):
+        return 2, int(t.numel() // shape[-1]), None, f"rows of {where}"
+    if t.dim() >= (3 if integer else 4):
+        return 3, int(shape[0]), None, f"batch of {where}: {SAMPLES_NOT_TOKENS}"
+    if integer:
+        return 4, int(t.numel()), None, f"numel of {where}: 1-D, no 2-D token ids"
+    return 5, int(t.numel()), None, f"numel of {where}: 1-D"
 
 
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
@@ -185,9 +258,10 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
         if device in ("meta", "cuda"):
             model = model.to(device)
         inputs = _to_device(spec.inputs, device)
-        tokens, seq = default_tokens(inputs)
-        tokens = spec.tokens or tokens
-        seq = spec.seq_len or seq
+        count = infer_tokens(inputs)
+        tokens = spec.tokens or count.tokens
+        source = TOKENS_FROM_SPEC if spec.tokens else count.source
+        seq = spec.seq_len or count.seq_len
         try:
             opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
         except Exception as e:
@@ -196,7 +270,7 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
             opt.step = _step_with_cpu_default(opt.step)
         ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
         for _ in range(steps):
-            with ledger.step(tokens=tokens, seq_len=seq):
+            with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
                 try:
                     _one_step(spec, model, inputs, opt)
                 except AuditError:

@@ -17,7 +17,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["StepRecord", "Finding", "SCHEMA", "CONVENTIONS"]
+__all__ = ["StepRecord", "Finding", "SCHEMA", "CONVENTIONS", "TOKENS_GIVEN", "TOKENS_FROM_SPEC",
+           "SAMPLES_NOT_TOKENS", "counts_samples"]
 
 SCHEMA = "torchledger/1"
 SEVERITIES = ("error", "warning", "info")
@@ -32,6 +33,17 @@ CONVENTIONS = {
     "bytes": "bytes = numel x element size; activation bytes are unique storages saved for backward, "
              "parameters excluded",
 }
+
+#: ``totals.tokens_source``: how D (tokens per step) was obtained. Optional: records made
+#: before it existed have no such key. ``None`` when no tokens were given to the tracer.
+TOKENS_GIVEN = "given"                          # trace(..., tokens=N) / Ledger.step(tokens=N)
+TOKENS_FROM_SPEC = "AuditSpec(tokens=...)"      # the audited file set it
+SAMPLES_NOT_TOKENS = "samples, not tokens"      # in the source when D is a batch of images
+
+
+def counts_samples(totals: dict) -> bool:
+    """True when ``totals["tokens"]`` counts samples (the batch of an image-like input), not tokens."""
+    return SAMPLES_NOT_TOKENS in str(totals.get("tokens_source") or "")
 
 
 @dataclass
@@ -191,7 +203,7 @@ def _check_shape(d: dict) -> None:
         if key in _NESTED_TOTALS:
             if not isinstance(value, dict) or not all(_is_num(v) for v in value.values()):
                 bad(f"totals.{key}", "an object of numbers", value)
-        elif key in ("peak_phase", "peak_module"):
+        elif key in ("peak_phase", "peak_module", "tokens_source"):
             if not (value is None or isinstance(value, str)):
                 bad(f"totals.{key}", "a string", value)
         elif not (value is None or _is_num(value) or isinstance(value, dict)):

@@ -9,7 +9,7 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 """
 from __future__ import annotations
 
-from ..record import Finding
+from ..record import Finding, counts_samples
 from .activations import korthikanti_layer_bytes
 from .memory import OPTIMIZERS, static_memory
 from .params import count_params
@@ -122,10 +122,11 @@ def comparisons(record, p=None) -> list:
         f = t["flops"]["total"]
         attn = t["attention_flops"]["dense"]
         other = f - p["flops_6nd"] - attn
+        unit = "samples" if counts_samples(t) else "tokens"      # D of an image batch: its samples
         rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
                          f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
-                         f"D = {t['tokens']:,} tokens; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
-                         + (f"; weights do not all see D tokens (experts, encoder/decoder lengths, "
+                         f"D = {t['tokens']:,} {unit}; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
+                         + (f"; weights do not all see D {unit} (experts, encoder/decoder lengths, "
                             f"heads on a few rows): 6 x sum(weight x rows it multiplied) = "
                             f"{p['flops_6nd_per_weight']:,}"
                             if _uneven(p) else _other(other, p["flops_6nd"]))))

@@ -5,12 +5,12 @@ version, or one loaded back from JSON, renders the same as a fresh one.
 """
 from __future__ import annotations
 
-from ..record import Finding
+from ..record import TOKENS_FROM_SPEC, TOKENS_GIVEN, Finding, counts_samples
 from ..units import fmt_bytes, fmt_count
 
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
-           "totals_rows", "measured_static_bytes", "with_hint"]
+           "totals_rows", "measured_static_bytes", "with_hint", "tokens_note"]
 
 EMPTY_SENTENCE = "Empty record: no ops were traced (did the traced block run a step?)."
 CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
@@ -159,14 +159,28 @@ def comparison_rows(record) -> list:
     return rows
 
 
+def tokens_note(totals) -> str | None:
+    """Where D (tokens per step) came from, for the tokens line: ``totals.tokens_source``, and
+    how to set it when the audit inferred it from the inputs. None for records without a
+    source (made before the field existed, or traced with no tokens)."""
+    src = totals.get("tokens_source")
+    if not src:
+        return None
+    if src in (TOKENS_GIVEN, TOKENS_FROM_SPEC):
+        return src
+    return f"{src}; pass AuditSpec(tokens=...) to set it"
+
+
 def totals_rows(record) -> list:
     """``[label, value]`` pairs (strings) summarising the step, for the markdown and HTML totals."""
     t = record.totals
     f = t["flops"]
     attn = t.get("attention_flops") or {}
     rows = [["parameters", f"{fmt_count(t['params'])} ({t['params']:,})"]]
-    if t.get("tokens"):
-        rows.append(["tokens per step", f"{t['tokens']:,}"])
+    note = tokens_note(t)
+    if t.get("tokens") or note:
+        count = f"{t['tokens']:,}" if t.get("tokens") else "none"
+        rows.append(["tokens per step", count + (f" ({note})" if note else "")])
     rows += [["FLOPs forward / backward / optimizer",
               f"{fmt_count(f['forward'])} / {fmt_count(f['backward'])} / {fmt_count(f['optimizer'])}"],
              ["FLOPs total (matmul-class)", f"{fmt_count(f['total'])} ({f['total']:,})"]]
@@ -176,7 +190,8 @@ def totals_rows(record) -> list:
     rows.append(["element-wise FLOPs (not in total)",
                  fmt_count((t.get("elementwise_flops") or {}).get("total", 0))])
     if t.get("tokens"):
-        rows.append(["FLOPs per token", f"{f['total'] / t['tokens']:,.0f}"])
+        rows.append([f"FLOPs per {'sample' if counts_samples(t) else 'token'}",
+                     f"{f['total'] / t['tokens']:,.0f}"])
     phase, module = t.get("peak_phase"), t.get("peak_module")
     peak_at = ", ".join(x for x in (phase, module if module != f"({phase})" else None) if x)
     rows.append(["peak live memory", fmt_bytes(t["peak_bytes"], binary=True) + (f" ({peak_at})" if peak_at else "")])

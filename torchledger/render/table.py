@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
-from .common import CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, is_empty, module_rows
+from .common import CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, is_empty, module_rows, tokens_note
 
 __all__ = ["render_table"]
 
@@ -102,10 +103,15 @@ def _totals_lines(record) -> list:
         f"attention: {fmt_count(attn['dense'])} dense, {fmt_count(attn['causal'])} causal-halved; "
         f"element-wise (not in total): {fmt_count(elementwise)}",
     ]
+    note = tokens_note(t)               # where D came from (absent from older records)
     if t.get("tokens"):
         n = t.get("matmul_params", 0)
-        lines.append(f"tokens: {t['tokens']:,}; FLOPs/token {f['total'] / t['tokens']:,.0f}; "
+        per = "sample" if counts_samples(t) else "token"
+        source = f" ({note})" if note else ""
+        lines.append(f"tokens: {t['tokens']:,}{source}; FLOPs/{per} {f['total'] / t['tokens']:,.0f}; "
                      f"6ND (N = {n:,} matmul params) = {6 * n * t['tokens']:,}")
+    elif note:
+        lines.append(f"tokens: none ({note}); no FLOPs/token or 6ND")
     pb = record.memory.get("peak_breakdown", {})
     lines.append(f"memory: peak {fmt_bytes(t['peak_bytes'], binary=True)} in {t.get('peak_phase') or '?'}"
                  f" ({_module_name(t.get('peak_module'))}): " +

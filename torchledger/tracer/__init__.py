@@ -43,14 +43,15 @@ class _Traced(StepTracer):
 
 
 def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
-          clock=time.perf_counter) -> _Traced:
+          clock=time.perf_counter, tokens_source=None) -> _Traced:
     """Trace one training step of ``model``; use as ``with trace(model, opt, tokens=N) as t``.
 
     ``tokens`` (tokens per step, for 6ND) and ``seq_len`` (for the attention term) are
-    optional. ``peak_flops`` (FLOP/s) enables MFU.
+    optional. ``peak_flops`` (FLOP/s) enables MFU. ``tokens_source`` says how ``tokens`` was
+    obtained, for reports (``totals.tokens_source``; default "given").
     """
     return _Traced(model, optimizer=optimizer, tokens=tokens, peak_flops=peak_flops, clock=clock,
-                   seq_len=seq_len)
+                   seq_len=seq_len, tokens_source=tokens_source)
 
 
 class Ledger:
@@ -74,7 +75,9 @@ class Ledger:
         self._cuda = None
 
     @contextmanager
-    def step(self, tokens=None, seq_len=None):
+    def step(self, tokens=None, seq_len=None, *, tokens_source=None):
+        """Trace (or time) one step; ``tokens`` per step for 6ND, ``tokens_source`` how it was
+        obtained (``totals.tokens_source``; default "given")."""
         i = self.steps
         self.steps += 1
         if i % self.sample_every:
@@ -84,7 +87,7 @@ class Ledger:
             return
         tracer = StepTracer(self.model, optimizer=self.optimizer, tokens=tokens,
                             peak_flops=self.peak_flops, clock=self.clock, step_index=i,
-                            seq_len=seq_len, carry=self._carry)
+                            seq_len=seq_len, carry=self._carry, tokens_source=tokens_source)
         try:
             with tracer:
                 yield tracer

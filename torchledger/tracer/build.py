@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..record import StepRecord
+from ..record import TOKENS_GIVEN, StepRecord
 from .dispatch import BACKWARD, FORWARD, OPTIMIZER, PHASES, RECOMPUTE
 from .memory import CATEGORIES
 from .modules import NO_MODULE
@@ -82,6 +82,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     t["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) if model is not None else 0
     t["tokens"] = tracer.tokens or 0
+    t["tokens_source"] = tracer.tokens_source or (TOKENS_GIVEN if tracer.tokens else None)
 
     # -- uncounted ops ----------------------------------------------------------------------
     unc: dict = {}

@@ -48,7 +48,7 @@ class StepTracer:
 
     def __init__(self, model: torch.nn.Module, optimizer=None, tokens=None, *,
                  clock=time.perf_counter, peak_flops=None, step_index: int = 0, seq_len=None,
-                 carry=None, memory_history=True):
+                 carry=None, memory_history=True, tokens_source=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"trace() expects an nn.Module, got {type(model).__name__}")
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
@@ -56,7 +56,13 @@ class StepTracer:
         self._model = model          # strong until the step ends, then only a weakref
         self._model_ref = weakref.ref(model)
         self._optimizers = [optimizer] if optimizer is not None else []
+        if tokens_source is not None and not isinstance(tokens_source, str):
+            raise ValueError(f"tokens_source must be a string (how tokens was obtained), "
+                             f"got {tokens_source!r}")
         self.tokens = tokens
+        self.tokens_source = tokens_source
+        """How ``tokens`` was obtained, for ``totals.tokens_source``; default "given" when
+        ``tokens`` is given (the audit names the input it counted)."""
         self.seq_len = seq_len
         self.clock = clock
         self.peak_flops = peak_flops
