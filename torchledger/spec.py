@@ -34,8 +34,11 @@ class AuditSpec:
     step: Optional[Callable] = None
     """``(model, inputs, optimizer) -> None``: the user's own step, replacing the default."""
     tokens: Optional[int] = None
-    """Tokens per step (D of 6ND); default: the numel of the first integer tensor of
-    ``inputs`` (token ids), or the rows of the first float tensor."""
+    """Tokens per step (D of 6ND); default read off ``inputs`` (``audit.infer_tokens``): the
+    numel of 2-D integer token ids ``[B, T]``, else the rows of a 2-3 dim float ``[B, (T,) d]``,
+    else the batch of an image-like tensor (float 4+ dims, integer 3+: D then counts samples,
+    not tokens), else the numel of a 1-D tensor (labels). Reports say which
+    (``totals.tokens_source``)."""
     seq_len: Optional[int] = None
     """Sequence length, for the attention term; default: the last dim of the token ids."""
 
