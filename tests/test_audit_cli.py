@@ -345,3 +345,77 @@ def test_cast_after_build_on_fake_says_what_to_do(tmp_path):
     if r.exit_code == 0:
         pytest.skip("this torch converts fake parameters in place")
     one_line_error(r, "model.to(dtype)", "set_default_dtype", "--device meta")
+
+
+# -- --output onto links, devices and FIFOs (write_atomic) ------------------------------------
+RECORD = os.path.join(ROOT, "tests", "data", "gpt2-tiny", "record.json")
+SNAPSHOT = os.path.join(ROOT, "tests", "data", "snapshots", "history.pickle")
+
+
+def _char_device(tmp_path, name, minor):
+    """A copy of /dev/null (minor 3) or /dev/full (minor 7) in tmp_path; skips when not root."""
+    import stat
+    path = tmp_path / name
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
+    except (PermissionError, AttributeError, OSError) as e:
+        pytest.skip(f"cannot make a device node here ({e})")
+    return path
+
+
+@pytest.mark.parametrize("command", ["report", "snapshot"])
+def test_output_through_a_symlink_replaces_the_target_and_keeps_the_link(tmp_path, command):
+    source = RECORD if command == "report" else SNAPSHOT
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("{}")
+    link.symlink_to(target)
+    r = run(command, source, "--format", "json", "--output", str(link))
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert json.loads(target.read_text()) != {}
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "target.json"]
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "made.json")       # a link to a file not there yet: created
+    assert run(command, source, "--format", "json", "--output", str(dangling)).exit_code == 0
+    assert dangling.is_symlink() and json.loads((tmp_path / "made.json").read_text()) != {}
+
+
+def test_output_to_a_character_device_writes_to_it_and_never_replaces_it(tmp_path):
+    import stat
+    null = _char_device(tmp_path, "mynull", 3)
+    r = run("report", RECORD, "--format", "json", "--output", str(null))
+    assert r.exit_code == 0, r.output
+    assert stat.S_ISCHR(os.stat(null).st_mode)
+    full = _char_device(tmp_path, "myfull", 7)
+    one_line_error(run("report", RECORD, "--format", "json", "--output", str(full)),
+                   f"--output {full}", "No space left on device")
+    assert stat.S_ISCHR(os.stat(full).st_mode)
+    link = tmp_path / "link"
+    link.symlink_to(null)
+    assert run("report", RECORD, "--output", str(link), "--format", "csv").exit_code == 0
+    assert link.is_symlink() and stat.S_ISCHR(os.stat(null).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["link", "myfull", "mynull"]
+
+
+def test_output_to_a_fifo_streams_into_it(tmp_path):
+    import stat
+    import threading
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+
+    def reader():
+        with open(fifo, "rb") as f:           # blocks until the writer opens it
+            got.append(f.read())
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    r = run("report", RECORD, "--format", "json", "--output", str(fifo))
+    t.join(timeout=30)
+    assert r.exit_code == 0, r.output
+    assert got and json.loads(got[0])["schema"] == "torchledger/1"
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_output_to_a_directory_is_one_line(tmp_path):
+    one_line_error(run("report", RECORD, "--format", "json", "--output", str(tmp_path)), "--output")

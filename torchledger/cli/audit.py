@@ -152,7 +152,10 @@ def _write_snapshot(run, path) -> None:
     if run.snapshot is None:
         reason = run.record.memory.get("allocator", {}).get("reason", "no allocator history")
         raise InputError(f"--memory-snapshot {path}: {reason}")
-    write_atomic(path, pickle.dumps(run.snapshot))
+    try:
+        write_atomic(path, pickle.dumps(run.snapshot))
+    except OSError as e:
+        raise InputError(f"--memory-snapshot {path}: cannot write ({e.strerror or e})") from None
     click.echo(f"torchledger: wrote {path} (open it at https://pytorch.org/memory_viz)", err=True)
 
 

@@ -27,7 +27,7 @@ __all__ = ["snapshot"]
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
               help="How many allocation stacks to list.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
-              help="Write to this file instead of stdout.")
+              help="Write to this file instead of stdout (atomically).")
 def snapshot(file: str, fmt, top: int, output) -> int:
     """Summarise a CUDA memory snapshot (FILE.pickle from torch.cuda.memory._dump_snapshot).
 
@@ -51,9 +51,9 @@ def snapshot(file: str, fmt, top: int, output) -> int:
     summary["findings"] = [f.to_dict() for f in findings]
     text = json.dumps(summary, indent=2) + "\n" if fmt == "json" else render(summary, findings)
     if output:
+        from ..render.output import write_atomic
         try:
-            with open(output, "w", encoding="utf-8") as f:
-                f.write(text)
+            write_atomic(output, text)
         except OSError as e:
             raise InputError(f"cannot write {output}: {e.strerror or e}") from None
         click.echo(f"wrote {os.path.abspath(output)}", err=True)

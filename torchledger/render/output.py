@@ -1,7 +1,9 @@
 """Where rendered text goes: the format a file name asks for, and a write that is all or nothing."""
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from typing import Iterable, Union
 
@@ -31,32 +33,72 @@ def format_from_path(path) -> str:
 def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
     """Write ``text`` (a string, bytes, or an iterable of string chunks) to ``path`` all at once.
 
-    The text goes to a temporary file in the same directory, is flushed to disk, and then
-    replaces ``path`` in one ``os.replace``. If anything fails on the way (a chunk iterator
-    raising, a full disk) the temporary file is removed and ``path`` is left as it was.
-    The text is written exactly as given (UTF-8, no newline translation).
+    For a regular file (or a new one) the text goes to a temporary file in the same directory,
+    is flushed to disk, and then replaces the file in one ``os.replace``. If anything fails on
+    the way (a chunk iterator raising, a full disk) the temporary file is removed and the file
+    is left as it was. The text is written exactly as given (UTF-8, no newline translation).
+
+    A symbolic link is followed: the file it points to is the one replaced (or created, for a
+    dangling link), and the link stays a link. A path that exists and is not a regular file
+    (a character device such as ``/dev/null``, a FIFO, ``/dev/stdout``) is written in place,
+    never renamed over: the whole text is rendered first, then written, and a failed write
+    (``ENOSPC`` on ``/dev/full``) raises ``OSError``. A directory raises ``IsADirectoryError``.
 
     Known limitations: the new file gets the old file's permission bits if it existed, else
     the process umask's defaults; ownership and extended attributes are not carried over.
     """
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    binary = isinstance(text, (bytes, bytearray))
+    chunks = [text] if isinstance(text, (str, bytes, bytearray)) else text
     try:
-        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="")) as fh:
-            for chunk in ([text] if isinstance(text, (str, bytes, bytearray)) else text):
-                fh.write(chunk)
+        st = os.stat(path)                      # follows links: what a write would reach
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        _write_in_place(path, chunks)
+        return
+    target = os.path.realpath(path)             # a link's target is replaced, not the link
+    directory = os.path.dirname(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for chunk in chunks:
+                fh.write(_encode(chunk))
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, _mode_for(path))
-        os.replace(tmp, path)
+        os.chmod(tmp, _mode_for(target))
+        os.replace(tmp, target)
     except BaseException:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
         raise
+
+
+def _encode(chunk) -> bytes:
+    return bytes(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.encode("utf-8")
+
+
+def _write_in_place(path: str, chunks) -> None:
+    """Write to a device, FIFO or other non-regular file: no temp file, no rename, no create.
+
+    The text is rendered in full before the file is opened, so a failing renderer writes
+    nothing. ``O_WRONLY`` without ``O_CREAT``: should the node vanish meanwhile, this fails
+    rather than leave a regular file in its place.
+    """
+    data = b"".join(_encode(c) for c in chunks)
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            if n <= 0:                          # pragma: no cover - os.write raises instead
+                raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+            view = view[n:]
+    finally:
+        os.close(fd)
 
 
 def _mode_for(path: str) -> int:
