@@ -419,3 +419,82 @@ def test_output_to_a_fifo_streams_into_it(tmp_path):
 
 def test_output_to_a_directory_is_one_line(tmp_path):
     one_line_error(run("report", RECORD, "--format", "json", "--output", str(tmp_path)), "--output")
+
+
+# -- what the spec's callables return or do ---------------------------------------------------
+@pytest.mark.parametrize("returned, shown", [("5", "int (5)"), ("None", "NoneType (None)"),
+                                             ("list(p)", "list")])
+def test_optimizer_factory_returning_a_non_optimizer_is_one_line(tmp_path, returned, shown):
+    path = write(tmp_path, "m.py", f"""
+        import torch, torchledger
+
+        def audit_spec():
+            return torchledger.AuditSpec(torch.nn.Linear(4, 4), torch.randn(2, 4),
+                                         optimizer=lambda p: {returned})
+    """)
+    out = tmp_path / "out.json"
+    one_line_error(run("audit", path, "--steps", "1", "--output", str(out)),
+                   "m.py:6", f"AuditSpec.optimizer(params) returned {shown}", "torch.optim.Optimizer")
+    assert not out.exists()
+
+
+def test_duck_typed_optimizer_is_accepted(tmp_path):
+    path = write(tmp_path, "m.py", """
+        import torch, torchledger
+
+        class Plain:
+            def __init__(self, params):
+                self.param_groups = [{"params": list(params), "lr": 0.1}]
+                self.state = {}
+
+            @torch.no_grad()
+            def step(self):
+                for p in self.param_groups[0]["params"]:
+                    p -= 0.1 * p.grad
+
+            def zero_grad(self, set_to_none=True):
+                for p in self.param_groups[0]["params"]:
+                    p.grad = None
+
+        def audit_spec():
+            return torchledger.AuditSpec(torch.nn.Linear(4, 4), torch.randn(2, 4), optimizer=Plain)
+    """)
+    r = run("audit", path, "--steps", "1", "--device", "cpu", "--fail-on", "never")
+    assert r.exit_code == 0, r.output
+
+
+EXITS = {
+    "import": ("import sys\nsys.exit(3)\n", "importing the model file called sys.exit(3)"),
+    "spec": ("import sys\ndef audit_spec():\n    sys.exit(3)\n", "audit_spec() called sys.exit(3)"),
+    "message": ("import sys\ndef audit_spec():\n    sys.exit('no data')\n",
+                "audit_spec() called sys.exit('no data')"),
+    "optimizer": ("import sys, torch, torchledger\n"
+                  "def audit_spec():\n"
+                  "    return torchledger.AuditSpec(torch.nn.Linear(4, 4), torch.randn(2, 4),\n"
+                  "                                 optimizer=lambda p: sys.exit(4))\n",
+                  "making the optimizer called sys.exit(4)"),
+    "forward": ("import sys, torch, torchledger\n"
+                "class M(torch.nn.Linear):\n"
+                "    def forward(self, x):\n"
+                "        sys.exit(5)\n"
+                "def audit_spec():\n"
+                "    return torchledger.AuditSpec(M(4, 4), torch.randn(2, 4))\n",
+                "m.py:4: the training step called sys.exit(5)"),
+    "step": ("import sys, torch, torchledger\n"
+             "def audit_spec():\n"
+             "    return torchledger.AuditSpec(torch.nn.Linear(4, 4), torch.randn(2, 4),\n"
+             "                                 step=lambda m, x, o: sys.exit())\n",
+             "the training step called sys.exit()"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXITS))
+@pytest.mark.parametrize("device", ["fake", "cpu"])
+def test_sys_exit_in_the_model_file_is_one_line_exit_2(tmp_path, case, device):
+    body, needle = EXITS[case]
+    path = tmp_path / "m.py"
+    path.write_text(body)
+    out = tmp_path / "out.json"
+    one_line_error(run("audit", str(path), "--steps", "1", "--device", device, "--output", str(out)),
+                   needle)
+    assert not out.exists()

@@ -65,9 +65,8 @@ def load_entry(path: str, entry: str = "audit_spec"):
     sys.path.insert(0, folder)
     try:
         exec(code, module.__dict__)
-    except Exception as e:
-        raise AuditError(f"{_where(e, path)}: importing the model file raised "
-                         f"{type(e).__name__}: {_msg(e)}") from None
+    except (Exception, SystemExit) as e:
+        raise AuditError(f"{_where(e, path)}: importing the model file {_raised(e)}") from None
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(folder)
@@ -247,8 +246,8 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
                 raw = fn()
         except AuditError:
             raise
-        except Exception as e:
-            raise AuditError(f"{_where(e, path)}: {entry}() raised {type(e).__name__}: {_msg(e)}"
+        except (Exception, SystemExit) as e:
+            raise AuditError(f"{_where(e, path)}: {entry}() {_raised(e)}"
                              f"{_device_hint(e, device)}") from None
         try:
             spec = as_spec(raw)
@@ -264,8 +263,9 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
         seq = spec.seq_len or count.seq_len
         try:
             opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
-        except Exception as e:
-            raise AuditError(f"{_where(e, path)}: making the optimizer raised {type(e).__name__}: {_msg(e)}") from None
+        except (Exception, SystemExit) as e:
+            raise AuditError(f"{_where(e, path)}: making the optimizer {_raised(e)}") from None
+        _check_optimizer(opt, spec, path)
         if device == "meta":
             opt.step = _step_with_cpu_default(opt.step)
         ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
@@ -275,12 +275,17 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
                     _one_step(spec, model, inputs, opt)
                 except AuditError:
                     raise
-                except Exception as e:
+                except (Exception, SystemExit) as e:
                     raise _step_error(e, path, device) from None
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
             for _ in range(timing_steps):
                 with ledger.time_step():
-                    _one_step(spec, model, inputs, opt)
+                    try:
+                        _one_step(spec, model, inputs, opt)
+                    except AuditError:
+                        raise
+                    except (Exception, SystemExit) as e:
+                        raise _step_error(e, path, device) from None
     for r in ledger.records:
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq}
@@ -293,6 +298,36 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
         if peak_flops:
             t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak_flops
     return run
+
+
+def _check_optimizer(opt, spec, path: str) -> None:
+    """What ``AuditSpec.optimizer(params)`` returned must be an optimizer: a
+    ``torch.optim.Optimizer``, or an object with its ``param_groups``, ``state`` (a mapping),
+    ``step()`` and, for the default step, ``zero_grad()``."""
+    import collections.abc
+
+    import torch
+    if isinstance(opt, torch.optim.Optimizer):
+        return
+    needed = {"param_groups": lambda v: isinstance(v, (list, tuple)),
+              "state": lambda v: isinstance(v, collections.abc.Mapping),
+              "step": callable}
+    if spec.step is None:
+        needed["zero_grad"] = callable
+    missing = [name for name, ok in needed.items() if not ok(getattr(opt, name, None))]
+    if not missing:
+        return
+    where = path
+    code = getattr(spec.optimizer, "__code__", None)
+    if code is not None and os.path.abspath(code.co_filename) == os.path.abspath(path):
+        where = f"{os.path.relpath(path)}:{code.co_firstlineno}"
+    shown = " ".join(repr(opt).split())
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    wants = ", ".join(n + "()" if n in ("step", "zero_grad") else n for n in needed)
+    raise AuditError(f"{where}: AuditSpec.optimizer(params) returned {type(opt).__name__} ({shown}), "
+                     f"expected a torch.optim.Optimizer or an object with {wants} (missing: "
+                     f"{', '.join(missing)}); return one, e.g. "
+                     f"`optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)`")
 
 
 def _step_with_cpu_default(step):
@@ -361,8 +396,11 @@ def _device_hint(e: Exception, device: str) -> str:
     return ""
 
 
-def _step_error(e: Exception, path: str, device: str) -> AuditError:
+def _step_error(e: BaseException, path: str, device: str) -> AuditError:
     name = type(e).__name__
+    if isinstance(e, SystemExit):
+        return AuditError(f"{_where(e, path)}: the training step {_raised(e)}; the model, loss_fn and "
+                          f"step must return (or raise), not exit")
     hint = _device_hint(e, device) or (
         "; try --device cpu (or --device meta)" if device == "fake" and "fake" in str(e).lower()[:200] else "")
     if hint:
@@ -389,6 +427,19 @@ def _where(e: BaseException, path: str) -> str:
             if not fr.filename.startswith(skip):
                 best = fr
     return f"{os.path.relpath(best.filename)}:{best.lineno}" if best else path
+
+
+def _raised(e: BaseException) -> str:
+    """``raised ValueError: text``, or ``called sys.exit(3)`` for a SystemExit."""
+    if isinstance(e, SystemExit):
+        code = e.code
+        return f"called sys.exit({'' if code is None else _msg_text(repr(code))})"
+    return f"raised {type(e).__name__}: {_msg(e)}"
+
+
+def _msg_text(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _msg(e: BaseException) -> str:
