@@ -332,6 +332,45 @@ def test_activation_checkpointing_is_recompute():
         assert tot["activation_bytes"] == 8 * 32 * 4
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_plain_function_is_recompute(reentrant):
+    """Checkpointed code that calls no module (no module hook fires while it reruns) is still
+    recomputation, not model backward work, and its nodes belong to the calling module."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Fn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 32) / 6)
+            self.head = nn.Linear(32, 10, bias=False)
+
+        def fn(self, x):
+            return torch.tanh(x @ self.w)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.fn, x, use_reentrant=reentrant)).sum()
+
+    model = Fn()
+    with torchledger.trace(model) as t:
+        model(torch.randn(8, 32, requires_grad=True)).backward()       # reentrant needs it
+    tot = t.record.totals
+    mm, head = 2 * 8 * 32 * 32, 2 * 8 * 32 * 10                         # 16384, 5120
+    assert tot["flops"]["forward"] == mm + head
+    assert tot["flops"]["backward"] == 2 * head + 2 * mm                 # dx + dW each
+    assert tot["hardware_flops"] == tot["flops"]["total"] + mm            # fn's mm reran once
+    rows = {m["name"]: m for m in t.record.modules}
+    assert "(no module)" not in rows and rows[""]["flops_backward"] == tot["flops"]["backward"]
+
+
+def test_create_graph_backward_is_backward_not_recompute():
+    # grad mode is on during a create_graph=True backward, as during recomputation
+    w = nn.Linear(4, 4, bias=False)
+    with torchledger.trace(w) as t:
+        (g,) = torch.autograd.grad(w(torch.randn(2, 4)).pow(2).sum(), w.weight, create_graph=True)
+    assert "recompute" not in [o["phase"] for o in t.record.ops]
+    assert t.record.totals["hardware_flops"] == t.record.totals["flops"]["total"]
+
+
 def test_record_round_trips_through_json():
     _, rec = traced_gpt("cpu", "llama-tiny", 2, 8)
     text = rec.to_json()

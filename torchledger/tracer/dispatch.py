@@ -27,6 +27,20 @@ FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER = range(4)
 
 _Tensor = torch.Tensor
 _current_node = torch._C._current_autograd_node
+_grad_enabled = torch.is_grad_enabled
+_top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _recomputing(node) -> bool:
+    """An op run during backward with grad enabled is either activation-checkpoint
+    recomputation or a ``create_graph=True`` backward; it is recomputation when the node
+    running is reentrant checkpoint's, or non-reentrant checkpoint's recomputation hooks are
+    the innermost saved-tensor hooks. (Recomputation that calls modules is already known from
+    the module hooks that fire during backward: see ``modules.ModuleScope``.)"""
+    if node.name() == "CheckpointFunctionBackward":
+        return True
+    hooks = _top_saved_hooks(False)
+    return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook")
 _aten = torch.ops.aten
 _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
 _GATHER_OPS = {_aten.index.Tensor, _aten.index_select.default}
@@ -105,6 +119,9 @@ class LedgerMode(TorchDispatchMode):
             if node is not None:
                 if scope.recompute_depth:
                     phase, mod = RECOMPUTE, scope.top
+                elif _grad_enabled() and _recomputing(node):   # checkpointed code without modules
+                    phase, mod = RECOMPUTE, scope.module_of_node(node)
+                    scope.recomputing_in(mod)
                 else:
                     phase, mod = BACKWARD, scope.module_of_node(node)
             elif self.in_optimizer:

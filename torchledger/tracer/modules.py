@@ -94,6 +94,15 @@ class ModuleScope:
         self._mod.append(self.stack[-1] if self.stack else NO_MODULE)
         return None
 
+    def recomputing_in(self, mod: int) -> None:
+        """Checkpointed code that calls no module is being recomputed for ``mod`` (called at
+        each of its ops): autograd nodes it makes (reentrant checkpoint backpropagates through
+        them) belong to ``mod``. The op being dispatched already has its node, one number
+        below the counter; nodes of the forward (before the last transition) keep theirs."""
+        if self._mod and self._mod[-1] != mod:
+            self._seq.append(max(_get_sequence_nr() - 1, self._seq[-1]))
+            self._mod.append(mod)
+
     # -- lookups -------------------------------------------------------------------------
     @property
     def top(self) -> int:
