@@ -498,3 +498,53 @@ def test_sys_exit_in_the_model_file_is_one_line_exit_2(tmp_path, case, device):
     one_line_error(run("audit", str(path), "--steps", "1", "--device", device, "--output", str(out)),
                    needle)
     assert not out.exists()
+
+
+SHAPE_MISMATCH = """
+    import torch, torchledger
+
+    def audit_spec():
+        return torchledger.AuditSpec(torch.nn.Linear(4, 4), torch.randn(2, 5))
+"""
+
+
+def test_fake_shape_error_prints_only_the_one_line(tmp_path):
+    """torch's fake kernel logs its own traceback (logger torch._subclasses.fake_tensor,
+    "failed while attempting to run meta for aten.mm.default") before re-raising; the audit
+    silences it, so stderr is the one line."""
+    import subprocess
+    import sys
+    model = write(tmp_path, "m.py", SHAPE_MISMATCH)
+    r = subprocess.run([sys.executable, "-m", "torchledger", "audit", model, "--steps", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("torchledger: error: ") and "same reduction dim" in r.stderr
+
+
+def test_torch_loggers_are_quiet_during_the_audit_and_restored_after(tmp_path):
+    import logging
+
+    from torchledger.audit import TORCH_LOGGERS, AuditError, run_audit
+    import torch._subclasses.fake_tensor  # noqa: F401
+    model = write(tmp_path, "m.py", SHAPE_MISMATCH)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    before = {name: logging.getLogger(name).level for name in TORCH_LOGGERS}
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Catch()
+    fake_log.addHandler(handler)
+    try:
+        with pytest.raises(AuditError, match="same reduction dim"):
+            run_audit(model, steps=1)
+        assert seen == []
+        assert {name: logging.getLogger(name).level for name in TORCH_LOGGERS} == before
+        with pytest.raises(AuditError):
+            run_audit(model, steps=1, torch_logs=True)      # --debug: torch's log is shown
+        assert any("failed while attempting to run meta" in m for m in seen), seen
+    finally:
+        fake_log.removeHandler(handler)

@@ -230,9 +230,44 @@ def _rank(path: str, t):
     return 5, int(t.numel()), None, f"numel of {where}: 1-D"
 
 
+#: torch loggers that print their own traceback (``log.exception``) for an error the audit
+#: reports anyway as one line: a fake kernel failing on a shape mismatch ("failed while
+#: attempting to run meta for aten.mm.default"), a symbolic shape guard. They are quiet while
+#: an audit runs unless ``torch_logs=True`` (``--debug``).
+TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.meta_utils",
+                 "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.proxy_tensor")
+
+
+@contextlib.contextmanager
+def quiet_torch_logs(enabled: bool = True):
+    """Raise :data:`TORCH_LOGGERS` above ERROR for the block; their levels are restored after."""
+    import logging
+    if not enabled:
+        yield
+        return
+    import torch._subclasses.fake_tensor  # noqa: F401  (importing torch resets its loggers' levels)
+    saved = [(logger, logger.level) for logger in map(logging.getLogger, TORCH_LOGGERS)]
+    for logger, _ in saved:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
-              peak_flops=None, timing_steps: int = 2) -> AuditRun:
-    """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``."""
+              peak_flops=None, timing_steps: int = 2, torch_logs: bool = False) -> AuditRun:
+    """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``.
+
+    torch's own error logs of a failing fake kernel are silenced meanwhile (the failure comes
+    back as one ``AuditError``) unless ``torch_logs`` is true.
+    """
+    with quiet_torch_logs(not torch_logs):
+        return _run_audit(path, entry, device, steps, peak_flops, timing_steps)
+
+
+def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun:
     import torch
     from .spec import as_spec
     from .tracer import Ledger

@@ -75,6 +75,13 @@ def _load_record(path, label):
         raise InputError(f"{label}: cannot read ({e.strerror or e})") from None
 
 
+def _debug() -> bool:
+    """``torchledger --debug`` (or ``TORCHLEDGER_DEBUG=1``): tracebacks and torch's own logs."""
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    return bool(root is not None and root.params.get("debug")) or os.environ.get("TORCHLEDGER_DEBUG") == "1"
+
+
 def _exit_code(findings, fail_on: str) -> int:
     from ..settings import SEVERITY_RANK
     limit = SEVERITY_RANK[fail_on]
@@ -121,7 +128,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
     try:
-        run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak)
+        run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
+                        torch_logs=_debug())
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
