@@ -371,6 +371,17 @@ def test_create_graph_backward_is_backward_not_recompute():
     assert t.record.totals["hardware_flops"] == t.record.totals["flops"]["total"]
 
 
+def test_grad_bytes_are_the_most_alive_not_what_zero_grad_left():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))             # 144 + 68 = 212 params
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchledger.trace(model, optimizer=opt) as t:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    tot = t.record.totals
+    assert tot["grad_bytes"] == 212 * 4 and tot["grad_bytes_end"] == 0
+
+
 def test_record_round_trips_through_json():
     _, rec = traced_gpt("cpu", "llama-tiny", 2, 8)
     text = rec.to_json()

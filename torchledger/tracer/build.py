@@ -6,7 +6,7 @@ import torch
 
 from ..record import TOKENS_GIVEN, StepRecord
 from .dispatch import BACKWARD, FORWARD, OPTIMIZER, PHASES, RECOMPUTE
-from .memory import CATEGORIES
+from .memory import CATEGORIES, GRAD
 from .modules import NO_MODULE
 
 __all__ = ["build_record", "ATTENTION_KERNELS"]
@@ -129,6 +129,10 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     op_phase = np.asarray(mode.op_phase + [FORWARD], dtype=np.int64)[: n_ops + 1]
     op_mod = np.asarray(mode.op_module + [NO_MODULE], dtype=np.int64)[: n_ops + 1]
     t["peak_bytes"] = int(live[peak_idx]) if live.size else 0
+    # gradients: the most alive at once (zero_grad(set_to_none=True) frees them by the end)
+    t["grad_bytes_end"] = t["grad_bytes"]
+    if live.size:
+        t["grad_bytes"] = max(t["grad_bytes"], int(tl[GRAD].max()))
     if n_ops and peak_idx < n_ops:
         t["peak_phase"] = PHASES[op_phase[peak_idx]]
         t["peak_module"] = ("(optimizer)" if op_phase[peak_idx] == OPTIMIZER
