@@ -548,3 +548,33 @@ def test_torch_loggers_are_quiet_during_the_audit_and_restored_after(tmp_path):
         assert any("failed while attempting to run meta" in m for m in seen), seen
     finally:
         fake_log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("body, missing", [
+    ({"schema": "torchledger/1"}, "no totals"),
+    ({"schema": "torchledger/1", "totals": {}}, "no totals"),
+    ({"schema": "torchledger/1", "totals": {"flops": {"total": 5}, "params": 3}},
+     "no totals.peak_bytes, totals.activation_bytes"),
+    ({"schema": "torchledger/1", "totals": {"flops": {"forward": 1}, "params": 3, "peak_bytes": 1,
+                                            "activation_bytes": None}},
+     "no totals.flops.total, totals.activation_bytes"),
+])
+def test_incomplete_baseline_is_bad_input_not_a_passing_gate(tmp_path, body, missing):
+    path = write(tmp_path, "m.py", GOOD)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(body))
+    out = tmp_path / "out.json"
+    one_line_error(run("audit", path, "--steps", "1", "--baseline", str(base), "--output", str(out)),
+                   f"--baseline {base}", "incomplete torchledger record", missing)
+    assert not out.exists()
+
+
+def test_report_of_a_record_without_totals_is_bad_input(tmp_path):
+    rec = tmp_path / "r.json"
+    rec.write_text('{"schema": "torchledger/1"}')
+    one_line_error(run("report", str(rec)), "incomplete torchledger record", "no totals")
+    full = json.load(open(RECORD))
+    del full["totals"]["flops"]["total"]
+    rec.write_text(json.dumps(full))
+    one_line_error(run("report", str(rec)), "no totals.flops.total")
+    assert run("report", os.path.join(ROOT, "tests", "data", "empty", "record.json")).exit_code == 0

@@ -59,20 +59,48 @@ def _emit(text: str, output) -> None:
         click.echo(text)
 
 
-def _load_record(path, label):
+#: The totals a record must carry to be rendered, and to serve as a --baseline (the numbers
+#: compare_baseline compares). A record missing them (a truncated file, a hand-written
+#: ``{"schema": "torchledger/1"}``) is bad input, not an empty report or a gate that passes.
+REPORT_TOTALS = ("flops.total",)
+BASELINE_TOTALS = ("flops.total", "params", "peak_bytes", "activation_bytes")
+_MAKE_ONE = "write one with `torchledger audit FILE.py --format json --output a.json`"
+
+
+def _load_record(path, label, needed=REPORT_TOTALS):
     """A saved record, or one line saying what arrived instead and how to make one."""
+    import json
+
     from ..record import StepRecord
     try:
         with open(path, encoding="utf-8") as f:
-            return StepRecord.from_json(f.read())
+            data = json.loads(f.read())
+        rec = StepRecord.from_dict(data)
     except FileNotFoundError:
         raise InputError(f"{label}: no such file; expected a record JSON written by "
                          f"`torchledger audit FILE.py --format json --output a.json`") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise InputError(f"{label}: not a torchledger record ({e}); write one with "
-                         f"`torchledger audit FILE.py --format json --output a.json`") from None
+        raise InputError(f"{label}: not a torchledger record ({e}); {_MAKE_ONE}") from None
     except OSError as e:
         raise InputError(f"{label}: cannot read ({e.strerror or e})") from None
+    missing = [key for key in needed if not _is_number(_dig(data.get("totals"), key))]
+    if missing:
+        what = "no totals" if not data.get("totals") else "no " + ", ".join(f"totals.{k}" for k in missing)
+        raise InputError(f"{label}: an incomplete torchledger record ({what}); expected a whole record "
+                         f"with {', '.join(f'totals.{k}' for k in needed)}; {_MAKE_ONE}")
+    return rec
+
+
+def _dig(d, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _debug() -> bool:
@@ -123,7 +151,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         settings = load_settings(file if os.path.exists(file) else os.getcwd())
     except SettingsError as e:
         raise InputError(str(e)) from None
-    base = _load_record(baseline, f"--baseline {baseline}") if baseline else None
+    base = _load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
     if memory_snapshot and device != "cuda":
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
