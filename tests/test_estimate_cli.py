@@ -262,6 +262,8 @@ def test_table_shows_numbers():
     (["memory", "--params", "7B", "--zero", "4"], "'3'"),
     (["memory", "--params", "7B", "--gpu", "h100", "--gpu-memory", "80GB"], "not both"),
     (["memory", "--params", "7B", "--gpu-memory", "80 parsecs"], "such as 80GB"),
+    (["train", "--params", "1e400", "--tokens", "1T"], "expected a finite number, got '1e400'"),
+    (["memory", "--params", "7B", "--gpu-memory", "1e999GB"], "expected a finite size, got"),
     (["kv-cache", "--layers", "80", "--kv-heads", "8"], "--head-dim, --tokens"),
     (["kv-cache", "--preset", "cruncher"], "not a Transformer"),
     (["decode", "--params", "7B"], "--gpu"),

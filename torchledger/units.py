@@ -32,7 +32,8 @@ def _split(text: str, what: str, tail: str) -> tuple[float, str]:
         raise ValueError(f"expected {what} such as {tail}, got {text!r}")
     num = float(m.group(1).replace(",", "").replace("_", ""))
     if not math.isfinite(num):
-        raise ValueError(f"expected a finite {what}, got {text!r}")
+        bare = re.sub(r"^an? ", "", what)          # "a number" -> "a finite number"
+        raise ValueError(f"expected a finite {bare}, got {text!r}")
     return num, m.group(2).upper()
 
 
