@@ -10,6 +10,11 @@ linear in s (inputs of the matmuls, norms, GELU, dropout masks); 5*a*s^2*b is th
 matrix per head (softmax output, its dropout mask and the dropout output). Fused attention
 kernels (flash/SDPA) do not keep the s^2 part; ``fused_attention=True`` drops it.
 
+Encoder-decoder stacks (T5, BART): an encoder layer is one Korthikanti layer at the encoder
+length; a decoder layer is one at the decoder length plus its cross-attention block
+(:func:`korthikanti_cross_attention_bytes`), the paper's attention-block tensors with the
+queries on the decoder side and the keys and values on the encoder side.
+
 Recomputation (activation checkpointing):
   - ``"full"``: keep only each layer's input, 2*s*b*h bytes (16-bit); recompute the layer in
     backward, so one layer's full activations are live again on top (``peak_bytes``).
@@ -29,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-__all__ = ["korthikanti_layer_bytes", "ActivationMemory", "activation_memory",
+__all__ = ["korthikanti_layer_bytes", "korthikanti_cross_attention_bytes", "ActivationMemory", "activation_memory",
            "RECOMPUTE_MODES", "tensor_bytes"]
 
 RECOMPUTE_MODES = ("none", "full", "sqrt")
@@ -51,6 +56,29 @@ def korthikanti_layer_bytes(seq_len: int, batch: int, hidden: int, heads: int, *
     """
     linear = 34 * seq_len * batch * hidden
     quadratic = 0 if fused_attention else 5 * heads * seq_len * seq_len * batch
+    return linear + quadratic
+
+
+def korthikanti_cross_attention_bytes(dec_len: int, enc_len: int, batch: int, hidden: int,
+                                      heads: int, *, fused_attention: bool = False) -> int:
+    """Bytes (16-bit) a decoder layer's cross-attention block adds to its Korthikanti layer:
+    the paper's attention-block tensors (11sbh + 5as^2b) and one LayerNorm input (2sbh), with
+    s_d = decoder length on the query side and s_e = encoder length on the key/value side::
+
+        LayerNorm input 2*s_d*b*h, Q input 2*s_d*b*h, Q 2*s_d*b*h, K 2*s_e*b*h,
+        softmax output 2*a*s_d*s_e*b, its dropout mask a*s_d*s_e*b, dropout output
+        2*a*s_d*s_e*b, V 2*s_e*b*h, output projection input 2*s_d*b*h, dropout mask s_d*b*h
+        = 9*s_d*b*h + 4*s_e*b*h + 5*a*s_d*s_e*b
+
+    The K/V projections' input, the encoder output, is one tensor for all decoder layers and
+    is not counted per layer. Equal lengths s: 13*s*b*h + 5*a*s^2*b. ``fused_attention=True``
+    drops the 5*a*s_d*s_e*b score term.
+
+        >>> korthikanti_cross_attention_bytes(2, 2, 3, 4, 2)
+        432
+    """
+    linear = (9 * dec_len + 4 * enc_len) * batch * hidden
+    quadratic = 0 if fused_attention else 5 * heads * dec_len * enc_len * batch
     return linear + quadratic
 
 

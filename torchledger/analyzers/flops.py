@@ -27,8 +27,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-__all__ = ["training_flops", "attention_flops_per_token", "TrainingTime", "training_time",
-           "exact"]
+__all__ = ["training_flops", "attention_flops_per_token", "encoder_decoder_attention_flops",
+           "TrainingTime", "training_time", "exact"]
 
 SECONDS_PER_DAY = 86_400
 
@@ -61,6 +61,31 @@ def attention_flops_per_token(n_layers: int, seq_len: int, d_model: int, *,
     """
     per_token = (12 if training else 4) * n_layers * seq_len * d_model
     return per_token // 2 if causal else per_token
+
+
+def encoder_decoder_attention_flops(n_encoder_layers: int, n_decoder_layers: int,
+                                    encoder_len: int, decoder_len: int, d_attn: int,
+                                    encoder_tokens: int, decoder_tokens: int, *,
+                                    causal: bool = False, training: bool = True) -> int:
+    """Attention-matrix FLOPs of one step of an encoder-decoder stack (T5, BART), in total
+    (not per token). Each query token meets, per layer, as many keys as its attention reads,
+    at 12*keys*d_attn FLOPs for training (4*keys*d_attn forward):
+
+        encoder self-attention   12 * L_enc * T_enc * d_attn * D_enc
+        decoder self-attention   12 * L_dec * T_dec * d_attn * D_dec
+        decoder cross-attention  12 * L_dec * T_enc * d_attn * D_dec   (queries: decoder
+                                 tokens; keys and values: the encoder's T_enc positions)
+
+    with D_enc / D_dec the encoder / decoder tokens of the batch (batch x T). ``causal=True``
+    halves the decoder self-attention only: the encoder and cross-attention see every
+    position. t5-small, B=2, T_enc = T_dec = 128, d_attn 512: 3 x 6 x 12*128*512*256 =
+    3,623,878,656 (18 attention calls of 201,326,592).
+    """
+    k = 12 if training else 4
+    enc = k * n_encoder_layers * encoder_len * d_attn * encoder_tokens
+    dec = k * n_decoder_layers * decoder_len * d_attn * decoder_tokens
+    cross = k * n_decoder_layers * encoder_len * d_attn * decoder_tokens
+    return enc + (dec // 2 if causal else dec) + cross
 
 
 @dataclass(frozen=True)

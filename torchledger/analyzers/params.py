@@ -28,7 +28,8 @@ from typing import Mapping, Optional
 
 from ..models.config import CruncherConfig, TransformerConfig
 
-__all__ = ["ParamCount", "count_params", "params_12ld2", "COMPONENTS"]
+__all__ = ["ParamCount", "count_params", "params_12ld2", "params_12ld2_encoder_decoder",
+           "COMPONENTS"]
 
 #: Breakdown keys of a Transformer count, in display order.
 COMPONENTS = ("embeddings", "positions", "attention", "mlp", "norms", "final_norm", "lm_head")
@@ -75,6 +76,21 @@ def params_12ld2(d_model: int, n_layers: int, vocab_size: int = 0) -> int:
     V x d matrix. ``params_12ld2(4096, 32)`` = 6,442,450,944 (~6.4B).
     """
     return 12 * n_layers * d_model * d_model + vocab_size * d_model
+
+
+def params_12ld2_encoder_decoder(d_model: int, n_encoder_layers: int, n_decoder_layers: int,
+                                 vocab_size: int = 0) -> int:
+    """12Ld^2 for an encoder-decoder stack (T5, BART): an encoder layer is 12d^2 (self-attention
+    4d^2 + a 4d MLP 8d^2), a decoder layer 16d^2 (self-attention 4d^2 + cross-attention
+    4d^2 + MLP 8d^2), plus one V x d matrix (the shared embedding)::
+
+        12*L_enc*d^2 + 16*L_dec*d^2 + V*d
+
+    ``params_12ld2_encoder_decoder(512, 6, 6, 32128)`` (t5-small) = 18,874,368 + 25,165,824
+    + 16,449,536 = 60,489,728, the matmul weights of t5-small exactly (its 60,506,624
+    parameters add 32 RMSNorm weights of 512 and two 32 x 8 relative-position tables).
+    """
+    return (12 * n_encoder_layers + 16 * n_decoder_layers) * d_model * d_model + vocab_size * d_model
 
 
 def _norm_params(cfg: TransformerConfig) -> int:

@@ -3,7 +3,11 @@
 Returns a plain dict in ``TransformerConfig`` terms (vocab_size, d_model, n_layers,
 n_heads, n_kv_heads, d_ff, mlp, norm, bias, tie_embeddings, n_positions) for torchledger's
 reference models, Hugging Face models and nanoGPT-style models (from their ``config``
-attribute names), a Cruncher dict for the course model. A model with no ``config`` that
+attribute names), a Cruncher dict for the course model. Encoder-decoder models (T5, BART
+and their kin: a module named ``encoder`` and one named ``decoder``, each with a list of
+layers) add ``encoder_decoder: True``, ``n_encoder_layers`` and ``n_decoder_layers`` (counted
+from those lists), and ``n_layers`` is their sum: the predictions count every layer, and a
+decoder layer's cross-attention. A model with no ``config`` that
 looks like a transformer (a token embedding and a list of identical blocks) gets a
 *partial* dict (``partial: True``): L, d and V from its modules, heads if a block names
 them; enough for 12Ld^2 + Vd and the attention term, not for an exact count. None when
@@ -43,6 +47,7 @@ def _first(cfg, *names, default=None):
 def _from_attrs(cfg, model):
     """Hugging Face configs and nanoGPT-style config dataclasses, by their attribute names."""
     d = _first(cfg, "hidden_size", "n_embd", "d_model", "dim")
+    # T5 maps num_hidden_layers to num_layers, BART to encoder_layers: the encoder's count
     L = _first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
     h = _first(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
     V = _first(cfg, "vocab_size")
@@ -53,10 +58,13 @@ def _from_attrs(cfg, model):
     swiglu = act in ("silu", "swish") and model_type not in ("gpt2",)
     if not act and not model_type:          # nanoGPT-style: no activation named
         swiglu = False
-    ff = _first(cfg, "intermediate_size", "n_inner")
-    head_dim = _first(cfg, "head_dim", "attention_head_dim")
+    ff = _first(cfg, "intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim")
+    # T5's head_dim is an alias of d_kv (its attribute_map)
+    head_dim = _first(cfg, "head_dim", "attention_head_dim", "d_kv")
+    if getattr(cfg, "is_gated_act", False):     # T5 v1.1 "gated-gelu": wi_0, wi_1, wo
+        swiglu = True
     norm = "rmsnorm" if (hasattr(cfg, "rms_norm_eps") and not hasattr(cfg, "layer_norm_epsilon")) else "layernorm"
-    return {
+    out = {
         "kind": "transformer",
         "source": (f"huggingface:{model_type or type(cfg).__name__}" if hasattr(cfg, "to_dict")
                    else f"config:{type(cfg).__name__}"),
@@ -70,6 +78,38 @@ def _from_attrs(cfg, model):
         # attention runs at heads x head_dim, which some models (Gemma) set apart from d
         "d_attn": h * head_dim if isinstance(head_dim, int) and head_dim > 0 else d,
     }
+    stacks = _encoder_decoder_layers(model)
+    if stacks is not None:
+        out.update(encoder_decoder=True, n_encoder_layers=stacks[0], n_decoder_layers=stacks[1],
+                   n_layers=stacks[0] + stacks[1])
+    return out
+
+
+def _layer_count(module):
+    """Length of the longest ``nn.ModuleList`` among ``module``'s children (its layers), or 0."""
+    import torch.nn as nn
+    return max((len(c) for c in module.children() if isinstance(c, nn.ModuleList)), default=0)
+
+
+def _encoder_decoder_layers(model):
+    """(encoder layers, decoder layers) when ``model`` holds an encoder stack and a decoder
+    stack: the shallowest modules named ``encoder`` and ``decoder`` that each have a list of
+    layers (T5Stack.block, BartEncoder.layers). None otherwise: a decoder-only or
+    encoder-only model, or BERT, whose ``cls.predictions.decoder`` is a Linear. The config's
+    ``is_encoder_decoder`` is not used: constructing T5EncoderModel or BartForCausalLM
+    from a config object clears it on that shared object."""
+    if model is None:
+        return None
+    found = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in ("encoder", "decoder") and last not in found:
+            n = _layer_count(module)
+            if n:
+                found[last] = n
+    if len(found) == 2:
+        return found["encoder"], found["decoder"]
+    return None
 
 
 def _learned_positions(cfg, model, vocab) -> int:
