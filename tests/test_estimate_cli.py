@@ -205,6 +205,37 @@ def test_train_preset_attention_terms():
         "flops_attention"] == 12 * 12 * 512 * 768 * 1000
 
 
+def _types(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_types(v, f"{prefix}{k}."))
+        elif v is not None:
+            out[prefix + k] = type(v).__name__
+    return out
+
+
+@pytest.mark.parametrize("command, argsets", [
+    ("train", [["--params", "7B", "--tokens", "1T"], ["--params", "7.5", "--tokens", "1e9"],
+               ["--params", "7.5", "--tokens", "1.5"], ["--preset", "gpt2", "--tokens", "1000"],
+               ["--preset", "gpt2", "--tokens", "1000.5"]]),
+    ("memory", [["--params", "7B", "--gpu", "h100"], ["--params", "7.5", "--gpu", "h100"],
+                ["--params", "7.5", "--gpus", "3", "--zero", "1", "--gpu-memory", "80.5"]]),
+    ("decode", [["--params", "7B", "--gpu", "h100"],
+                ["--params", "7.5", "--gpu", "h100", "--matmul-params", "3.5"]]),
+])
+def test_json_keys_keep_their_type_for_fractional_inputs(command, argsets):
+    """A count typed with a fraction (``--params 7.5``) must not turn an int key into a float:
+    flops, params, tokens and bytes are ints (rounded), as they are for whole inputs."""
+    outs = [js(command, *args) for args in argsets]
+    types = [_types(o) for o in outs]
+    for key in set().union(*types):
+        assert len({t[key] for t in types if key in t}) == 1, (key, [t.get(key) for t in types])
+    if command == "train":
+        assert outs[1]["flops"] == 45_000_000_000 and isinstance(outs[1]["flops"], int)
+        assert isinstance(outs[4]["flops_attention"], int)
+
+
 # ----------------------------------------------------------------------------- tables
 
 

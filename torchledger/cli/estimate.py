@@ -10,6 +10,7 @@ Explicit flags override the preset (``--preset llama2-7b --layers 2``).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict
 
@@ -101,6 +102,16 @@ def _emit(data: dict, as_json: bool, title: str, rows: list, notes: list) -> Non
     click.echo("\nAssumptions:")
     for note in notes + CONVENTIONS:
         click.echo(f"  - {note}")
+
+
+def _whole(data: dict, *keys) -> dict:
+    """``data`` with the count-valued ``keys`` as ints (rounded), so that a JSON key has one
+    type whatever was typed: 6ND of ``--params 7.5`` is ``45000000000``, not ``4.5e10``."""
+    for k in keys:
+        v = data.get(k)
+        if isinstance(v, float) and math.isfinite(v):
+            data[k] = int(round(v))
+    return data
 
 
 def _json_option(f):
@@ -250,6 +261,7 @@ def train_cmd(params, tokens, gpu, gpus, mfu, dtype, peak_flops, price, preset, 
     data = {"flops": flops, "flops_6nd": flops, **attn, **t.to_dict(), "params": n,
             "tokens": exact(tokens), "gpu": None if peak_flops else gpu.name,
             "dtype": dtype, "assumptions": notes}
+    _whole(data, "flops", "flops_6nd", "flops_attention", "flops_attention_causal", "params", "tokens")
     rows = [["C", fmt_flops(flops), "6 * N * D"],
             ["N", fmt_count(n), "matmul params"], ["D", fmt_count(tokens), "tokens"]]
     if attn:
@@ -323,6 +335,7 @@ def memory_cmd(params, optimizer, precision, gpus, gpu, gpu_memory, zero, preset
     rows += [[f"weights {k}", fmt_bytes(v, binary=True), "inference"]
              for k, v in data["weights_bytes"].items()]
     data["assumptions"] = notes
+    _whole(data, "params", "max_params")
     _emit(data, as_json, f"Static training memory ({optimizer}, {precision})", rows, notes)
 
 
@@ -390,7 +403,8 @@ def decode_cmd(params, gpu, dtype, batch, matmul_params, preset, as_json):
              "matmul N = --params (embedding counted as if it multiplied)"
              if matmul_params is None else "compute uses matmul N (embedding lookup excluded)",
              "KV-cache reads and attention FLOPs not included"]
-    data = {**est.to_dict(), "gpu": gpu.name, "assumptions": notes}
+    data = _whole({**est.to_dict(), "gpu": gpu.name, "assumptions": notes},
+                  "n_params", "matmul_params", "weight_bytes")
     rows = [["weights", fmt_bytes(est.weight_bytes), f"N * {DTYPE_BYTES[dtype]} B"],
             ["memory time", f"{est.memory_s * 1e3:.3g} ms", "weights / bandwidth"],
             ["compute time", f"{est.compute_s * 1e6:.3g} us", "2 * N_matmul * batch / peak"],
