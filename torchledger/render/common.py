@@ -10,7 +10,8 @@ from ..units import fmt_bytes, fmt_count
 
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
-           "totals_rows", "measured_static_bytes", "with_hint", "tokens_note"]
+           "totals_rows", "measured_static_bytes", "with_hint", "tokens_note", "attention_kernels",
+           "NO_ATTENTION_KERNEL"]
 
 EMPTY_SENTENCE = "Empty record: no ops were traced (did the traced block run a step?)."
 CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
@@ -56,10 +57,19 @@ def title(record) -> str:
     return f"torchledger step report: {m.get('model') or 'model'} on {m.get('device') or '?'}"
 
 
+NO_ATTENTION_KERNEL = ("none seen (attention written as plain matmuls, e.g. nn.MultiheadAttention "
+                       "with need_weights=True, is counted as matmul)")
+
+
+def attention_kernels(record) -> str:
+    """The attention kernels a record's numbers describe, for the report's header."""
+    kernels = record.meta.get("attention_kernels")
+    return ", ".join(kernels) if kernels else NO_ATTENTION_KERNEL
+
+
 def kernel_line(record) -> str:
     m = record.meta
-    kernels = m.get("attention_kernels")
-    kernel = ", ".join(kernels) if kernels else "none seen (math path counts as matmul)"
+    kernel = attention_kernels(record)
     return (f"device {m.get('device', '?')}, dtype {m.get('dtype') or '?'}, torch {m.get('torch', '?')}; "
             f"attention kernel: {kernel}")
 

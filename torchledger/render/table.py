@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
-from .common import CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, is_empty, module_rows, tokens_note
+from .common import CONVENTIONS_LINE, attention_kernels, EMPTY_SENTENCE, as_findings, is_empty, module_rows, tokens_note
 
 __all__ = ["render_table"]
 
@@ -28,11 +28,10 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
         return EMPTY_SENTENCE
     findings = as_findings(record, findings)
     m = record.meta
-    kernels = m.get("attention_kernels")
     lines = [
         f"torchledger step report: {m.get('model') or 'model'} on {m.get('device', '?')}"
         f" ({m.get('dtype') or '?'}), torch {m.get('torch', '?')}",
-        f"attention kernel: {', '.join(kernels) if kernels else 'none seen (math path counts as matmul)'}",
+        f"attention kernel: {attention_kernels(record)}",
         f"conventions: {CONVENTIONS_LINE}",
         "",
         tabulate(_module_cells(record, depth), headers=_HEADERS, tablefmt="simple",
