@@ -54,7 +54,26 @@ CASES = [
      2, None, f"batch of inputs['pixel_values'] [2, 3, 8, 8]: {SAMPLES_NOT_TOKENS}"),
     ("DETR pixel mask", lambda: {"pixel_mask": torch.ones(2, 8, 8, dtype=torch.long),
                                  "pixel_values": torch.randn(2, 3, 8, 8)},
-     2, None, f"batch of inputs['pixel_mask'] [2, 8, 8]: {SAMPLES_NOT_TOKENS}"),
+     2, None, f"batch of inputs['pixel_values'] [2, 3, 8, 8]: {SAMPLES_NOT_TOKENS}"),
+    # same rank: a key with "ids" first, one with "mask" last, else the order given
+    ("integer mask before ids", lambda: {"attention_mask": torch.ones(4, 7, dtype=torch.long),
+                                         "input_ids": ids(4, 10)},
+     40, 10, "numel of inputs['input_ids'] [4, 10]"),
+    ("mask, ids", lambda: {"mask": torch.ones(4, 7, dtype=torch.long), "ids": ids(4, 10)},
+     40, 10, "numel of inputs['ids'] [4, 10]"),
+    ("labels before decoder ids", lambda: {"labels": ids(2, 5), "decoder_input_ids": ids(2, 6)},
+     12, 6, "numel of inputs['decoder_input_ids'] [2, 6]"),
+    ("mask before another name", lambda: {"token_mask": torch.ones(3, 4, dtype=torch.long),
+                                          "tokens": ids(3, 9)},
+     27, 9, "numel of inputs['tokens'] [3, 9]"),
+    ("mask alone still counts", lambda: {"attention_mask": torch.ones(4, 7, dtype=torch.long),
+                                         "x": torch.randn(4, 16)},
+     28, 7, "numel of inputs['attention_mask'] [4, 7]"),
+    ("key above a list", lambda: {"attention_mask": [torch.ones(2, 3, dtype=torch.long)],
+                                  "input_ids": [ids(2, 5)]},
+     10, 5, "numel of inputs['input_ids'][0] [2, 5]"),
+    ("ids in a tuple keep the order", lambda: (torch.ones(2, 3, dtype=torch.long), ids(2, 5)),
+     6, 3, "numel of inputs[0] [2, 3]"),
     # 1-D integers only when nothing better exists
     ("labels only", lambda: (ids(8),), 8, None, "numel of inputs[0] [8]: 1-D, no 2-D token ids"),
     ("packed token stream", lambda: {"input_ids": ids(300), "cu_seqlens": torch.tensor([0, 100, 300])},
@@ -162,6 +181,32 @@ def test_audit_lm_counts_token_ids(tmp_path):
     table = audit(tmp_path, LM)
     assert f"tokens: 32 (numel of inputs['idx'] [2, 16]{HINT}); FLOPs/token " in table
     assert "D = 32 tokens" in table
+
+
+MASK_FIRST = """
+    import torch, torchledger
+    from torch import nn
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+            self.head = nn.Linear(8, 50)
+
+        def forward(self, attention_mask, input_ids):
+            return self.head(self.emb(input_ids)).float().mean()
+
+    def audit_spec():
+        return torchledger.AuditSpec(M(), dict(attention_mask=torch.ones(4, 7, dtype=torch.long),
+                                               input_ids=torch.randint(0, 50, (4, 10))))
+"""
+
+
+def test_audit_integer_mask_listed_first_does_not_set_d(tmp_path):
+    """The bug: dict(attention_mask=int[4, 7], input_ids=int[4, 10]) gave D = 28 (the mask)."""
+    totals = json.loads(audit(tmp_path, MASK_FIRST, "--format", "json"))["totals"]
+    assert totals["tokens"] == 40
+    assert totals["tokens_source"] == "numel of inputs['input_ids'] [4, 10]"
 
 
 def test_audit_spec_tokens_wins(tmp_path):

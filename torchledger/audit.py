@@ -171,15 +171,21 @@ def infer_tokens(inputs) -> TokenCount:
        when nothing above exists (a vision batch's ``labels [B]`` never wins over its pixels);
     5. a 1-D float tensor: its numel.
 
+    Among tensors of the same rank, one whose dict key contains ``ids`` (``input_ids``,
+    ``decoder_input_ids``) comes first and one whose key contains ``mask``
+    (``attention_mask``) last; otherwise the first in order wins. So an integer
+    ``attention_mask [4, 7]`` listed before ``input_ids [4, 10]`` does not set D.
+
     Bool tensors (masks), 0-dim and empty tensors are skipped; with nothing left ``tokens`` is
     None and the source says why. ``AuditSpec(tokens=...)`` overrides all of this.
     """
     found = list(_tensors(inputs, "inputs"))
     best = None
-    for position, (path, t) in enumerate(found):
+    for position, (path, key, t) in enumerate(found):
         ranked = _rank(path, t)
-        if ranked is not None and (best is None or (ranked[0], position) < best[0]):
-            best = ((ranked[0], position), ranked[1:])
+        order = None if ranked is None else (ranked[0], _name_order(key), position)
+        if order is not None and (best is None or order < best[0]):
+            best = (order, ranked[1:])
     if best is None:
         why = ("no countable tensor in inputs (bool, 0-dim and empty tensors are skipped)" if found
                else "no tensor in inputs")
@@ -193,21 +199,31 @@ def default_tokens(inputs):
     return count.tokens, count.seq_len
 
 
-def _tensors(x, path: str, depth: int = 0):
-    """``(path, tensor)`` for each tensor in ``x``, in order: ``inputs['input_ids']``, ``inputs[0]``."""
+def _tensors(x, path: str, depth: int = 0, key=None):
+    """``(path, key, tensor)`` for each tensor in ``x``, in order: ``inputs['input_ids']``,
+    ``inputs[0]``; ``key`` is the innermost dict key above the tensor (None if there is none)."""
     import collections.abc
 
     import torch
     if isinstance(x, torch.Tensor):
-        yield path, x
+        yield path, key, x
     elif depth >= 4:
         return
     elif isinstance(x, collections.abc.Mapping):
         for k, v in x.items():
-            yield from _tensors(v, f"{path}[{k!r}]", depth + 1)
+            yield from _tensors(v, f"{path}[{k!r}]", depth + 1, k)
     elif isinstance(x, (tuple, list)):
         for i, v in enumerate(x):
-            yield from _tensors(v, f"{path}[{i}]", depth + 1)
+            yield from _tensors(v, f"{path}[{i}]", depth + 1, key)
+
+
+def _name_order(key) -> int:
+    """Tie-break among tensors of one rank by the innermost dict key above them: 0 for a key
+    with ``ids`` in it (``input_ids``), 2 for one with ``mask`` (``attention_mask``), else 1."""
+    key = "" if key is None else str(key).lower()
+    if "mask" in key:
+        return 2
+    return 0 if "ids" in key else 1
 
 
 def _rank(path: str, t):

@@ -37,8 +37,9 @@ class AuditSpec:
     """Tokens per step (D of 6ND); default read off ``inputs`` (``audit.infer_tokens``): the
     numel of 2-D integer token ids ``[B, T]``, else the rows of a 2-3 dim float ``[B, (T,) d]``,
     else the batch of an image-like tensor (float 4+ dims, integer 3+: D then counts samples,
-    not tokens), else the numel of a 1-D tensor (labels). Reports say which
-    (``totals.tokens_source``)."""
+    not tokens), else the numel of a 1-D tensor (labels); among tensors of one kind a key
+    with ``ids`` in it (``input_ids``) first, one with ``mask`` (``attention_mask``) last.
+    Reports say which (``totals.tokens_source``)."""
     seq_len: Optional[int] = None
     """Sequence length, for the attention term; default: the last dim of the token ids."""
 
