@@ -382,6 +382,30 @@ def test_grad_bytes_are_the_most_alive_not_what_zero_grad_left():
     assert tot["grad_bytes"] == 212 * 4 and tot["grad_bytes_end"] == 0
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_weights_a_parent_uses_without_calling_their_module(need_weights):
+    """nn.MultiheadAttention multiplies by out_proj.weight without calling out_proj: those
+    matmuls (forward and backward) are out_proj's, and the totals do not change."""
+    class W(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.MultiheadAttention(64, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.a(x, x, x, need_weights=need_weights)[0].sum()
+
+    model = W()
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 10, 64, requires_grad=True)).backward()
+    rows = {m["name"]: m for m in t.record.modules}
+    out = 2 * 20 * 64 * 64                                     # 20 rows x 64x64: 163840
+    assert (rows["a.out_proj"]["flops_forward"], rows["a.out_proj"]["flops_backward"]) == (out, 2 * out)
+    assert rows["a.out_proj"]["calls"] == 0
+    # in_proj 2*20*64*192 + out_proj + scores and x V: 2 * (2*2*4*10*10*16)
+    fwd = 2 * 20 * 64 * 192 + out + 2 * (2 * 2 * 4 * 10 * 10 * 16)
+    assert rows["a"]["flops_forward"] == t.record.totals["flops"]["forward"] == fwd   # 706560
+
+
 def test_record_round_trips_through_json():
     _, rec = traced_gpt("cpu", "llama-tiny", 2, 8)
     text = rec.to_json()

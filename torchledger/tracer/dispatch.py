@@ -150,7 +150,6 @@ class LedgerMode(TorchDispatchMode):
         idx = self.n_ops
         self.n_ops = idx + 1
         self.storages.now = idx + 1
-        self.op_module.append(mod)
         self.op_phase.append(phase)
         if phase != self._last_phase:
             self._last_phase = phase
@@ -177,6 +176,9 @@ class LedgerMode(TorchDispatchMode):
                     self.funcs[id(wrapped)] = wrapped
                     self.kinds[id(wrapped)] = "attention"
                 func, fid = wrapped, id(wrapped)
+        if phase == FORWARD and fc is not None and fc.kind == "matmul" and mod >= 0:
+            mod = self._weight_module(args, mod)
+        self.op_module.append(mod)
         key = (phase, mod, fid)
         row = self.agg.get(key)
         if row is None:
@@ -296,6 +298,25 @@ class LedgerMode(TorchDispatchMode):
                     self.matmul_params.add(self.derived_params[key])
                     found = True
         return found
+
+    def _weight_module(self, args, mod: int) -> int:
+        """A forward matmul run by ``mod`` with the weight of a module inside it, which ``mod``
+        uses without calling it (``nn.MultiheadAttention`` with ``out_proj.weight``), is that
+        module's work, and so is its backward."""
+        scope = self.scope
+        owners = scope.storage_owner
+        for a in _operands(args[:3]):
+            if isinstance(a, _Tensor) and a.dim() >= 2:
+                key = a.untyped_storage()._cdata
+                owner = owners.get(key)
+                if owner is None and key in self.derived_params:     # autocast's copy of it
+                    owner = owners.get(self.derived_params[key])
+                if owner is not None and owner != mod and scope.is_ancestor(mod, owner):
+                    if _grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad
+                                               for t in _operands(args[:3])):
+                        scope.owns_node(owner)
+                    return owner
+        return mod
 
     def _note_gather(self, args, out) -> None:
         """Matrices picked out of a stacked weight (``experts.w[expert_ids]``, MoE's batched

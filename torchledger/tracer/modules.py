@@ -38,6 +38,7 @@ class ModuleScope:
         self._index: dict[int, int] = {}            # id(module) -> index
         self._refs: list = []                       # weakrefs keep ids honest
         self.param_owner: dict[int, int] = {}       # id(param) -> module index
+        self.storage_owner: dict[int, int] = {}     # a param's storage -> module index
         for name, mod in model.named_modules():
             i = len(self.names)
             self._index[id(mod)] = i
@@ -50,6 +51,7 @@ class ModuleScope:
             for p in mod.parameters(recurse=False):
                 if id(p) not in self.param_owner:
                     self.param_owner[id(p)] = i
+                    self.storage_owner.setdefault(p.untyped_storage()._cdata, i)
                     n += p.numel()
             self.own_params.append(n)
         self.stack: list[int] = []
@@ -103,7 +105,21 @@ class ModuleScope:
             self._seq.append(max(_get_sequence_nr() - 1, self._seq[-1]))
             self._mod.append(mod)
 
+    def owns_node(self, mod: int) -> None:
+        """The autograd node of the op being dispatched (made just before it reaches a
+        dispatch mode: one number below the counter) belongs to ``mod``."""
+        self._node_cache[_get_sequence_nr() - 1] = mod
+
     # -- lookups -------------------------------------------------------------------------
+    def is_ancestor(self, a: int, i: int) -> bool:
+        """Module ``a`` contains module ``i`` (strictly)."""
+        p = self.parents[i]
+        while p >= 0:
+            if p == a:
+                return True
+            p = self.parents[p]
+        return False
+
     @property
     def top(self) -> int:
         return self.stack[-1] if self.stack else NO_MODULE
