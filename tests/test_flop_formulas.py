@@ -74,6 +74,18 @@ def test_batched_matmul(fn, inputs):
     assert t.flops["matmul"] == 720  # 3*4*6*2*5
 
 
+def test_bilinear_trilinear_forward_and_backward():
+    b = torch.nn.Bilinear(6, 7, 3)
+    x1, x2 = torch.randn(4, 6, requires_grad=True), torch.randn(4, 7, requires_grad=True)
+    with FlopTally() as fwd:
+        y = b(x1, x2)
+    with FlopTally() as bwd:
+        y.sum().backward()
+    assert fwd.flops["matmul"] == 2 * 4 * 3 * 6 * 7              # 1008: x1 W x2 over [B,O,I,J]
+    assert bwd.flops["matmul"] == 3 * 1008                       # grads of x1, W and x2
+    assert not fwd.uncounted and not bwd.uncounted
+
+
 def test_matrix_vector_and_dot():
     assert tally(torch.mv, torch.randn(4, 5), torch.randn(5)).flops["matmul"] == 40  # 4*2*5
     assert tally(torch.addmv, torch.randn(4), torch.randn(4, 5),

@@ -160,13 +160,29 @@ def _grouped_fallback(func, passes: int) -> Handler:
     return flops
 
 
+def _trilinear(args, kwargs, out) -> FlopCount:
+    """nn.Bilinear's op (and its three backward passes): i1, i2, i3 are unsqueezed at
+    ``expand1..3`` to one rank and multiplied, summed over ``sumdim``: one multiply-add per
+    element of their broadcast shape, e.g. [B,O,I,J] for x1 W x2: 2*B*O*I*J."""
+    shapes = []
+    for t, expand in zip(args[:3], args[3:6]):
+        shape = list(t.shape)
+        for d in sorted(expand):
+            shape.insert(d, 1)
+        shapes.append(shape)
+    n = 1
+    for sizes in zip(*shapes):
+        n *= max(sizes)
+    return _matmul(2 * n)
+
+
 _MATMUL = {
     "mm": _contract(0, 1), "bmm": _contract(0, 1), "_int_mm": _contract(0, 1),
     "_scaled_mm": _scaled_mm,
     "addmm": _contract(1, 2), "baddbmm": _contract(1, 2), "addbmm": _contract(1, 2),
     "_addmm_activation": _contract(1, 2),
     "mv": _matvec(0), "dot": _matvec(0), "vdot": _matvec(0), "addmv": _matvec(1),
-    "_grouped_mm": _grouped_mm, "_scaled_grouped_mm": _grouped_mm,
+    "_grouped_mm": _grouped_mm, "_scaled_grouped_mm": _grouped_mm, "_trilinear": _trilinear,
 }
 
 
@@ -362,6 +378,7 @@ _FREE_OPS = frozenset("""
     bernoulli bernoulli_ random_ exponential_ _efficientzerotensor
     _local_scalar_dense set_ resize_ resize_as_ _resize_output_ record_stream
     _assert_async _assert_scalar _functional_assert_async _assert_tensor_metadata
+    _linalg_check_errors
     sym_size sym_stride sym_numel sym_storage_offset size stride dim numel storage_offset
     is_contiguous is_strides_like_format is_non_overlapping_and_dense is_same_size
     sym_is_contiguous _has_compatible_shallow_copy_type
