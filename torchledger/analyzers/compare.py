@@ -9,10 +9,13 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 from ..record import Finding, counts_samples
-from .activations import korthikanti_layer_bytes
+from .activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
+from .flops import encoder_decoder_attention_flops
 from .memory import OPTIMIZERS, static_memory
-from .params import count_params
+from .params import count_params, params_12ld2_encoder_decoder
 
 __all__ = ["predictions", "comparisons", "check_comparisons"]
 
@@ -52,18 +55,68 @@ def _uneven(p) -> bool:
     return p.get("flops_6nd_per_weight") is not None and p["flops_6nd_per_weight"] != p.get("flops_6nd")
 
 
+class _Shape(NamedTuple):
+    L: int
+    """All layers (encoder + decoder for an encoder-decoder stack)."""
+    d: int
+    V: int
+    d_attn: int
+    n_enc: Optional[int] = None
+    """Encoder / decoder layers of an encoder-decoder stack (T5, BART); None otherwise."""
+    n_dec: Optional[int] = None
+
+
 def _shape(record):
-    """(L, d, V, d_attn) of a recognised transformer, exact config or found from its modules;
-    d_attn = heads x head dim, the width the attention term runs at (d unless the config
-    sets a head_dim apart, as Gemma does)."""
+    """(L, d, V, d_attn, n_enc, n_dec) of a recognised transformer, exact config or found from
+    its modules; d_attn = heads x head dim, the width the attention term runs at (d unless the
+    config sets a head_dim apart, as Gemma and T5 can); n_enc / n_dec only for encoder-decoder
+    stacks (``tracer.shape``), where L = n_enc + n_dec."""
     cfg = record.meta.get("config")
     if not cfg or cfg.get("kind") != "transformer":
         return None
     try:
         d = int(cfg["d_model"])
-        return int(cfg["n_layers"]), d, int(cfg["vocab_size"]), int(cfg.get("d_attn") or d)
+        if cfg.get("encoder_decoder"):
+            n_enc, n_dec = int(cfg["n_encoder_layers"]), int(cfg["n_decoder_layers"])
+            return _Shape(n_enc + n_dec, d, int(cfg["vocab_size"]), int(cfg.get("d_attn") or d),
+                          n_enc, n_dec)
+        return _Shape(int(cfg["n_layers"]), d, int(cfg["vocab_size"]), int(cfg.get("d_attn") or d))
     except (KeyError, TypeError, ValueError):
         return None
+
+
+class _Lengths(NamedTuple):
+    """Sequence lengths and tokens of an encoder-decoder step."""
+    t_enc: int
+    t_dec: int
+    d_enc: int
+    d_dec: int
+    how: str
+    """Where t_dec came from, for the rows' text."""
+
+
+def _enc_dec_lengths(record, shape, D, T) -> Optional[_Lengths]:
+    """Encoder length T and tokens D are the record's (read off the first 2-D token ids, the
+    encoder's input_ids). The record carries no decoder length; it is read off the LM head
+    when the model has one (a module named ``lm_head``, called once, whose forward FLOPs are
+    2*V*d*rows: rows = decoder tokens, as logits are computed at every decoder position),
+    else assumed equal to T."""
+    if shape is None or shape.n_enc is None or not D or not T:
+        return None
+    batch = D // T if D % T == 0 else None
+    for m in record.modules or []:
+        if str(m.get("name", "")).rsplit(".", 1)[-1] != "lm_head" or m.get("calls") != 1:
+            continue
+        per_row = 2 * shape.V * shape.d
+        fwd = int(m.get("flops_forward") or 0)
+        if batch and fwd and fwd % per_row == 0 and (fwd // per_row) % batch == 0:
+            rows = fwd // per_row
+            return _Lengths(T, rows // batch, D, rows,
+                            f"T_dec = {rows // batch:,} read off the LM head (2*V*d x {rows:,} "
+                            f"decoder rows forward)")
+        break
+    return _Lengths(T, T, D, D, f"T_dec assumed = T_enc = {T:,} (the record carries one sequence "
+                                f"length, the encoder's, and no LM head to read the decoder's off)")
 
 
 def _seq_len(record):
@@ -85,17 +138,37 @@ def predictions(record) -> dict:
     cfg, shape, T = _config(record), _shape(record), _seq_len(record)
     if cfg is not None and _exact_formula_fits(record.meta.get("config")):
         out["params_exact"] = count_params(cfg).total
-    if shape is not None:
-        L, d, V, d_attn = shape
-        out["params_12ld2"] = 12 * L * d * d + V * d
+    lengths = _enc_dec_lengths(record, shape, D, T)
+    if shape is not None and lengths is not None:       # encoder-decoder (T5, BART)
+        L, d, V, d_attn, n_enc, n_dec = shape
+        out["params_12ld2"] = params_12ld2_encoder_decoder(d, n_enc, n_dec, V)
+        args = (n_enc, n_dec, lengths.t_enc, lengths.t_dec, d_attn, lengths.d_enc, lengths.d_dec)
+        # decoder tokens != encoder tokens: 6ND is not the weights' work; 6 x sum(weight x
+        # rows) is (each stack's weights at its own tokens, cross K/V at the encoder's)
+        base = (out["flops_6nd_per_weight"] if lengths.d_dec != lengths.d_enc
+                and "flops_6nd_per_weight" in out else 6 * N * D)
+        out["flops_6nd_attention"] = base + encoder_decoder_attention_flops(*args)
+        out["flops_6nd_attention_causal"] = base + encoder_decoder_attention_flops(*args, causal=True)
+    elif shape is not None:
+        L, d, V, d_attn = shape[:4]
+        out["params_12ld2"] = (params_12ld2_encoder_decoder(d, shape.n_enc, shape.n_dec, V)
+                               if shape.n_enc is not None else 12 * L * d * d + V * d)
         if D and T:
             attn = 12 * L * T * d_attn * D
             out["flops_6nd_attention"] = 6 * N * D + attn
             out["flops_6nd_attention_causal"] = 6 * N * D + attn // 2
     if cfg is not None and D and T:
-        layer = korthikanti_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads,
-                                        fused_attention=bool(record.meta.get("attention_kernels")))
-        out["activation_bytes_korthikanti_16bit"] = cfg.n_layers * layer
+        fused = _attention_storage(record)[0]
+        if lengths is not None:
+            b = D // T
+            enc = korthikanti_layer_bytes(lengths.t_enc, b, cfg.d_model, cfg.n_heads, fused_attention=fused)
+            dec = (korthikanti_layer_bytes(lengths.t_dec, b, cfg.d_model, cfg.n_heads, fused_attention=fused)
+                   + korthikanti_cross_attention_bytes(lengths.t_dec, lengths.t_enc, b, cfg.d_model,
+                                                       cfg.n_heads, fused_attention=fused))
+            out["activation_bytes_korthikanti_16bit"] = shape.n_enc * enc + shape.n_dec * dec
+        else:
+            layer = korthikanti_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads, fused_attention=fused)
+            out["activation_bytes_korthikanti_16bit"] = cfg.n_layers * layer
     opt = record.optimizer or {}
     if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
         sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"])
@@ -114,9 +187,16 @@ def comparisons(record, p=None) -> list:
         rows.append(_row("parameters (exact formula)", t["params"], p["params_exact"],
                          "exact count from the config" if t["params"] == p["params_exact"] else
                          "the model has parameters the config formula does not describe"))
+    shape = _shape(record)
+    lengths = _enc_dec_lengths(record, shape, t.get("tokens", 0), _seq_len(record))
     if "params_12ld2" in p:
+        enc_dec = ""
+        if shape is not None and shape.n_enc is not None:
+            enc_dec = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; cross-attention "
+                       f"counted: 12d^2 per encoder layer, 16d^2 per decoder layer (self 4d^2 + "
+                       f"cross 4d^2 + MLP 8d^2), 12*{shape.n_enc}*d^2 + 16*{shape.n_dec}*d^2 + V*d; ")
         rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
-                         _explain_12ld2(cfg) if cfg is not None else
+                         enc_dec + _explain_12ld2(cfg) if cfg is not None else
                          "L, d and V found from the modules (no config): " + _explain_partial(record)))
     if "flops_6nd" in p:
         f = t["flops"]["total"]
@@ -131,12 +211,25 @@ def comparisons(record, p=None) -> list:
                             f"{p['flops_6nd_per_weight']:,}"
                             if _uneven(p) else _other(other, p["flops_6nd"]))))
     if "flops_6nd_attention" in p:
-        _, d, _, d_attn = _shape(record)
+        d, d_attn = shape.d, shape.d_attn
+        if lengths is not None:
+            text = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; attention counted dense: "
+                    f"encoder self 12*L_enc*T_enc*d*D_enc + decoder self 12*L_dec*T_dec*d*D_dec + "
+                    f"cross 12*L_dec*T_enc*d*D_dec, T_enc = {lengths.t_enc:,} (the token ids' length), "
+                    f"{lengths.how}; causal prediction {p['flops_6nd_attention_causal']:,} halves "
+                    f"the decoder self-attention only")
+            if lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in p:
+                text += (f"; the weights' term is 6 x sum(weight x rows it multiplied) = "
+                         f"{p['flops_6nd_per_weight']:,}, not 6ND: the decoder's weights saw "
+                         f"{lengths.d_dec:,} tokens, the encoder's {lengths.d_enc:,}")
+            elif lengths.d_dec != lengths.d_enc:
+                text += (f"; 6ND takes every weight at D = {lengths.d_enc:,} encoder tokens, the "
+                         f"decoder's saw {lengths.d_dec:,}")
+        else:
+            text = f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
         rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
-                         "attention counted dense; causal-halved prediction "
-                         f"{p['flops_6nd_attention_causal']:,}"
-                         + (f"; d in 12LTd is heads x head_dim = {d_attn:,}, not the hidden size {d:,}"
-                            if d_attn != d else "")))
+                         text + (f"; d in 12LTd is heads x head_dim = {d_attn:,}, not the hidden size {d:,}"
+                                 if d_attn != d else "")))
     if "static_bytes" in p:
         measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
                     + (record.optimizer or {}).get("master_weight_bytes", 0))
@@ -146,10 +239,15 @@ def comparisons(record, p=None) -> list:
                          f"predicted, {measured / max(t.get('trainable_params', 1), 1):.3f} measured "
                          f"(per-tensor step scalars and frozen params make the difference)"))
     if "activation_bytes_korthikanti_16bit" in p:
+        layers = ""
+        if lengths is not None:
+            layers = (f"L = {shape.n_enc} encoder layers at s = {lengths.t_enc:,} + {shape.n_dec} decoder "
+                      f"layers at s = {lengths.t_dec:,}, each decoder layer with its cross-attention "
+                      f"block (9*s_d*b*h + 4*s_e*b*h + 5*a*s_d*s_e*b; {lengths.how}); ")
         rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
                          p["activation_bytes_korthikanti_16bit"],
-                         f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit activations, "
-                         f"dropout masks and {'a fused attention kernel' if record.meta.get('attention_kernels') else 'a materialised attention matrix'}; "
+                         layers + f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit "
+                         f"activations and dropout masks; {_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
 
@@ -186,6 +284,35 @@ def check_comparisons(records, options=None) -> list:
                                measured=measured, expected=p["static_bytes"],
                                hint="extra optimizer state or copies of the weights are being kept"))
     return out
+
+
+#: Substrings of the attention kernels that keep no s x s score matrix, as the record names
+#: them: tracer/build.py ATTENTION_KERNELS labels ("CPU flash attention", "CUDA flash
+#: attention", "memory-efficient attention", "cuDNN attention") or the raw aten name of one it
+#: does not list (_scaled_dot_product_fused_attention_overrideable).
+_FUSED_MARKERS = ("flash", "efficient", "cudnn", "fused")
+
+
+def _attention_storage(record) -> tuple:
+    """(fused, text): whether the step's attention kept no s x s scores, so Korthikanti's
+    5as^2b term is dropped. Only when a fused kernel ran and no math-path attention did: the
+    SDPA math path ("SDPA math path (bmm + softmax)", aten _scaled_dot_product_attention_math)
+    stores the softmax output and its dropout mask like eager attention does."""
+    kernels = [str(k) for k in record.meta.get("attention_kernels") or []]
+    math = [k for k in kernels if "math" in k.lower()]
+    fused = [k for k in kernels if k not in math and any(m in k.lower() for m in _FUSED_MARKERS)]
+    if fused and not math:
+        return True, (f"assumed a fused attention kernel ({', '.join(fused)} ran, no math path): "
+                      f"no s x s scores kept, the 5as^2b term dropped")
+    if math:
+        return False, (f"assumed a materialised attention matrix ({', '.join(math)} ran"
+                       + (f", besides {', '.join(fused)}" if fused else "")
+                       + "): the 5as^2b term kept")
+    if kernels:
+        return False, (f"assumed a materialised attention matrix ({', '.join(kernels)}: not a known "
+                       f"fused kernel): the 5as^2b term kept")
+    return False, ("assumed a materialised attention matrix (no SDPA kernel seen: eager attention "
+                   "or none): the 5as^2b term kept")
 
 
 def _row(quantity, measured, predicted, explanation) -> dict:
