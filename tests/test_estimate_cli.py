@@ -215,25 +215,31 @@ def _types(d: dict, prefix: str = "") -> dict:
     return out
 
 
-@pytest.mark.parametrize("command, argsets", [
-    ("train", [["--params", "7B", "--tokens", "1T"], ["--params", "7.5", "--tokens", "1e9"],
-               ["--params", "7.5", "--tokens", "1.5"], ["--preset", "gpt2", "--tokens", "1000"],
-               ["--preset", "gpt2", "--tokens", "1000.5"]]),
-    ("memory", [["--params", "7B", "--gpu", "h100"], ["--params", "7.5", "--gpu", "h100"],
-                ["--params", "7.5", "--gpus", "3", "--zero", "1", "--gpu-memory", "80.5"]]),
-    ("decode", [["--params", "7B", "--gpu", "h100"],
-                ["--params", "7.5", "--gpu", "h100", "--matmul-params", "3.5"]]),
+@pytest.mark.parametrize("command, args", [
+    ("train", ["--params", "7.5", "--tokens", "1e9"]), ("train", ["--params", "7B", "--tokens", "1.5"]),
+    ("train", ["--preset", "gpt2", "--tokens", "1000.5"]), ("memory", ["--params", "7.5"]),
+    ("decode", ["--params", "7B", "--gpu", "h100", "--matmul-params", "3.5"]),
 ])
-def test_json_keys_keep_their_type_for_fractional_inputs(command, argsets):
-    """A count typed with a fraction (``--params 7.5``) must not turn an int key into a float:
-    flops, params, tokens and bytes are ints (rounded), as they are for whole inputs."""
-    outs = [js(command, *args) for args in argsets]
-    types = [_types(o) for o in outs]
-    for key in set().union(*types):
-        assert len({t[key] for t in types if key in t}) == 1, (key, [t.get(key) for t in types])
+def test_fractional_counts_are_refused(command, args):
+    """Parameters and tokens are whole counts: ``--params 7.5`` is a missing suffix, not 7.5
+    parameters (it would give an int params key beside flops computed from 7.5)."""
+    r = run(command, *args, "--json")
+    assert r.exit_code == 2 and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert "whole number" in line and "did you mean" in line
+
+
+@pytest.mark.parametrize("command, args", [
+    ("train", ["--params", "7.5B", "--tokens", "1.5T"]), ("memory", ["--params", "7.5B", "--gpu", "h100"]),
+    ("decode", ["--params", "7.5B", "--gpu", "h100", "--matmul-params", "3.5B"]),
+])
+def test_count_keys_are_ints(command, args):
+    out = js(command, *args)
+    for key in ("flops", "flops_6nd", "params", "tokens", "n_params", "matmul_params", "max_params"):
+        if key in out:
+            assert type(out[key]) is int, (key, out[key])
     if command == "train":
-        assert outs[1]["flops"] == 45_000_000_000 and isinstance(outs[1]["flops"], int)
-        assert isinstance(outs[4]["flops_attention"], int)
+        assert out["flops"] == 6 * 7_500_000_000 * 1_500_000_000_000
 
 
 # ----------------------------------------------------------------------------- tables

@@ -32,14 +32,19 @@ class _Number(click.ParamType):
         if self._upper is not None and num > self._upper:
             self.fail(f"expected a number <= {self._upper:g}, got {value!r}", param, ctx)
         if self._integer:
-            if num != int(num):
-                self.fail(f"expected a whole number such as {self._example}, got {value!r}", param, ctx)
-            return int(num)
+            whole = round(num)
+            if abs(num - whole) > max(1e-6, 1e-12 * abs(num)):   # 8.03B is 8029999999.999999
+                hint = (f" (a count: did you mean {value}B?)" if self.name == "count"
+                        and isinstance(value, str) and value[-1:].isdigit() else "")
+                self.fail(f"expected a whole number such as {self._example}, got {value!r}{hint}",
+                          param, ctx)
+            return int(whole)
         return num
 
 
-#: A positive count that may be fractional (tokens, parameters: ``7B``, ``15T``, ``1.3e9``).
-COUNT = _Number("count", units.parse_count, example="7B")
+#: A positive whole count of parameters or tokens (``7B``, ``7.5B``, ``15T``, ``1.3e9``): a
+#: fraction left after the suffix (``7.5``) is refused, as a suffix is likely missing.
+COUNT = _Number("count", units.parse_count, integer=True, example="7B")
 #: A positive whole count (layers, heads, GPUs, parameters when exact).
 POS_INT = _Number("integer", units.parse_count, integer=True, example="32")
 #: A positive byte size (``80GB``, ``80GiB``).
