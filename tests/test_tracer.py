@@ -155,6 +155,10 @@ def test_trace_rejects_bad_arguments():
         torchledger.trace("not a model")
     with pytest.raises(ValueError, match="tokens"):
         torchledger.trace(build_model("cruncher"), tokens=-3)
+    with pytest.raises(TypeError, match="optimizer= a torch.optim.Optimizer.*got int"):
+        torchledger.trace(build_model("cruncher"), optimizer=5)
+    with pytest.raises(TypeError, match="got list"):
+        torchledger.Ledger(build_model("cruncher"), optimizer=[])
 
 
 def test_activation_bytes_are_unique_saved_storages_without_params():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from .step import StepTracer, active_tracer
+from .step import StepTracer, active_tracer, check_optimizer
 
 __all__ = ["trace", "Ledger", "StepTracer", "active_tracer"]
 
@@ -65,6 +65,7 @@ class Ledger:
                  clock=time.perf_counter):
         if not isinstance(sample_every, int) or sample_every < 1:
             raise ValueError(f"sample_every must be an int >= 1, got {sample_every!r}")
+        check_optimizer(optimizer, "Ledger()")
         self.model, self.optimizer = model, optimizer
         self.sample_every, self.peak_flops, self.clock = sample_every, peak_flops, clock
         self.records: list = []

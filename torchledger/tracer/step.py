@@ -32,6 +32,14 @@ def active_tracer():
     return _ACTIVE[0] if _ACTIVE else None
 
 
+def check_optimizer(optimizer, who: str) -> None:
+    """None, or something the tracer can walk: ``param_groups`` and a ``state`` mapping."""
+    if optimizer is not None and not (hasattr(optimizer, "param_groups")
+                                      and hasattr(getattr(optimizer, "state", None), "items")):
+        raise TypeError(f"{who} expects optimizer= a torch.optim.Optimizer (param_groups and a "
+                        f"state mapping), got {type(optimizer).__name__}")
+
+
 class StepTracer:
     """Trace one training step of ``model`` (forward, backward, optimizer step).
 
@@ -55,6 +63,7 @@ class StepTracer:
             raise ValueError(f"tokens must be a positive int (tokens per step), got {tokens!r}")
         self._model = model          # strong until the step ends, then only a weakref
         self._model_ref = weakref.ref(model)
+        check_optimizer(optimizer, "trace()")
         self._optimizers = [optimizer] if optimizer is not None else []
         if tokens_source is not None and not isinstance(tokens_source, str):
             raise ValueError(f"tokens_source must be a string (how tokens was obtained), "
