@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchledger
@@ -410,6 +411,62 @@ def test_weights_a_parent_uses_without_calling_their_module(need_weights):
     assert rows["a"]["flops_forward"] == t.record.totals["flops"]["forward"] == fwd   # 706560
 
 
+def test_gradient_accumulation_counts_each_micro_batch_once():
+    """Micro-batch 2's saved tensors may reuse the addresses micro-batch 1's backward freed:
+    they are still new activations (the count was once different run to run)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+    seen = set()
+    for _ in range(4):
+        xs, ys = [x[:32].clone(), x[32:].clone()], [y[:32].clone(), y[32:].clone()]
+        with torchledger.trace(m, optimizer=opt, tokens=64) as t:
+            for i in range(2):
+                (F.cross_entropy(m(xs[i]), ys[i]) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        tot = t.record.totals
+        seen.add((tot["activation_bytes"], tot["activation_bytes_peak"]))
+    # per micro-batch: x 32*128*4 + two ReLU outputs 2*32*256*4 + log_softmax 32*10*4
+    # + target 32*8 + total_weight 4 = 16384 + 65536 + 1280 + 256 + 4 = 83460
+    # most alive at once: micro-batch 2's 83460 + micro-batch 1's x and y, kept by the lists
+    assert seen == {(2 * 83460, 83460 + 16384 + 256)}
+
+
+def test_batchnorm_running_stats_are_buffers_not_activations():
+    bn = nn.BatchNorm1d(8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torchledger.trace(bn) as t:
+        bn(x).sum().backward()
+    # x 4*8*4 = 128 and save_mean + save_invstd 2*8*4 = 64; not running_mean/var (buffers)
+    assert t.record.totals["activation_bytes"] == 128 + 64
+
+
+def test_work_outside_the_model_is_phase_other():
+    """Gradient clipping, logging and other no-grad work between backward and the optimizer
+    is neither forward nor counted in the model's totals."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(4, 64), torch.randint(0, 10, (4,))
+    with torchledger.trace(m, optimizer=opt, tokens=4) as t:
+        F.cross_entropy(m(x), y).backward()                        # loss outside the model: forward
+        gnorm = torch.cat([p.grad.flatten() for p in m.parameters()]).norm()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=False)
+        opt.step()
+        opt.zero_grad()
+    tot = t.record.totals
+    assert gnorm > 0 and tot["peak_phase"] == "other" and tot["peak_module"] == "(outside the model)"
+    ops = {(o["op"], o["phase"]) for o in t.record.ops}
+    assert ("aten.nll_loss_forward.default", "forward") in ops
+    assert ("aten.linalg_vector_norm.default", "other") in ops
+    assert not any(o["phase"] == "forward" and "norm" in o["op"] for o in t.record.ops)
+    assert tot["elementwise_flops"]["other"] > 0 and tot["flops"]["other"] == 0
+    params = 64 * 64 + 64 + 64 * 10 + 10                           # 4874
+    assert tot["flops"]["total"] == 3 * 2 * 4 * (64 * 64 + 64 * 10) - 2 * 4 * 64 * 64
+    assert t.record.memory["phase_peaks"]["other"] >= 2 * 4 * params   # params + grads alive
+
+
 def test_record_round_trips_through_json():
     _, rec = traced_gpt("cpu", "llama-tiny", 2, 8)
     text = rec.to_json()
@@ -423,7 +480,7 @@ def test_record_round_trips_through_json():
     for key in ("name", "type", "params", "flops_forward", "flops_backward", "activation_bytes",
                 "copy_bytes"):
         assert key in d["modules"][0]
-    assert set(d["totals"]["flops"]) == {"forward", "backward", "optimizer", "total"}
+    assert set(d["totals"]["flops"]) == {"forward", "backward", "optimizer", "total", "other"}
     assert not rec.ops_df().empty and not rec.modules_df().empty and not rec.memory_df().empty
 
 

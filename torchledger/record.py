@@ -80,11 +80,12 @@ class Finding:
 def _empty_totals() -> dict:
     return {
         "params": 0, "matmul_params": 0, "tokens": 0,
-        "flops": {"forward": 0, "backward": 0, "optimizer": 0, "total": 0},
+        "flops": {"forward": 0, "backward": 0, "optimizer": 0, "total": 0, "other": 0},
         "flops_causal": 0,
         "attention_flops": {"dense": 0, "causal": 0},
         "hardware_flops": 0,
-        "elementwise_flops": {"forward": 0, "backward": 0, "recompute": 0, "optimizer": 0, "total": 0},
+        "elementwise_flops": {"forward": 0, "backward": 0, "recompute": 0, "optimizer": 0, "other": 0,
+                              "total": 0},
         "activation_bytes": 0, "optimizer_state_bytes": 0, "param_bytes": 0, "grad_bytes": 0,
         "buffer_bytes": 0, "peak_bytes": 0, "peak_phase": None, "peak_module": None,
         "bytes_read": 0, "bytes_written": 0, "copy_bytes": 0,

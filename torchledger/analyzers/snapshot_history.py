@@ -247,7 +247,7 @@ def never_freed(snap, device=None, *, steps=None, top: int = 10) -> dict:
 
 # -- joining the allocator's events to the tracer's marks ------------------------------------
 _KEEPS = {"forward": "activations", "recompute": "activations", "backward": "gradients",
-          "optimizer": "optimizer_state"}
+          "optimizer": "optimizer_state", "other": "temporaries"}
 
 
 def join(events, marks, *, device=None) -> list:
@@ -261,7 +261,7 @@ def join(events, marks, *, device=None) -> list:
          # or "index": int,     # position in the device trace, when the emitter knows it
          "module": str | None,  # named_modules() name of the innermost module running
                                 #   ("" the root, None outside every module)
-         "phase": "forward" | "backward" | "recompute" | "optimizer" | None,
+         "phase": "forward" | "backward" | "recompute" | "optimizer" | "other" | None,
          "category": str}       # optional: forces the category of the interval's allocations
 
     Emit one at every module entry and exit (the module now innermost) and every phase

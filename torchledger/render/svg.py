@@ -17,7 +17,7 @@ CATEGORY_COLORS = {
 }
 _SPARE_COLORS = ["#e15759", "#9c755f", "#bab0ac", "#ff9da7"]
 PHASE_COLORS = {"forward": "#eef4fb", "backward": "#fbf1e8", "recompute": "#f3eef7",
-                "optimizer": "#eef7ef", "end": "#f4f4f4"}
+                "optimizer": "#eef7ef", "other": "#f7f7ee", "end": "#f4f4f4"}
 _FONT = 'font-family="system-ui, sans-serif" font-size="11"'
 
 

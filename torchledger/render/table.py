@@ -66,6 +66,10 @@ def _module_cells(record, depth) -> list:
     return rows
 
 
+def _in_parens(name: str) -> str:
+    return name if name.startswith("(") and name.endswith(")") else f"({name})"
+
+
 def _module_name(name) -> str:
     if name is None:
         return "-"
@@ -113,7 +117,7 @@ def _totals_lines(record) -> list:
         lines.append(f"tokens: none ({note}); no FLOPs/token or 6ND")
     pb = record.memory.get("peak_breakdown", {})
     lines.append(f"memory: peak {fmt_bytes(t['peak_bytes'], binary=True)} in {t.get('peak_phase') or '?'}"
-                 f" ({_module_name(t.get('peak_module'))}): " +
+                 f" {_in_parens(_module_name(t.get('peak_module')))}: " +
                  ", ".join(f"{k} {fmt_bytes(v, binary=True)}" for k, v in pb.items() if v))
     lines.append(f"activations saved: {fmt_bytes(t['activation_bytes'], binary=True)}; optimizer state "
                  f"{fmt_bytes(t['optimizer_state_bytes'], binary=True)}; copies "

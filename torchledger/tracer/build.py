@@ -5,8 +5,8 @@ import numpy as np
 import torch
 
 from ..record import TOKENS_GIVEN, StepRecord
-from .dispatch import BACKWARD, FORWARD, OPTIMIZER, PHASES, RECOMPUTE
-from .memory import CATEGORIES, GRAD
+from .dispatch import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
+from .memory import ACT, CATEGORIES, GRAD
 from .modules import NO_MODULE
 
 __all__ = ["build_record", "ATTENTION_KERNELS"]
@@ -38,11 +38,11 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t = rec.totals
 
     # -- FLOPs by phase and by module ----------------------------------------------------
-    flops = [0, 0, 0, 0]
-    causal = [0, 0, 0, 0]
+    flops = [0] * len(PHASES)
+    causal = [0] * len(PHASES)
     attn_dense = attn_causal = 0
     read = written = 0
-    mod_flops = np.zeros((n_mod + 1, 4), dtype=np.int64)      # last row: no module
+    mod_flops = np.zeros((n_mod + 1, len(PHASES)), dtype=np.int64)      # last row: no module
     ops = []
     for (phase, mod, fid), (count, f, fc, r, w) in mode.agg.items():
         func, kind = mode.funcs[fid], mode.kinds.get(fid)
@@ -60,13 +60,14 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     ops.sort(key=lambda o: (-o["flops"], o["op"]))
     model_flops = flops[FORWARD] + flops[BACKWARD] + flops[OPTIMIZER]
     t["flops"] = {"forward": flops[FORWARD], "backward": flops[BACKWARD],
-                  "optimizer": flops[OPTIMIZER], "total": model_flops}
+                  "optimizer": flops[OPTIMIZER], "total": model_flops, "other": flops[OTHER]}
     t["flops_causal"] = causal[FORWARD] + causal[BACKWARD] + causal[OPTIMIZER]
     t["attention_flops"] = {"dense": attn_dense, "causal": attn_causal}
     t["hardware_flops"] = model_flops + flops[RECOMPUTE]
     ew = mode.elementwise
     t["elementwise_flops"] = {"forward": ew[FORWARD], "backward": ew[BACKWARD], "recompute": ew[RECOMPUTE],
-                              "optimizer": ew[OPTIMIZER], "total": ew[FORWARD] + ew[BACKWARD] + ew[OPTIMIZER]}
+                              "optimizer": ew[OPTIMIZER], "other": ew[OTHER],
+                              "total": ew[FORWARD] + ew[BACKWARD] + ew[OPTIMIZER]}
     t["bytes_read"], t["bytes_written"] = read, written
     t["view_ops"] = {PHASES[i]: n for i, n in enumerate(mode.views)}
     rec.ops = ops
@@ -133,9 +134,13 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["grad_bytes_end"] = t["grad_bytes"]
     if live.size:
         t["grad_bytes"] = max(t["grad_bytes"], int(tl[GRAD].max()))
+        # activation_bytes sums every storage saved during the step (all micro-batches); this
+        # is the most alive at once, what gradient accumulation keeps down
+        t["activation_bytes_peak"] = int(tl[ACT].max())
     if n_ops and peak_idx < n_ops:
         t["peak_phase"] = PHASES[op_phase[peak_idx]]
         t["peak_module"] = ("(optimizer)" if op_phase[peak_idx] == OPTIMIZER
+                            else "(outside the model)" if op_phase[peak_idx] == OTHER
                             else scope.name(int(op_mod[peak_idx])))
     mod_peak = np.zeros(n_mod + 1, dtype=np.int64)
     if n_ops:
@@ -146,7 +151,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         "peak_breakdown": {c: int(tl[i, peak_idx]) for i, c in enumerate(CATEGORIES)} if live.size else {},
         "end_breakdown": {c: int(tl[i, -1]) for i, c in enumerate(CATEGORIES)} if live.size else {},
         "phase_peaks": {PHASES[p]: int(live[:n_ops][op_phase[:n_ops] == p].max())
-                        for p in range(4) if n_ops and (op_phase[:n_ops] == p).any()},
+                        for p in range(len(PHASES)) if n_ops and (op_phase[:n_ops] == p).any()},
         "recompute_saved_bytes": int(recompute_saved),
         "timeline": _downsample(tl, op_phase, peak_idx),
         "cuda": tracer._cuda_marks,

@@ -22,13 +22,29 @@ from .modules import NO_MODULE
 
 __all__ = ["LedgerMode", "PHASES"]
 
-PHASES = ("forward", "backward", "recompute", "optimizer")
-FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER = range(4)
+#: "other": ops outside the model's forward, its backward and ``optimizer.step()`` that build
+#: no autograd graph (gradient clipping, grad-norm logging, data preparation, a metric under
+#: no_grad): counted apart, in no model total.
+PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER, OTHER = range(5)
 
 _Tensor = torch.Tensor
 _current_node = torch._C._current_autograd_node
 _grad_enabled = torch.is_grad_enabled
 _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _needs_grad(args) -> bool:
+    """Some tensor argument (or one in a list argument) requires grad."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor) and b.requires_grad:
+                    return True
+    return False
 
 
 def _recomputing(node) -> bool:
@@ -45,8 +61,15 @@ _aten = torch.ops.aten
 _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
 _GATHER_OPS = {_aten.index.Tensor, _aten.index_select.default}
 _PERMUTE_OPS = {_aten.transpose.int, _aten.permute.default, _aten.t.default}
-_PASSTHROUGH = {id(op) for op in (torch.ops.prim.device.default, torch.ops.prim.layout.default)
-                if op is not None}
+_PASSTHROUGH = {id(op) for op in (  # no arithmetic, no memory, no phase: not recorded at all
+    torch.ops.prim.device.default, torch.ops.prim.layout.default,
+    # record_function markers (optimizer.zero_grad and step wrap themselves in one)
+    *(getattr(getattr(torch.ops.profiler, name, None), overload, None)
+      for name, overload in (("_record_function_enter", "default"),
+                             ("_record_function_enter_new", "default"),
+                             ("_record_function_exit", "default"),
+                             ("_record_function_exit", "_RecordFunction"))))
+    if op is not None}
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
@@ -80,7 +103,7 @@ class LedgerMode(TorchDispatchMode):
         self.op_module: list[int] = []
         self.op_phase: list[int] = []
         self.agg: dict = {}          # (phase, module, id(func)) -> [count, flops, causal, read, written]
-        self.elementwise = [0, 0, 0, 0]
+        self.elementwise = [0] * len(PHASES)
         self.uncounted: dict = {}    # (id(func), phase, module) -> count
         self.copies: dict = {}       # (func, module, phase, location, reason) -> [count, bytes, detail]
         self.matmul_params: set = set()
@@ -104,7 +127,7 @@ class LedgerMode(TorchDispatchMode):
         self._attn_starts: list = []
         self._math_attention: dict = {}
         self._view_checked: dict = {}    # id(func) -> alias confirmed by storage identity
-        self.views = [0, 0, 0, 0]        # view/alias ops per phase (no bytes moved)
+        self.views = [0] * len(PHASES)   # view/alias ops per phase (no bytes moved)
         self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
         self._last_mark = None
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
@@ -126,8 +149,10 @@ class LedgerMode(TorchDispatchMode):
                     phase, mod = BACKWARD, scope.module_of_node(node)
             elif self.in_optimizer:
                 phase, mod = OPTIMIZER, scope.top
+            elif scope.stack or (_grad_enabled() and _needs_grad(args)):
+                phase, mod = FORWARD, scope.top      # in a module, or building the loss's graph
             else:
-                phase, mod = FORWARD, scope.top
+                phase, mod = OTHER, NO_MODULE
             if self.marks is not None and (phase, mod) != self._last_mark:
                 self._last_mark = (phase, mod)
                 self.marks.append({"time_us": time.time_ns() // 1000, "module": scope.name(mod) if mod >= 0
@@ -450,4 +475,4 @@ def _short(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ += ["FORWARD", "BACKWARD", "RECOMPUTE", "OPTIMIZER", "NO_MODULE", "user_frame", "attention_hook"]
+__all__ += ["FORWARD", "BACKWARD", "RECOMPUTE", "OPTIMIZER", "OTHER", "NO_MODULE", "user_frame", "attention_hook"]

@@ -171,12 +171,14 @@ class StepTracer:
     def _pack(self, t):
         try:
             s = t.untyped_storage()
-            key = s._cdata
-            if key not in self._param_storages and key not in self._saved:
-                phase = "forward" if torch._C._current_autograd_node() is None else "recompute"
-                self._saved[key] = (s.nbytes(), self.scope.top, phase)
-                if phase == "forward":
-                    self.storages.promote(s, ACT, only_from=TEMP)
+            if s._cdata in self._param_storages:
+                return t
+            # keyed by lifetime, not address: a storage freed by micro-batch 1's backward and
+            # one that micro-batch 2 makes at the same address are two activations
+            forward = torch._C._current_autograd_node() is None
+            k = self.storages.promote(s, ACT, only_from=TEMP) if forward else self.storages.add(s, TEMP)
+            if k not in self._saved and self.storages.cat[k] != BUFFER:  # BatchNorm's running stats
+                self._saved[k] = (s.nbytes(), self.scope.top, "forward" if forward else "recompute")
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
         return t
