@@ -161,3 +161,30 @@ def test_clean_loops_have_no_leak_finding(loop):
     ledger = torchledger.Ledger(model, optimizer=opt)
     loop(model, opt, ledger, [])
     assert check_leaks(ledger.records) == []
+
+
+class _RootRelu(nn.Module):
+    """The ReLU runs in the root module's own forward: its tensors' module is ""."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 256), nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def test_growth_message_names_the_root_module_once_per_site():
+    torch.manual_seed(0)
+    model = _RootRelu()
+    ledger = torchledger.Ledger(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    total = 0.0
+    for i in range(5):
+        with ledger.step(tokens=16):
+            x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+            total = total + nn.functional.cross_entropy(model(x), y)   # an eval loop keeping graphs
+    growth = next(f for f in check_leaks(ledger.records) if f.rule == "TL-LEAK-001")
+    sites = growth.message.split("kept from earlier steps: ")[1].split(", ")
+    assert "(root) (aten.relu.default)" in sites
+    assert not any(s.startswith("?") or s.endswith("(None)") for s in sites)
+    assert len(sites) == len(set(sites))

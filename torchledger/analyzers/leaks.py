@@ -50,14 +50,21 @@ def _growth(recs, min_bytes: int) -> list:
         return []
     cats = after[0].memory["end_breakdown"]
     grew = [c for c in cats if after[-1].memory["end_breakdown"].get(c, 0) > cats.get(c, 0)]
-    sites = ", ".join(f"{g.get('location') or g.get('module') or '?'} ({g.get('op')})"
-                      for g in after[-1].memory.get("retained", [])[:3])
+    seen = dict.fromkeys(_site(g) for g in after[-1].memory.get("retained", []))
+    sites = ", ".join(list(seen)[:3])           # one entry per site, not one per step
     return [Finding("TL-LEAK-001", "warning",
                     f"live memory grows {per_step:,.0f} bytes per step since step "
                     f"{after[0].meta.get('step_index')} ({', '.join(grew)})"
                     + (f"; kept from earlier steps: {sites}" if sites else ""),
                     measured=per_step, expected=0,
                     hint="keep loss.item() rather than the loss; detach() what you keep")]
+
+
+def _site(g: dict) -> str:
+    """``file:line (op)``, else ``module (op)``; the root module (named "") is ``(root)``."""
+    module = g.get("module")
+    where = g.get("location") or ("(root)" if module == "" else module) or "?"
+    return f"{where} ({g['op']})" if g.get("op") else where
 
 
 def _kept_graphs(rec) -> list:
