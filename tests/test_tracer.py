@@ -484,6 +484,23 @@ def test_record_round_trips_through_json():
     assert not rec.ops_df().empty and not rec.modules_df().empty and not rec.memory_df().empty
 
 
+def test_saved_records_keep_their_findings():
+    """A record saved from trace() or a Ledger renders its findings offline (report)."""
+    m = nn.Linear(64, 64)
+    x = torch.randn(8, 16, 64)
+    with torchledger.trace(m, tokens=128) as t:
+        m(x.half().float()).pow(2).mean().backward()      # a dtype round trip: TL-COPY-001
+    saved = json.loads(t.record.to_json())["findings"]
+    assert [f["rule"] for f in saved] == ["TL-COPY-001"] == [f.rule for f in t.findings()]
+    ledger = torchledger.Ledger(m)
+    for _ in range(2):
+        with ledger.step(tokens=128):
+            m(x.half().float()).pow(2).mean().backward()
+    assert [f["rule"] for f in ledger.records[-1].to_dict()["findings"]] == \
+        [f.rule for f in ledger.findings()]
+    assert "TL-COPY-001" in [f["rule"] for f in ledger.records[-1].to_dict()["findings"]]
+
+
 def test_from_json_rejects_other_files():
     with pytest.raises(ValueError, match="schema"):
         StepRecord.from_dict({"schema": "other/1"})

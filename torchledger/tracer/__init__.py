@@ -32,14 +32,34 @@ class _Traced(StepTracer):
             raise RuntimeError("report() is available after the traced block ends")
         return render_table(self.record, self.findings(), **options)
 
+    def __exit__(self, exc_type, exc, tb):
+        out = super().__exit__(exc_type, exc, tb)
+        _keep_findings(self.record, self.findings)
+        return out
+
     def findings(self, **options) -> list:
         """Findings of every analyzer; ``options`` as in ``[tool.torchledger]`` (and
-        ``peak_flops`` for MFU, defaulting to the one given to ``trace``)."""
+        ``peak_flops`` for MFU, defaulting to the one given to ``trace``). The record keeps
+        the last ones computed (``record.findings``, in ``to_dict()``), so a saved record
+        renders them offline."""
         from ..analyzers.checks import run_checks
         if self.record is None:
             raise RuntimeError("findings() are available after the traced block ends")
         options.setdefault("peak_flops", self.peak_flops)
-        return run_checks([self.record], options)
+        found = run_checks([self.record], options)
+        self.record.findings = list(found)
+        return found
+
+
+def _keep_findings(record, compute) -> None:
+    """Store the default findings in a finished record; an analyzer error must not turn the
+    end of the user's step into an exception (the record notes it instead)."""
+    if record is None:
+        return
+    try:
+        compute()
+    except Exception as e:  # noqa: BLE001
+        record.warnings.append(f"findings unavailable: {type(e).__name__}: {e}")
 
 
 def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
@@ -97,6 +117,7 @@ class Ledger:
                 self.records.append(tracer.record)
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)
+                _keep_findings(tracer.record, self.findings)
 
     def _edge(self) -> float:
         """The clock at a step edge; on CUDA after a synchronize (NB: a CPU-GPU sync point)."""
@@ -121,7 +142,10 @@ class Ledger:
         options.setdefault("peak_flops", self.peak_flops)
         if self.untraced_seconds and "step_seconds" not in options:
             options["step_seconds"] = sorted(self.untraced_seconds)[len(self.untraced_seconds) // 2]
-        return run_checks(self.records, options)
+        found = run_checks(self.records, options)
+        if self.records:                  # the latest record keeps them (to_dict, report)
+            self.records[-1].findings = list(found)
+        return found
 
     def report(self, **options) -> str:
         from ..report import render_table
