@@ -347,6 +347,37 @@ def test_cast_after_build_on_fake_says_what_to_do(tmp_path):
     one_line_error(r, "model.to(dtype)", "set_default_dtype", "--device meta")
 
 
+CHANNELS_LAST_MODEL = """
+    import torch, torch.nn as nn, torchledger
+
+    def audit_spec():
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(8 * 8 * 8, 4))
+        model = model.to(memory_format=torch.channels_last)
+        x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+        return torchledger.AuditSpec(model, (x,), tokens=2)
+"""
+
+
+def test_channels_last_model_on_fake_gets_memory_format_advice(tmp_path):
+    path = write(tmp_path, "m.py", CHANNELS_LAST_MODEL)
+    r = run("audit", path)
+    if r.exit_code == 0:
+        pytest.skip("this torch converts fake parameters in place")
+    err = one_line_error(r, "memory_format", "channels_last inputs", "--device cpu")
+    assert "set_default_dtype" not in err and "model.to(dtype)" not in err
+    # what the hint says works: channels_last inputs alone on fake count what the converted
+    # model does on cpu (--device meta does not: its kernels save less here)
+    inputs_only = write(tmp_path, "inputs.py", CHANNELS_LAST_MODEL.replace(
+        "model = model.to(memory_format=torch.channels_last)", "pass"))
+    fake = run("audit", inputs_only, "--steps", "1", "--format", "json", "--fail-on", "never")
+    cpu = run("audit", path, "--device", "cpu", "--steps", "1", "--format", "json", "--fail-on", "never")
+    assert fake.exit_code == 0 and cpu.exit_code == 0, fake.output + cpu.output
+    totals = [json.loads(x.stdout)["totals"] for x in (fake, cpu)]
+    assert totals[0]["flops"]["total"] == totals[1]["flops"]["total"]
+    assert totals[0]["activation_bytes"] == totals[1]["activation_bytes"]
+
+
 # -- --output onto links, devices and FIFOs (write_atomic) ------------------------------------
 RECORD = os.path.join(ROOT, "tests", "data", "gpt2-tiny", "record.json")
 SNAPSHOT = os.path.join(ROOT, "tests", "data", "snapshots", "history.pickle")

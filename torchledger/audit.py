@@ -436,6 +436,11 @@ def _fake_safe_init(device: str):
 def _device_hint(e: Exception, device: str) -> str:
     """What to try when a build or step failed because of the device it ran on."""
     name, text = type(e).__name__, str(e)
+    if device == "fake" and "Couldn't swap" in text and _memory_format_call(e):
+        return ("; fake tensors cannot change a model's memory format in place "
+                "(model.to(memory_format=...)): leave the model as built and pass channels_last "
+                "inputs (x.to(memory_format=torch.channels_last)): the convolutions then run "
+                "channels_last with the numbers of --device cpu; or use --device cpu")
     if device == "fake" and "Couldn't swap" in text:
         return ("; fake tensors cannot convert parameters in place (model.to(dtype)): build the "
                 "model in its dtype (torch.set_default_dtype, or dtype= in its constructor) or use "
@@ -445,6 +450,19 @@ def _device_hint(e: Exception, device: str) -> str:
     if device == "meta" and ("meta tensor" in text or "DataDependent" in name):
         return "; meta tensors have no values and this reads one: try --device cpu (or --device fake)"
     return ""
+
+
+def _memory_format_call(e: BaseException) -> bool:
+    """True when a frame of the user's code (not torch's) asked for a memory format conversion."""
+    import torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    for frame in traceback.extract_tb(e.__traceback__):
+        if os.path.abspath(frame.filename).startswith(torch_dir + os.sep):
+            continue
+        if "memory_format" in (frame.line or "") or "channels_last" in (frame.line or ""):
+            return True
+    return False
 
 
 def _step_error(e: BaseException, path: str, device: str) -> AuditError:
