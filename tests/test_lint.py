@@ -744,3 +744,148 @@ def test_step_function_filling_a_module_level_list():
     assert [f.location for f in found] == ["t.py:7"]
     clean = src.replace("losses.append(loss)", "losses.append(loss.item())")
     assert [f for f in lint_source(clean, "t.py") if f.rule == "TL-LINT-001"] == []
+
+
+# -- found on transformers' source (probe 3): TL-LINT-004 misses and false positives ------------
+BAD_REAL = {
+    "004-data-dependent-shapes": """
+        import sys
+        import torch
+        from torch import nn
+        from typing import Literal
+
+        class Bad(nn.Module):
+            def forward(self, x):
+                y = x[x > 0]  # expect: TL-LINT-004
+                u = torch.unique(x)  # expect: TL-LINT-004
+                z = torch.masked_select(x, x > 0)  # expect: TL-LINT-004
+                r = torch.repeat_interleave(x.long().flatten())  # expect: TL-LINT-004
+                keep = x.abs() > 1
+                w = x[keep]  # expect: TL-LINT-004
+                v = x.repeat_interleave(x.long())  # expect: TL-LINT-004
+                q = x.unique(sorted=True)  # expect: TL-LINT-004
+                idx = torch.where(x > 0)  # expect: TL-LINT-004
+                d = x.to(device="cpu")  # expect: TL-LINT-004
+                x[x > 0] = 0
+                a = x.repeat_interleave(2, dim=0)
+                b = torch.repeat_interleave(x, 3)
+                c = x.repeat_interleave(x.long(), output_size=8)
+                e = torch.where(x > 0, x, 0)
+                return x
+        """,
+    "001-still-found-after-the-fixes": """
+        class Trainer:
+            def training_step(self, batch):
+                loss = self.compute_loss(self.model, batch)
+                loss.backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+                self.losses.append(loss)  # expect: TL-LINT-001
+
+        hist = {}
+        for step, batch in enumerate(train_loader):
+            optimizer.zero_grad()
+            loss = loss_fn(model(batch), batch)
+            loss.backward()
+            optimizer.step()
+            hist[step] = loss  # expect: TL-LINT-001
+        """,
+}
+
+CLEAN_REAL = {
+    "001-not-a-kept-graph": """
+        import torch
+
+        class EvalPrediction:
+            def __init__(self, predictions, losses=None):
+                self.losses = losses
+                self.elements = (predictions,)
+                if losses is not None:
+                    self.elements += (self.losses,)
+
+        def list_models(self):
+            loaded_models = {}
+            for name in self.loaded_models:
+                owned_by = model_owner(name)
+                loaded_models[name] = {"owned_by": owned_by, "id": name}
+            return loaded_models
+
+        def batch_decode(self, sequences, batch_size):
+            dec_strs = []
+            for index in range(batch_size):
+                pred = self.decoder(sequences[index])
+                pred = pred[: pred.find("[s]")]
+                dec_strs.append(pred)
+            return dec_strs
+
+        class Trainer:
+            def training_step_loop(self, train_dataloader):
+                for batch in train_dataloader:
+                    tr_loss_step = self.training_step(self.model, batch)
+                    if torch.isnan(tr_loss_step):
+                        self._tr_loss += self._tr_loss / (1 + self.state.global_step)
+                    else:
+                        self._tr_loss += tr_loss_step.detach()
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+
+        class Processor:
+            def __call__(self, input_ids, scores):
+                out = self.model(input_ids, cache=self.context["cache"])
+                self.context["cache"] = out.get("cache", None)
+                self.kwargs["attention_mask"] = self.kwargs.get("mask", torch.ones(3))
+                return out.logits
+        """,
+    "004-python-values-in-forward": """
+        import sys
+        from typing import Literal
+        from torch import nn
+
+        class Fine(nn.Module):
+            def forward(self, outputs, z, hidden_states, cached_frames: int | None = None,
+                        mode: Literal["train", "inference"] | None = None, cache: "Cache | None" = None,
+                        key_value_states=None, no_recycles=None, input_dimensions: tuple[int, int] = None,
+                        patch_height=None):
+                if "auxiliary_outputs" in outputs:
+                    pass
+                if "denoising_meta_values" not in outputs:
+                    pass
+                assert sys.getrefcount(z[0]) == 2
+                seq_length = hidden_states.shape[1] + (cached_frames if cached_frames is not None else 0)
+                if seq_length > self.max_position_embeddings:
+                    pass
+                if no_recycles is None:
+                    no_recycles = self.config.max_recycles
+                if no_recycles < 0:
+                    pass
+                mode = mode or self.config.mode
+                if "train" in mode:
+                    pass
+                is_cross_attention = key_value_states is not None
+                is_updated = cache.is_updated.get(self.layer_idx) if cache is not None else False
+                if is_cross_attention and cache and is_updated:
+                    pass
+                if cache.get_seq_length() > 0:
+                    pass
+                height, width = input_dimensions
+                pad_right = (self.window_size - width % self.window_size) % self.window_size
+                pad_values = (0, 0, 0, pad_right, 0, 0)
+                was_padded = pad_values[3] > 0 or pad_values[5] > 0
+                if was_padded:
+                    pass
+                n = int(patch_height * self.patch_size)
+                return hidden_states
+        """,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REAL))
+def test_real_code_misses_are_found(name):
+    source = textwrap.dedent(BAD_REAL[name])
+    assert found(source) == expected(source)
+
+
+@pytest.mark.parametrize("name", sorted(CLEAN_REAL))
+def test_real_code_false_positives_stay_quiet(name):
+    findings = lint_source(textwrap.dedent(CLEAN_REAL[name]), "t.py")
+    assert findings == [], [(f.rule, f.location, f.message) for f in findings]

@@ -31,7 +31,12 @@ _MODEL_CALL = re.compile(r"model|net|criterion|loss|forward|cross_entropy|kl_div
                          r"encoder|decoder|classifier")
 _NOT_A_CALL_OF_MODEL = re.compile(r"(get|set|build|make|create|init|load|save|register|setup|"
                                   r"configure|prepare|wrap|compile|to|from|num|count|log)_")
+# The last word of a callee named like a model is the model (``model``, ``ddp_model``,
+# ``loss_fn``); ``model_owner`` or ``network_config`` are helpers that return something else.
+_MODEL_TAIL = re.compile(r"(^|_)(fn|func|function|fwd|wrapped|module|impl|call|step)$")
 _LOSS_NAME = re.compile(r"loss", re.I)
+# Parts of a loop's iterable that say "a size", not "the data": range(batch_size).
+_SIZE_WORD = re.compile(r"\w*(size|len|length|count|num)\w*|\bnum_\w*|\w*_num\b", re.I)
 # Methods whose result holds no graph (or is a Python value).
 _DETACHING = {"item", "detach", "detach_", "tolist", "numpy", "argmax", "argmin", "long", "int",
               "bool", "numel", "size", "dim", "state_dict", "grad", "__len__"}
@@ -169,11 +174,21 @@ class _Flow:
             if last in _FACTORIES:
                 return False
             return self._any([*e.args, *(k.value for k in e.keywords)], at)
-        if _MODEL_CALL.search(last.lower()) and not _NOT_A_CALL_OF_MODEL.match(last.lower()):
+        if _model_call(last.lower()):
             return True
         if isinstance(func, ast.Attribute):                  # loss.mean(), out.to(dev)
             return self._classify(func.value, at)
         return None
+
+
+def _model_call(last: str) -> bool:
+    """``model``, ``self.net``, ``criterion``, ``compute_loss``, ``loss_fn``: the callee's
+    last word (after dropping ``_fn``-like suffixes) names a model or a loss."""
+    if not _MODEL_CALL.search(last) or _NOT_A_CALL_OF_MODEL.match(last):
+        return False
+    while _MODEL_TAIL.search(last) and "_" in last:
+        last = last.rsplit("_", 1)[0]
+    return any(m.end() == len(last) for m in _MODEL_CALL.finditer(last))
 
 
 _APPENDS = {"append": 0, "appendleft": 0, "extend": 0, "insert": 1}
@@ -192,6 +207,8 @@ def _accumulation(node):
     elif isinstance(node, ast.Assign) and len(node.targets) == 1:
         target, value = node.targets[0], node.value
         if isinstance(target, ast.Subscript):
+            if isinstance(target.slice, ast.Constant):    # d["cache"] = x replaces, not grows
+                return None
             return target.value, value
         if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Add, ast.Sub)):
             same = ast.unparse(target)
@@ -223,7 +240,9 @@ def _reset_each_iteration(src, loop, name) -> bool:
 
 # forward builds the graph on purpose; Lightning runs validation/test/predict under no_grad.
 _NO_GRAPH_METHOD = re.compile(r"forward$|(validation|val|test|predict|eval)")
-_DATA_ITER = re.compile(r"load|data|batch|\bdl\b", re.I)
+_DATA_ITER = re.compile(r"loader|data|batch|\bdl\b", re.I)
+# A constructor runs once per object, not once per step.
+_CONSTRUCTOR = {"__init__", "__post_init__", "__new__", "__init_subclass__", "setup"}
 
 
 def step_loop(src, loop) -> bool:
@@ -232,7 +251,7 @@ def step_loop(src, loop) -> bool:
     if {"backward", "step"} & loop_effects(src, loop):
         return True
     return isinstance(loop, (ast.For, ast.AsyncFor)) \
-        and bool(_DATA_ITER.search(ast.unparse(loop.iter)))
+        and bool(_DATA_ITER.search(_SIZE_WORD.sub("", ast.unparse(loop.iter))))
 
 
 def _global_in_step(src, scope, name) -> bool:
@@ -261,12 +280,15 @@ def check_kept_graph(src):
             loop = src.loop_of(node)
             if loop is None:                  # a method filling self.x outlives the call
                 if name.startswith("self."):
-                    if _NO_GRAPH_METHOD.match(getattr(scope, "name", "")):
+                    if _NO_GRAPH_METHOD.match(getattr(scope, "name", "")) \
+                            or getattr(scope, "name", "") in _CONSTRUCTOR:
                         continue
                 elif not _global_in_step(src, scope, name):
                     continue
             elif not step_loop(src, loop) or (name and _reset_each_iteration(src, loop, name)):
                 continue
+            if name and name in _names_in(value):
+                continue                      # `total += total / n`: no new graph comes in
             flow = flow or _Flow(src, body)
             if not flow.carries(value, pos(node)) or name in flow.consumed:
                 continue
