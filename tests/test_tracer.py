@@ -501,6 +501,27 @@ def test_saved_records_keep_their_findings():
     assert "TL-COPY-001" in [f["rule"] for f in ledger.records[-1].to_dict()["findings"]]
 
 
+@pytest.mark.parametrize("clear", ["zero_grad", "mul_0", "foreach_mul_0", "none"])
+def test_grads_cleared_by_multiplying_by_zero_are_cleared(clear):
+    m = nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ledger = torchledger.Ledger(m, optimizer=opt)
+    for _ in range(3):
+        with ledger.step(tokens=4):
+            m(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            grads = [p.grad for p in m.parameters()]
+            if clear == "zero_grad":
+                opt.zero_grad(set_to_none=False)
+            elif clear == "mul_0":
+                for g in grads:
+                    g.mul_(0)
+            elif clear == "foreach_mul_0":
+                torch._foreach_mul_(grads, 0.0)
+    rules = [f.rule for f in ledger.findings()]
+    assert ("TL-LEAK-003" in rules) == (clear == "none")
+
+
 def test_from_json_rejects_other_files():
     with pytest.raises(ValueError, match="schema"):
         StepRecord.from_dict({"schema": "other/1"})

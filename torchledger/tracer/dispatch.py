@@ -71,6 +71,7 @@ _PASSTHROUGH = {id(op) for op in (  # no arithmetic, no memory, no phase: not re
                              ("_record_function_exit", "_RecordFunction"))))
     if op is not None}
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
+_MUL_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Scalar}  # zero when times 0
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -186,7 +187,9 @@ class LedgerMode(TorchDispatchMode):
         info = self._finfo.get(fid)
         if info is None:
             info = self._finfo[fid] = (_is_alias_op(func), func in _COPY_OPS,
-                                       func in _PERMUTE_OPS, func in _ZERO_OPS, func in _GATHER_OPS)
+                                       func in _PERMUTE_OPS,
+                                       1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
+                                       func in _GATHER_OPS)
             self.funcs[fid] = func
         alias = info[0]
 
@@ -263,7 +266,8 @@ class LedgerMode(TorchDispatchMode):
             self._note_copy(func, args, kwargs, out, phase, mod, written)
         elif info[4] and phase != BACKWARD:
             self._note_gather(args, out)
-        elif info[3] and self.grad_watch:
+        elif info[3] and self.grad_watch and (info[3] == 1 or (
+                len(args) > 1 and type(args[1]) in (int, float) and args[1] == 0)):   # p.grad.mul_(0)
             for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
                 self.zeroed.add(t.untyped_storage()._cdata)
         if phase == FORWARD and written:
