@@ -23,7 +23,7 @@ import re
 import tokenize
 
 from ..record import Finding
-from .lint_ast import LOOPS, SCOPES, dotted, is_const, tail
+from .lint_ast import LOOPS, SCOPES, children, dotted, is_const, tail
 from .lint_forward import check_forward_syncs
 from .lint_misc import (check_checkpoint, check_model_moves, check_module_save,
                         check_non_blocking, check_retain_graph, check_unsafe_load)
@@ -78,8 +78,13 @@ class Source:
 
     def __init__(self, tree: ast.Module, path: str):
         self.tree, self.path, self.cache = tree, path, {}
-        self.nodes = list(ast.walk(tree))
-        self.parents = {c: n for n in self.nodes for c in ast.iter_child_nodes(n)}
+        self.nodes, self.parents, i = [tree], {}, 0
+        while i < len(self.nodes):                     # ast.walk, keeping each node's children
+            node = self.nodes[i]
+            i += 1
+            for c in children(node):
+                self.parents[c] = node
+                self.nodes.append(c)
         self.aliases, self.functions = {}, {}
         for node in self.nodes:
             if isinstance(node, ast.Import):

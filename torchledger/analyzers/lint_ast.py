@@ -10,7 +10,7 @@ import re
 from typing import Iterator, Optional
 
 __all__ = ["SCOPES", "LOOPS", "OPTIMIZER", "dotted", "tail", "walk_scope", "pos", "kwarg",
-           "is_const", "model_like", "is_optimizer_step", "target_names"]
+           "is_const", "model_like", "is_optimizer_step", "target_names", "children", "walk"]
 
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -48,7 +48,26 @@ def walk_scope(nodes) -> Iterator[ast.AST]:
     while stack:
         node = stack.pop()
         yield node
-        stack.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, SCOPES))
+        kids = children(node)
+        stack.extend(c for c in kids if not isinstance(c, SCOPES))
+
+
+def walk(node) -> Iterator[ast.AST]:
+    """``ast.walk`` (breadth first, outer nodes first) over the cached children."""
+    todo, i = [node], 0
+    while i < len(todo):
+        n = todo[i]
+        i += 1
+        todo.extend(children(n))
+        yield n
+
+
+def children(node) -> list:
+    """``ast.iter_child_nodes`` as a list, kept on the node (the tree is walked many times)."""
+    kids = node.__dict__.get("_tl_kids")
+    if kids is None:
+        kids = node._tl_kids = list(ast.iter_child_nodes(node))
+    return kids
 
 
 def pos(node: ast.AST) -> tuple:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 
-from .lint_ast import SCOPES, dotted, kwarg, tail, target_names
+from .lint_ast import SCOPES, children, dotted, kwarg, tail, target_names, walk
 
 __all__ = ["check_forward_syncs"]
 
@@ -75,7 +75,7 @@ def _value_use(expr, tensors) -> bool:
             stack.extend((c, inner) for c in [getattr(n, "elt", None), getattr(n, "key", None),
                                                getattr(n, "value", None)] if c is not None)
             continue
-        stack.extend((c, names) for c in ast.iter_child_nodes(n) if not isinstance(c, SCOPES))
+        stack.extend((c, names) for c in children(n) if not isinstance(c, SCOPES))
     return False
 
 
@@ -157,7 +157,7 @@ def _tensor_names(fn) -> tuple:
             (isinstance(default, ast.Constant) and default.value is not None)
         if not (python_value or _FLAG_PARAM.search(p.arg)):
             names.add(p.arg)
-    assigns = [n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+    assigns = [n for n in walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
                and n.value is not None]
     py = _python_names(fn, {p.arg: p.annotation for p in [*params, *a.kwonlyargs]}, assigns)
     names -= py
@@ -192,7 +192,7 @@ def _mask(e, tensors, masks) -> bool:
 
 def _mask_names(fn, tensors) -> set:
     masks = set()
-    for n in ast.walk(fn):
+    for n in walk(fn):
         if isinstance(n, ast.Assign) and len(n.targets) == 1 \
                 and isinstance(n.targets[0], ast.Name) and _mask(n.value, tensors, masks):
             masks.add(n.targets[0].id)
@@ -277,7 +277,7 @@ def check_forward_syncs(src):
                 continue
             (params, tensors), lines = _tensor_names(fn), set()
             masks = _mask_names(fn, tensors)
-            for node in ast.walk(fn):               # outer nodes first: one finding a line
+            for node in walk(fn):               # outer nodes first: one finding a line
                 hit = _sync(node, params, tensors, masks, src)
                 if hit and node.lineno not in lines:
                     lines.add(node.lineno)

@@ -132,12 +132,11 @@ def _checkpoint_dict(src, expr, call):
 
 def check_checkpoint(src):
     """TL-LINT-009: a checkpoint dict with a model state_dict and no optimizer state."""
-    if not any(OPTIMIZER.search(tail(dotted(n) or "").lower()) for n in src.nodes
-               if isinstance(n, (ast.Name, ast.Attribute))):
+    saves = [c for c in src.calls if c.args and src.qualname(c.func) == "torch.save"]
+    if not saves or not any(OPTIMIZER.search(tail(dotted(n) or "").lower()) for n in src.nodes
+                            if isinstance(n, (ast.Name, ast.Attribute))):
         return                                        # no optimizer here: an export, not a resume
-    for call in src.calls:
-        if src.qualname(call.func) != "torch.save" or not call.args:
-            continue
+    for call in saves:
         found = _checkpoint_dict(src, call.args[0], call)
         if found is None:
             continue

@@ -22,7 +22,7 @@ import ast
 import re
 from typing import Iterator
 
-from .lint_ast import (LOOPS, dotted, is_optimizer_step, pos, tail, target_names,
+from .lint_ast import (LOOPS, dotted, is_optimizer_step, pos, tail, target_names, walk,
                        walk_scope)
 
 __all__ = ["check_kept_graph", "check_grads_never_cleared"]
@@ -70,7 +70,7 @@ def _values_indices(target, value):
 
 
 def _names_in(expr) -> set:
-    return {d for n in ast.walk(expr) if isinstance(n, (ast.Name, ast.Attribute))
+    return {d for n in walk(expr) if isinstance(n, (ast.Name, ast.Attribute))
             for d in [dotted(n)] if d}
 
 
@@ -89,8 +89,8 @@ class _Flow:
                     and node.func.attr in ("backward", "manual_backward"):
                 # accelerator.backward(loss): the argument is the tensor, not the receiver
                 for expr in node.args[:1] or [node.func.value]:
-                    calls = {id(c.func) for c in ast.walk(expr) if isinstance(c, ast.Call)}
-                    self.backward |= {n.id for n in ast.walk(expr)
+                    calls = {id(c.func) for c in walk(expr) if isinstance(c, ast.Call)}
+                    self.backward |= {n.id for n in walk(expr)
                                       if isinstance(n, ast.Name) and id(n) not in calls}
         for defs in self.defs.values():
             defs.sort(key=lambda d: d[0])
@@ -259,11 +259,19 @@ def _global_in_step(src, scope, name) -> bool:
     the container outlives every call, so each step's graph is kept."""
     if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) or "." in name or not name:
         return False
-    local = {n for node in walk_scope(scope.body) if isinstance(node, (ast.Assign, ast.AnnAssign))
-             for t in (getattr(node, "targets", None) or [node.target]) for n in target_names(t)}
-    local |= {a.arg for a in scope.args.args + scope.args.kwonlyargs}
-    module = {n for node in src.tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-              for t in (getattr(node, "targets", None) or [node.target]) for n in target_names(t)}
+    if ("module-names",) not in src.cache:
+        src.cache[("module-names",)] = {
+            n for node in src.tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (getattr(node, "targets", None) or [node.target]) for n in target_names(t)}
+    module = src.cache[("module-names",)]
+    if name not in module:
+        return False
+    key = ("local-names", id(scope))
+    if key not in src.cache:
+        local = {n for node in walk_scope(scope.body) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 for t in (getattr(node, "targets", None) or [node.target]) for n in target_names(t)}
+        src.cache[key] = local | {a.arg for a in scope.args.args + scope.args.kwonlyargs}
+    local = src.cache[key]
     return name in module and name not in local and bool({"backward", "step"} & _function_effects(src, scope))
 
 
