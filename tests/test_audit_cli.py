@@ -609,3 +609,37 @@ def test_report_of_a_record_without_totals_is_bad_input(tmp_path):
     rec.write_text(json.dumps(full))
     one_line_error(run("report", str(rec)), "no totals.flops.total")
     assert run("report", os.path.join(ROOT, "tests", "data", "empty", "record.json")).exit_code == 0
+
+
+def test_sarif_of_a_cpu_audit_locates_every_result_and_keeps_its_rules(tmp_path):
+    """GitHub code scanning rejects a result without a physical location; rules must not
+    change from run to run (TL-MFU-001's message carries this run's measured FLOP/s)."""
+    write(tmp_path, "m.py", GOOD)
+    logs = []
+    for _ in range(2):
+        r = run("audit", "m.py", "--device", "cpu", "--steps", "1", "--format", "sarif",
+                "--fail-on", "never", cwd=str(tmp_path))     # MFU against the measured peak
+        assert r.exit_code == 0, r.output
+        logs.append(json.loads(r.stdout))
+    run0 = logs[0]["runs"][0]
+    assert "TL-MFU-001" in [res["ruleId"] for res in run0["results"]]
+    spec_line = textwrap.dedent(GOOD).splitlines().index("def audit_spec():") + 1
+    for res in run0["results"]:
+        physical = res["locations"][0]["physicalLocation"]
+        assert physical["artifactLocation"]["uri"] and physical["region"]["startLine"] >= 1, res
+        assert not physical["artifactLocation"]["uri"].startswith("..")
+        if res["ruleId"] == "TL-MFU-001":
+            assert physical == {"artifactLocation": {"uri": "m.py"}, "region": {"startLine": spec_line}}
+    assert "invocations" not in run0
+    assert run0["tool"]["driver"]["rules"] == logs[1]["runs"][0]["tool"]["driver"]["rules"]
+    assert all(res["message"]["text"] != rule["shortDescription"]["text"]
+               for res in run0["results"] for rule in run0["tool"]["driver"]["rules"])
+
+
+def test_readme_states_each_commands_fail_on_default(tmp_path):
+    """README's exit-code sentence names the default of every command that has --fail-on."""
+    text = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    sentence = text[text.index("Exit codes everywhere"):].split(". ")[0]
+    write(tmp_path, "warn.py", "import torch\nx = torch.load('a.pt')\n")     # a lint warning only
+    assert run("lint", str(tmp_path / "warn.py")).exit_code == 1              # lint fails on it
+    assert "`warning` for `lint`" in sentence and "default `error` for `audit`" in sentence

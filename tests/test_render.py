@@ -24,7 +24,7 @@ from torchledger.render import RENDERERS, format_from_path, render, write_atomic
 from torchledger.render.common import EMPTY_SENTENCE, frontier
 from torchledger.render.data import CSV_COLUMNS
 from torchledger.render.markdown import md_table
-from torchledger.render.sarif import SARIF_SCHEMA, findings_to_sarif
+from torchledger.render.sarif import RULE_TITLES, SARIF_SCHEMA, artifact_uri, findings_to_sarif
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ["gpt2-tiny", "cruncher-copy", "empty"]
@@ -167,14 +167,16 @@ def test_sarif_levels_locations_and_rules():
         Finding("TL-COPY-003", "warning", "again", location="/abs/dir with space/m.py:7"),
         Finding("TL-LINT-001", "info", "windows", location="C:\\proj\\m.py:3"),
     ]
-    log = findings_to_sarif(findings, "1.2.3")
+    log = findings_to_sarif(findings, "1.2.3", source=("model dir/m.py", 5))
     assert log["$schema"] == SARIF_SCHEMA and log["version"] == "2.1.0"
     run = log["runs"][0]
     driver = run["tool"]["driver"]
     assert driver["name"] == "torchledger" and driver["version"] == "1.2.3"
     rules = [r["id"] for r in driver["rules"]]
     assert rules == ["TL-COPY-003", "TL-MEM-001", "TL-FLOP-001", "TL-LINT-001"]
-    assert driver["rules"][2]["shortDescription"]["text"] == "3 ops uncounted"
+    assert [r["shortDescription"]["text"] for r in driver["rules"]] == [
+        RULE_TITLES["TL-COPY-003"], RULE_TITLES["TL-MEM-001"], RULE_TITLES["TL-FLOP-001"],
+        "Loss tensor kept across iterations"]
     res = run["results"]
     assert [r["level"] for r in res] == ["warning", "error", "note", "warning", "note"]
     assert [r["ruleIndex"] for r in res] == [0, 1, 2, 0, 3]
@@ -183,12 +185,21 @@ def test_sarif_levels_locations_and_rules():
     assert phys == {"artifactLocation": {"uri": "src/train.py"}, "region": {"startLine": 42}}
     assert res[0]["locations"][0]["logicalLocations"] == [{"fullyQualifiedName": "blocks.0", "kind": "module"}]
     assert res[0]["message"]["text"] == "copy bought nothing. Hint: drop it"
-    assert res[1]["locations"] == [{"logicalLocations": [{"fullyQualifiedName": "(root)", "kind": "module"}]}]
-    assert "locations" not in res[2]
+    fallback = {"artifactLocation": {"uri": "model%20dir/m.py"}, "region": {"startLine": 5}}
+    assert res[1]["locations"] == [{"physicalLocation": fallback,
+                                    "logicalLocations": [{"fullyQualifiedName": "(root)", "kind": "module"}]}]
+    assert res[2]["locations"] == [{"physicalLocation": fallback}]
     assert res[3]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == \
         "file:///abs/dir%20with%20space/m.py"
     assert res[4]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "file:///C:/proj/m.py"
     json.dumps(log)                                     # plain JSON all the way down
+    # with no file to point at, unlocated findings are tool notifications, not results
+    bare = findings_to_sarif(findings, "1.2.3")["runs"][0]
+    assert [r["ruleId"] for r in bare["results"]] == ["TL-COPY-003", "TL-COPY-003", "TL-LINT-001"]
+    notes = bare["invocations"][0]["toolExecutionNotifications"]
+    assert [(n["associatedRule"]["id"], n["level"]) for n in notes] == [("TL-MEM-001", "error"),
+                                                                        ("TL-FLOP-001", "note")]
+    assert bare["tool"]["driver"]["rules"] == driver["rules"]
 
 
 def test_sarif_of_a_record_takes_finding_dicts_and_odd_values():
@@ -196,8 +207,41 @@ def test_sarif_of_a_record_takes_finding_dicts_and_odd_values():
     weird = {"rule": "TL-X", "severity": "info", "message": "m", "measured": {1, 2}, "location": "no-line"}
     log = json.loads(render(rec, [weird], "sarif"))
     result = log["runs"][0]["results"][0]
-    assert result["locations"][0]["physicalLocation"] == {"artifactLocation": {"uri": "no-line"}}
+    assert result["locations"][0]["physicalLocation"] == {"artifactLocation": {"uri": "no-line"},
+                                                          "region": {"startLine": 1}}
+    assert log["runs"][0]["tool"]["driver"]["rules"][0]["shortDescription"]["text"] == "TL-X"
     assert "invocations" not in log["runs"][0]
+
+
+def test_sarif_uris_never_climb_out_of_the_checkout(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "sub").mkdir()
+    monkeypatch.chdir(repo / "sub")
+    assert artifact_uri("../lib/m.py") == "lib/m.py"                # in the work tree: from its root
+    assert artifact_uri(str(repo / "sub" / "a b.py")) == "a%20b.py"
+    assert artifact_uri("./x/../y.py") == "y.py"
+    outside = artifact_uri("../../elsewhere/o.py")
+    assert outside == (tmp_path / "elsewhere" / "o.py").as_uri()
+    monkeypatch.chdir(tmp_path)                                      # no git tree above
+    assert artifact_uri("../far.py") == (tmp_path.parent / "far.py").as_uri()
+
+
+def test_sarif_audit_record_points_unlocated_findings_at_audit_spec(tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text("import torch\n\n\ndef audit_spec():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    rec = load("cruncher-copy")
+    rec.meta["audit"] = {"file": "m.py", "entry": "audit_spec"}
+    log = json.loads(render(rec, None, "sarif"))
+    run = log["runs"][0]
+    assert "invocations" not in run
+    flop = next(r for r in run["results"] if r["ruleId"] == "TL-FLOP-001")
+    assert flop["locations"][0]["physicalLocation"] == {"artifactLocation": {"uri": "m.py"},
+                                                        "region": {"startLine": 4}}
+    rec.meta["audit"]["file"] = "gone.py"                           # report away from the model
+    run = json.loads(render(rec, None, "sarif"))["runs"][0]
+    flop = next(r for r in run["results"] if r["ruleId"] == "TL-FLOP-001")
+    assert flop["locations"][0]["physicalLocation"]["region"] == {"startLine": 1}
 
 
 # -- markdown and html details ----------------------------------------------------------------
@@ -357,5 +401,16 @@ def test_sarif_rule_descriptions_from_a_rule_table():
     driver = findings_to_sarif(findings, "1", rules=rules, information_uri="https://example.org")["runs"][0][
         "tool"]["driver"]
     assert [r["shortDescription"]["text"] for r in driver["rules"]] == \
-        ["copies move 10% (5 copies: clone)", "plain text", "from a lint tuple", "dict"]
+        ["TL-A", "plain text", "from a lint tuple", "dict"]          # never a run's message
     assert driver["informationUri"] == "https://example.org"
+
+
+def test_lint_sarif_uris_outside_the_working_directory_have_no_dotdot(tmp_path, monkeypatch):
+    from torchledger.analyzers.sarif import findings_to_sarif as lint_sarif
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    log = lint_sarif([{"rule": "TL-LINT-003", "severity": "warning", "message": "m",
+                       "location": "../ltree/ok.py:3"}])
+    physical = log["runs"][0]["results"][0]["locations"][0]["physicalLocation"]
+    assert physical == {"artifactLocation": {"uri": "ltree/ok.py"}, "region": {"startLine": 3}}

@@ -15,7 +15,6 @@ location (an audit finding about a module) gets a logical location (the module n
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from urllib.parse import quote
 
 __all__ = ["findings_to_sarif", "SARIF_SCHEMA"]
@@ -77,14 +76,16 @@ def _result(item: dict, index: dict) -> dict:
 
 
 def _uri(path: str) -> str:
-    """A relative, forward-slash URI for paths under the working directory; else ``file://``."""
-    if os.path.isabs(path):
+    """A relative, forward-slash URI for paths under the working directory; never ``../``."""
+    if os.path.isabs(path) or ".." in path.replace(os.sep, "/").split("/"):
         try:
             rel = os.path.relpath(path)
         except ValueError:                      # another drive on Windows
             rel = None
         if rel is None or rel.startswith(".."):
-            return Path(path).as_uri()
+            # outside the working directory: from the git work tree's root, else file://
+            from ..render.sarif import artifact_uri
+            return artifact_uri(path)
         path = rel
     return quote(path.replace(os.sep, "/"), safe="/:@!$&'()*+,;=-._~")
 

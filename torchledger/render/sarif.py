@@ -3,10 +3,18 @@
     >>> log = findings_to_sarif(findings, tool_version="0.1.0")   # a dict, for any finder
     >>> text = render_sarif(record, findings)                      # the same, as JSON text
 
-Severity maps to ``level``: error -> error, warning -> warning, info -> note. A finding
-located at ``path:line`` gets a physical location (relative paths stay relative, so code
-scanning resolves them against the checkout); one that names only a module gets a logical
-location instead. ``lint`` can reuse :func:`findings_to_sarif` as it is.
+Severity maps to ``level``: error -> error, warning -> warning, info -> note. Every result has
+a ``physicalLocation`` (GitHub code scanning rejects a result without one): a finding located at
+``path:line`` points there; one without a line (a model-level finding such as TL-MFU-001, or one
+naming only a module) points at the audited model file, at its ``audit_spec`` definition (line 1
+if it is not found), and keeps the module as a logical location. A record that names no model
+file (a ``torchledger.trace`` record) has nowhere to point such findings, so they are reported as
+tool notifications (``invocations[0].toolExecutionNotifications``, with their rule id) instead of
+results. Paths under the working directory become relative URIs; a file outside it becomes
+relative to the root of the git work tree holding the working directory, else a ``file://`` URI,
+never a ``../`` path. Each rule's ``shortDescription`` is a fixed title (:data:`RULE_TITLES`,
+lint's ``RULES``), identical from run to run; this run's numbers are only in the results.
+``lint`` can reuse :func:`findings_to_sarif` as it is.
 
 Known limitations: no ``partialFingerprints`` (code scanning computes its own); one run.
 """
@@ -15,31 +23,65 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import PureWindowsPath
+from pathlib import Path, PureWindowsPath
 from urllib.parse import quote
 
 from ..record import Finding
 from .common import EMPTY_SENTENCE, as_findings, is_empty, with_hint
 
-__all__ = ["findings_to_sarif", "render_sarif", "SARIF_SCHEMA", "LEVELS"]
+__all__ = ["findings_to_sarif", "render_sarif", "SARIF_SCHEMA", "LEVELS", "RULE_TITLES", "artifact_uri",
+           "spec_location"]
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 LEVELS = {"error": "error", "warning": "warning", "info": "note"}
 _LOCATION = re.compile(r"^(?P<path>.+?):(?P<line>[0-9]+)(?::(?P<col>[0-9]+))?$")
 
+#: A fixed one-line title per rule of the trace analyzers (lint's rules have theirs in
+#: ``torchledger.analyzers.lint.RULES``). SARIF rule metadata must not change from run to run.
+RULE_TITLES = {
+    "TL-CMP-001": "Step FLOPs differ from the 6ND + attention prediction",
+    "TL-CMP-002": "Static memory differs from the optimizer x precision prediction",
+    "TL-COPY-001": "Dtype round trip within one module",
+    "TL-COPY-002": "Same device move repeated within a step",
+    "TL-COPY-003": "Contiguous copy of a permuted tensor that is permuted back",
+    "TL-COPY-004": "Copies move a large share of the step's bytes",
+    "TL-LEAK-001": "Live memory grows step after step",
+    "TL-LEAK-002": "Tensor kept across steps with its autograd graph",
+    "TL-LEAK-003": "Gradients not cleared after the optimizer step",
+    "TL-LEAK-004": "Module attribute holding more tensors every step",
+    "TL-MEM-001": "Key/value cache returned and kept by a training forward",
+    "TL-MEM-002": "Step peak memory against the GPU's memory",
+    "TL-MFU-001": "Model FLOPs utilization below the minimum",
+    "TL-MFU-002": "Model FLOPs utilization above 1 (miscount or wrong peak)",
+    "TL-CUDA-001": "CUDA allocator fragmentation",
+    "TL-CUDA-002": "CUDA allocations never freed across steps",
+    "TL-BUDGET-001": "Parameters over budget",
+    "TL-BUDGET-002": "Peak memory over budget",
+    "TL-BUDGET-003": "FLOPs per token over budget",
+    "TL-BASELINE-001": "Grew over the baseline",
+    "TL-FLOP-001": "Ops without a FLOP formula",
+    "TL-FAKE-001": "Fake kernel drops a workspace kept for backward",
+    "TL-TRACE-001": "Part of the step could not be traced",
+}
+
 
 def findings_to_sarif(findings, tool_version: str, *, rules=None, notifications=(),
-                      information_uri=None) -> dict:
+                      information_uri=None, source=None) -> dict:
     """A SARIF 2.1.0 log (a dict) with one run holding ``findings``.
 
     ``findings`` are :class:`Finding` objects or their dicts. ``rules`` maps a rule id to its
     one-line description (a string, a ``(severity, title, doc)`` tuple as in lint's ``RULES``,
-    or a dict with ``title``); a rule without one is described by its first finding's message.
+    or a dict with ``title``); a rule without one gets its title from :data:`RULE_TITLES` or
+    lint's ``RULES``, else its id (never a run's message, which changes from run to run).
+    ``source`` is ``(path, line)`` (or a path: line 1), where a finding without a ``path:line``
+    points (the audited model file); without it such findings become tool notifications.
     ``notifications`` are strings reported as tool notes (e.g. "nothing was traced").
     ``information_uri``, if given, is the tool's home page.
     """
     items = [f if isinstance(f, Finding) else Finding.from_dict(f) for f in findings]
     rules = dict(rules or {})
+    if isinstance(source, (str, os.PathLike)):
+        source = (os.fspath(source), 1)
     rule_ids: list = []
     for f in items:
         if f.rule not in rule_ids:
@@ -47,40 +89,82 @@ def findings_to_sarif(findings, tool_version: str, *, rules=None, notifications=
     descriptors = []
     for rid in rule_ids:
         first = next(f for f in items if f.rule == rid)
-        text = _describe(rules.get(rid)) or _first_sentence(first.message)
+        text = _describe(rules.get(rid)) or _title(rid)
         descriptors.append({"id": rid, "shortDescription": {"text": text},
                             "defaultConfiguration": {"level": LEVELS.get(first.severity, "note")}})
+    results, unlocated = [], []
+    for f in items:
+        result = _result(f, rule_ids.index(f.rule), source)
+        (results if "locations" in result else unlocated).append((f, result))
     run = {
         "tool": {"driver": {"name": "torchledger", "version": str(tool_version), "rules": descriptors}},
-        "results": [_result(f, rule_ids.index(f.rule)) for f in items],
+        "results": [r for _, r in results],
     }
     if information_uri:
         run["tool"]["driver"]["informationUri"] = str(information_uri)
-    if notifications:
-        run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": [
-            {"level": "note", "message": {"text": str(n)}} for n in notifications]}]
+    notes = [{"level": "note", "message": {"text": str(n)}} for n in notifications]
+    notes += [{"level": r["level"], "message": r["message"],
+               "associatedRule": {"id": f.rule, "index": r["ruleIndex"]},
+               **({"properties": r["properties"]} if "properties" in r else {})} for f, r in unlocated]
+    if notes:
+        run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": notes}]
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
 
 
-def render_sarif(record, findings=None, **_options) -> str:
-    """The findings of a record as SARIF text; an empty record adds a note saying so."""
+def render_sarif(record, findings=None, *, source=None, **_options) -> str:
+    """The findings of a record as SARIF text; an empty record adds a note saying so.
+
+    Findings without a source line point at ``source`` (a path, or ``(path, line)``), by
+    default the model file an audit record names (``meta.audit.file``) at its ``audit_spec``.
+    """
     from .. import __version__
 
     notes = [EMPTY_SENTENCE] if is_empty(record) else []
-    log = findings_to_sarif(as_findings(record, findings), __version__, notifications=notes)
+    if source is None:
+        audit = (record.meta or {}).get("audit") or {}
+        if audit.get("file"):
+            source = spec_location(audit["file"], audit.get("entry") or "audit_spec")
+    log = findings_to_sarif(as_findings(record, findings), __version__, notifications=notes,
+                            source=source)
     return json.dumps(log, indent=2, default=str)
 
 
-def _result(f: Finding, rule_index: int) -> dict:
+def spec_location(path: str, entry: str = "audit_spec") -> tuple:
+    """``(path, line)`` of ``def entry`` (or ``entry = ...``) in ``path``; line 1 if not found."""
+    pattern = re.compile(r"^\s*(?:(?:async\s+)?def\s+" + re.escape(entry) + r"\b|" + re.escape(entry)
+                         + r"\s*(?::[^=]*)?=[^=])")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, 1):
+                if pattern.match(line):
+                    return path, number
+    except OSError:
+        pass
+    return path, 1
+
+
+def _title(rule: str) -> str:
+    if rule in RULE_TITLES:
+        return RULE_TITLES[rule]
+    if rule.startswith("TL-LINT-"):
+        try:
+            from ..analyzers.lint import RULES
+        except ImportError:                     # lint not part of this build
+            return rule
+        return _describe(RULES.get(rule)) or rule
+    return rule
+
+
+def _result(f: Finding, rule_index: int, source=None) -> dict:
     text = with_hint(f.message, f.hint)
     result = {"ruleId": f.rule, "ruleIndex": rule_index, "level": LEVELS.get(f.severity, "note"),
               "message": {"text": text}}
     physical = _physical(f.location) if f.location else None
+    if physical is None and source:
+        physical = _physical(f"{source[0]}:{max(int(source[1] or 1), 1)}")
     logical = [{"fullyQualifiedName": f.module or "(root)", "kind": "module"}] if f.module is not None else []
-    if physical or logical:
-        loc = {}
-        if physical:
-            loc["physicalLocation"] = physical
+    if physical:
+        loc = {"physicalLocation": physical}
         if logical:
             loc["logicalLocations"] = logical
         result["locations"] = [loc]
@@ -92,38 +176,53 @@ def _result(f: Finding, rule_index: int) -> dict:
 
 
 def _physical(location: str):
-    """``'src/train.py:42'`` -> artifactLocation + region; a location without a line keeps the path."""
+    """``'src/train.py:42'`` -> artifactLocation + region; a location without a line gets line 1
+    (code scanning needs a ``startLine``)."""
     m = _LOCATION.match(location.strip())
-    path, line = (m.group("path"), int(m.group("line"))) if m else (location.strip(), None)
-    phys = {"artifactLocation": {"uri": _uri(path)}}
-    if line and line >= 1:
-        region = {"startLine": line}
-        if m.group("col"):
-            region["startColumn"] = max(int(m.group("col")), 1)
-        phys["region"] = region
-    return phys
+    path, line = (m.group("path"), int(m.group("line"))) if m else (location.strip(), 1)
+    region = {"startLine": max(line, 1)}
+    if m and m.group("col"):
+        region["startColumn"] = max(int(m.group("col")), 1)
+    return {"artifactLocation": {"uri": artifact_uri(path)}, "region": region}
 
 
-def _uri(path: str) -> str:
-    """Relative paths as relative URIs (forward slashes); absolute ones as ``file://`` URIs."""
-    if PureWindowsPath(path).drive:
-        return PureWindowsPath(path).as_uri() if PureWindowsPath(path).is_absolute() else \
-            quote(path.replace("\\", "/"))
-    if os.path.isabs(path):
-        return "file://" + quote(path)
-    return quote(path.replace("\\", "/"))
+def artifact_uri(path: str, cwd=None) -> str:
+    """A percent-encoded URI code scanning can resolve, never with ``..`` segments.
+
+    A path under the working directory is relative to it (forward slashes); one outside it
+    is relative to the root of the git work tree holding the working directory, if it is in
+    that tree; anything else is an absolute ``file://`` URI.
+    """
+    win = PureWindowsPath(path)
+    if win.drive and os.sep != "\\":
+        return win.as_uri() if win.is_absolute() else quote(path.replace("\\", "/"))
+    cwd = os.path.abspath(cwd or os.getcwd())
+    parts = path.replace("\\", "/").split("/")
+    if not os.path.isabs(path) and ".." not in parts:
+        return quote("/".join(p for p in parts if p not in ("", ".")) if parts != ["."] else ".")
+    full = os.path.normpath(os.path.join(cwd, path))
+    for base in (cwd, _git_root(cwd)):
+        if base is None:
+            continue
+        try:
+            rel = os.path.relpath(full, base)
+        except ValueError:                      # another drive on Windows
+            continue
+        if rel != ".." and not rel.startswith(".." + os.sep) and not os.path.isabs(rel):
+            return quote(rel.replace(os.sep, "/"))
+    return Path(full).as_uri()
 
 
-def _first_sentence(message: str, limit: int = 120) -> str:
-    """The message up to its first ``. ``, ``: `` or ``; `` outside brackets, at most ``limit`` long."""
-    s = " ".join(message.split())
-    depth = 0
-    for i, ch in enumerate(s):
-        depth += (ch in "([{") - (ch in ")]}")
-        if depth <= 0 and ch in ".:;" and (i + 1 == len(s) or s[i + 1] == " "):
-            s = s[:i]
-            break
-    return s if len(s) <= limit else s[: limit - 3].rstrip() + "..."
+def _git_root(start: str):
+    """The top of the git work tree holding ``start`` (a ``.git`` directory or file), or None."""
+    here = start
+    while True:
+        if os.path.exists(os.path.join(here, ".git")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
 
 
 def _describe(entry) -> str:
