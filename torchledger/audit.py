@@ -320,23 +320,21 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
         if device == "meta":
             opt.step = _step_with_cpu_default(opt.step)
         ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
+        def step():
+            try:
+                _one_step(spec, model, inputs, opt)
+            except AuditError:
+                raise
+            except (Exception, SystemExit) as e:
+                raise _step_error(e, path, device) from None
+
         for _ in range(steps):
             with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
-                try:
-                    _one_step(spec, model, inputs, opt)
-                except AuditError:
-                    raise
-                except (Exception, SystemExit) as e:
-                    raise _step_error(e, path, device) from None
+                step()
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
             for _ in range(timing_steps):
                 with ledger.time_step():
-                    try:
-                        _one_step(spec, model, inputs, opt)
-                    except AuditError:
-                        raise
-                    except (Exception, SystemExit) as e:
-                        raise _step_error(e, path, device) from None
+                    step()
     for r in ledger.records:
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq}
