@@ -272,6 +272,30 @@ def _causal_pair(func, args, kwargs=None):
     return cost.flops, cost.flops_causal
 
 
+@pytest.mark.parametrize("device, dropout", [("meta", 0.0), ("cpu", 0.1)])
+def test_sdpa_math_path_called_past_the_wrapper_is_attention(device, dropout):
+    """A reference to SDPA bound before the trace bypasses torchledger's wrapper; its math
+    path (meta; dropout on cpu) is still recognised, by the softmax only SDPA uses."""
+    import torchledger
+    sdpa = F.scaled_dot_product_attention             # bound before the trace starts
+
+    class A(torch.nn.Module):
+        def forward(self, q):
+            return sdpa(q, q, q, dropout_p=dropout).sum()
+
+    with torch.device(device):
+        q = torch.randn(2, 4, 16, 64, requires_grad=True)
+        m = A()
+        with torchledger.trace(m) as t:
+            m(q).backward()
+    tot = t.record.totals
+    fwd = 4 * 2 * 4 * 16 * 16 * 64                    # 524288: scores and x V, 2*B*H*T*T*D each
+    assert tot["flops"]["forward"] == fwd and tot["flops"]["backward"] == 2 * fwd
+    assert tot["attention_flops"]["dense"] == 3 * fwd          # the whole step is attention
+    assert not [o for o in t.record.ops if o["kind"] == "matmul" and o["flops"]]
+    assert t.record.meta["attention_kernels"] == ["SDPA math path (bmm + softmax)"]
+
+
 def test_sdpa_cuda_entry_points_bhsd_meta():
     q, k, v, v12 = meta(2, 8, 5, 16), meta(2, 8, 7, 16), meta(2, 8, 7, 16), meta(2, 8, 7, 12)
     g = meta(2, 8, 5, 16)

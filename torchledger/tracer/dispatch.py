@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bisect import bisect_right
 
+from torch._C._autograd import _get_sequence_nr
+
 from .flops import FlopCount, op_flops
 from .memory import TEMP
 from .modules import NO_MODULE
@@ -70,6 +72,9 @@ _PASSTHROUGH = {id(op) for op in (  # no arithmetic, no memory, no phase: not re
                              ("_record_function_exit", "default"),
                              ("_record_function_exit", "_RecordFunction"))))
     if op is not None}
+_SAFE_SOFTMAX = getattr(_aten, "_safe_softmax", None)
+_SAFE_SOFTMAX = getattr(_SAFE_SOFTMAX, "default", None)
+_MATMUL_OPS = {_aten.bmm.default, _aten.mm.default, _aten.matmul.default, _aten.baddbmm.default}
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _MUL_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Scalar}  # zero when times 0
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -127,6 +132,8 @@ class LedgerMode(TorchDispatchMode):
         self.attn_ranges: list = []  # (first seq nr, end seq nr, causal) of SDPA calls
         self._attn_starts: list = []
         self._math_attention: dict = {}
+        self._last_matmul = None     # (agg key, FLOPs, node seq) of the last forward matmul
+        self._scores_start = None    # an unwrapped SDPA's scores were seen: its x V comes next
         self._view_checked: dict = {}    # id(func) -> alias confirmed by storage identity
         self.views = [0] * len(PHASES)   # view/alias ops per phase (no bytes moved)
         self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
@@ -194,16 +201,18 @@ class LedgerMode(TorchDispatchMode):
         alias = info[0]
 
         fc = op_flops(func, args, kwargs, out)
-        if fc is not None and fc.kind == "matmul" and (self.sdpa_depth or self.attn_ranges):
-            causal = self._in_attention(phase, node)
-            if causal is not None:      # a matmul of the SDPA math path: attention, not a layer
-                fc = FlopCount("attention", fc.flops, fc.flops // 2 if causal else fc.flops)
-                wrapped = self._math_attention.get(fid)
-                if wrapped is None:
-                    wrapped = self._math_attention[fid] = MathAttention(func)
-                    self.funcs[id(wrapped)] = wrapped
-                    self.kinds[id(wrapped)] = "attention"
-                func, fid = wrapped, id(wrapped)
+        if fc is not None and fc.kind == "matmul":
+            if phase == FORWARD and not self.sdpa_depth:
+                fc = self._unwrapped_sdpa(func, fc, mod)
+            elif self.sdpa_depth or self.attn_ranges:
+                causal = self._in_attention(phase, node)
+                if causal is not None:  # a matmul of the SDPA math path: attention, not a layer
+                    fc = FlopCount("attention", fc.flops, fc.flops // 2 if causal else fc.flops)
+            if fc.kind == "attention":
+                func = self._as_math_attention(func)
+                fid = id(func)
+        elif func is _SAFE_SOFTMAX and phase == FORWARD and not self.sdpa_depth:
+            self._unwrapped_sdpa(func, fc, mod)
         if phase == FORWARD and fc is not None and fc.kind == "matmul" and mod >= 0:
             mod = self._weight_module(args, mod)
         self.op_module.append(mod)
@@ -328,6 +337,52 @@ class LedgerMode(TorchDispatchMode):
                     found = True
         return found
 
+    def _as_math_attention(self, func):
+        """The stand-in op under which a matmul of SDPA's math path is recorded."""
+        wrapped = self._math_attention.get(id(func))
+        if wrapped is None:
+            wrapped = self._math_attention[id(func)] = MathAttention(func)
+            self.funcs[id(wrapped)] = wrapped
+            self.kinds[id(wrapped)] = "attention"
+        return wrapped
+
+    def _unwrapped_sdpa(self, func, fc, mod):
+        """SDPA's math path called past the wrapper (a reference bound before the trace):
+        its softmax is ``aten._safe_softmax``, which only that path uses. The matmul just
+        before it made the scores and the next one multiplies by V: both are attention
+        (counted dense: whether the call was causal is not known here), forward and, through
+        the autograd range they span, backward."""
+        if func is _SAFE_SOFTMAX:
+            last = self._last_matmul
+            if last is not None:
+                key, flops, start = last
+                row = self.agg.get(key)
+                if row is not None and row[1] >= flops:      # move the scores to attention
+                    row[0] -= 1
+                    row[1] -= flops
+                    row[2] -= flops
+                    akey = (key[0], key[1], id(self._as_math_attention(self.funcs[key[2]])))
+                    arow = self.agg.setdefault(akey, [0, 0, 0, 0, 0])
+                    arow[0] += 1
+                    arow[1] += flops
+                    arow[2] += flops
+                    if row[0] == 0:            # it held only the scores: their bytes go along
+                        arow[3] += row[3]
+                        arow[4] += row[4]
+                        del self.agg[key]
+                    self.attention_kernels["math"] = self.attention_kernels.get("math", 0) + 1
+                    self._scores_start = start
+            self._last_matmul = None
+            return fc
+        if self._scores_start is not None:                   # x V: the end of the call
+            start, self._scores_start = self._scores_start, None
+            self.attn_ranges.append((start, _get_sequence_nr(), False))
+            self._attn_starts.append(start)
+            self._last_matmul = None
+            return FlopCount("attention", fc.flops, fc.flops)
+        self._last_matmul = ((FORWARD, mod, id(func)), fc.flops, _get_sequence_nr() - 1)
+        return fc
+
     def _weight_module(self, args, mod: int) -> int:
         """A forward matmul run by ``mod`` with the weight of a module inside it, which ``mod``
         uses without calling it (``nn.MultiheadAttention`` with ``out_proj.weight``), is that
@@ -447,7 +502,8 @@ def attention_hook(mode, stack) -> None:
     path (meta device, dropout, masks the fused kernels refuse) count as attention.
 
     NB: code that bound the function before the trace (``from torch.nn.functional import
-    scaled_dot_product_attention``) bypasses the wrapper; its math-path matmuls stay matmuls.
+    scaled_dot_product_attention``) bypasses the wrapper; ``LedgerMode._unwrapped_sdpa`` still
+    finds its math path by its softmax, without knowing whether it was causal.
     """
     import torch.nn.functional as F
     from torch._C._autograd import _get_sequence_nr
