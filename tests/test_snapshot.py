@@ -413,3 +413,21 @@ def test_replay_matches_a_simulated_allocator(seed):
     end = summarize_snapshot(snap)
     assert (end["allocated_bytes"], end["reserved_bytes"], end["free_bytes"], end["largest_free_bytes"]) == seen[-1]
     assert [r["allocated_bytes"] for r in h["timeline"]] == [seen[r["index"]][0] for r in h["timeline"]]
+
+
+@pytest.mark.parametrize("name", ["fragmented.pickle", "history.pickle"])
+def test_synthetic_snapshots_are_read_by_pytorchs_own_viewer(name, capsys):
+    """An independent check of the format our synthetic snapshots (and so our parser) assume:
+    PyTorch's memory_viz functions, which read real allocator snapshots, accept them and see
+    the same segments and bytes."""
+    _memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    snap = load_snapshot(path(name))
+    summary = summarize_snapshot(snap)
+    table = _memory_viz.segsum(snap)                  # PyTorch's own per-segment summary
+    assert f"segments: {summary['segments']}\n" in table
+    assert f"total_reserved: {summary['reserved_bytes'] / 2**20:.1f}MiB" in table
+    for plot in (_memory_viz.trace_plot, _memory_viz.segment_plot):
+        html = plot(snap)
+        assert isinstance(html, str) and "<html" in html.lower()
+    _memory_viz.trace(snap)                           # the textual event trace
+    capsys.readouterr()
