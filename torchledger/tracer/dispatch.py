@@ -38,15 +38,7 @@ _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 def _needs_grad(args) -> bool:
     """Some tensor argument (or one in a list argument) requires grad."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.requires_grad:
-                return True
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor) and b.requires_grad:
-                    return True
-    return False
+    return any(isinstance(a, _Tensor) and a.requires_grad for a in _operands(args))
 
 
 def _recomputing(node) -> bool:
@@ -72,9 +64,7 @@ _PASSTHROUGH = {id(op) for op in (  # no arithmetic, no memory, no phase: not re
                              ("_record_function_exit", "default"),
                              ("_record_function_exit", "_RecordFunction"))))
     if op is not None}
-_SAFE_SOFTMAX = getattr(_aten, "_safe_softmax", None)
-_SAFE_SOFTMAX = getattr(_SAFE_SOFTMAX, "default", None)
-_MATMUL_OPS = {_aten.bmm.default, _aten.mm.default, _aten.matmul.default, _aten.baddbmm.default}
+_SAFE_SOFTMAX = getattr(getattr(_aten, "_safe_softmax", None), "default", None)  # SDPA math only
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _MUL_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Scalar}  # zero when times 0
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -396,8 +386,7 @@ class LedgerMode(TorchDispatchMode):
                 if owner is None and key in self.derived_params:     # autocast's copy of it
                     owner = owners.get(self.derived_params[key])
                 if owner is not None and owner != mod and scope.is_ancestor(mod, owner):
-                    if _grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad
-                                               for t in _operands(args[:3])):
+                    if _grad_enabled() and _needs_grad(args[:3]):
                         scope.owns_node(owner)
                     return owner
         return mod

@@ -175,7 +175,7 @@ class StepTracer:
                 return t
             # keyed by lifetime, not address: a storage freed by micro-batch 1's backward and
             # one that micro-batch 2 makes at the same address are two activations
-            forward = torch._C._current_autograd_node() is None
+            forward = _current_node() is None
             k = self.storages.promote(s, ACT, only_from=TEMP) if forward else self.storages.add(s, TEMP)
             if k not in self._saved and self.storages.cat[k] != BUFFER:  # BatchNorm's running stats
                 self._saved[k] = (s.nbytes(), self.scope.top, "forward" if forward else "recompute")
