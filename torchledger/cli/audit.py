@@ -9,7 +9,7 @@ import os
 
 import click
 
-from .types import FLOPS, POS_INT, InputError
+from .types import FLOPS, POS_INT, InputError, check_output
 
 __all__ = ["audit", "report"]
 
@@ -19,6 +19,7 @@ SEVERITIES = ("error", "warning", "info", "never")
 
 def _resolve_format(fmt, output):
     from ..render import format_from_path
+    check_output(output)
     if fmt:
         return fmt
     if output:

@@ -15,7 +15,7 @@ import os
 
 import click
 
-from .types import InputError
+from .types import InputError, check_output
 
 __all__ = ["snapshot"]
 
@@ -39,6 +39,7 @@ def snapshot(file: str, fmt, top: int, output) -> int:
     """
     from ..analyzers.snapshot import SnapshotError, check_snapshot, load_snapshot, summarize_snapshot
 
+    check_output(output)
     if fmt is None:
         fmt = "json" if output and output.lower().endswith(".json") else "table"
     try:

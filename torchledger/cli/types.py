@@ -5,13 +5,24 @@ import click
 
 from .. import units
 
-__all__ = ["InputError", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION"]
+__all__ = ["InputError", "check_output", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION"]
 
 
 class InputError(click.ClickException):
     """Bad input that is not a usage error: one line, exit 2."""
 
     exit_code = 2
+
+
+def check_output(output) -> None:
+    """``--output newdir/`` names a directory: a usage error before any work, not a file
+    named ``newdir``."""
+    if output:
+        from ..render.output import check_output_path
+        try:
+            check_output_path(output)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--output") from None
 
 
 class _Number(click.ParamType):

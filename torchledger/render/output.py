@@ -7,7 +7,7 @@ import stat
 import tempfile
 from typing import Iterable, Union
 
-__all__ = ["EXTENSIONS", "format_from_path", "write_atomic"]
+__all__ = ["EXTENSIONS", "format_from_path", "check_output_path", "write_atomic"]
 
 #: File name endings and the format each asks for; longest endings are tried first.
 EXTENSIONS = {
@@ -30,6 +30,15 @@ def format_from_path(path) -> str:
                      f"in one of {known}; or pass --format")
 
 
+def check_output_path(path) -> None:
+    """Raise ValueError for a path that cannot name a file: one ending in a path separator
+    (``newdir/``) asks for a directory, and writing a file named ``newdir`` would surprise."""
+    name = os.fspath(path)
+    if name.endswith(tuple(s for s in (os.sep, os.altsep) if s)):
+        raise ValueError(f"{name!r} ends in a path separator, so it names a directory; expected a "
+                         f"file name such as {os.path.join(name, 'report.json')!r}")
+
+
 def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
     """Write ``text`` (a string, bytes, or an iterable of string chunks) to ``path`` all at once.
 
@@ -44,10 +53,20 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
     never renamed over: the whole text is rendered first, then written, and a failed write
     (``ENOSPC`` on ``/dev/full``) raises ``OSError``. A directory raises ``IsADirectoryError``.
 
+    The temporary is named ``.<name>.torchledger-<pid>.<random>.tmp``. A write killed
+    outright (SIGKILL, power loss) leaves one behind; the next write to the same file
+    removes those whose process is gone. A path ending in a separator raises
+    ``IsADirectoryError``.
+
     Known limitations: the new file gets the old file's permission bits if it existed, else
     the process umask's defaults; ownership and extended attributes are not carried over.
+    Stale temporaries are only recognised on POSIX (where a pid can be probed safely).
     """
     path = os.fspath(path)
+    try:
+        check_output_path(path)
+    except ValueError as e:
+        raise IsADirectoryError(errno.EISDIR, str(e), path) from None
     chunks = [text] if isinstance(text, (str, bytes, bytearray)) else text
     try:
         st = os.stat(path)                      # follows links: what a write would reach
@@ -60,7 +79,9 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
         return
     target = os.path.realpath(path)             # a link's target is replaced, not the link
     directory = os.path.dirname(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    _remove_stale_temporaries(directory, os.path.basename(target))
+    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(os.path.basename(target))}{os.getpid()}.",
+                               suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
             for chunk in chunks:
@@ -75,6 +96,48 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _temp_prefix(name: str) -> str:
+    return f".{name}.torchledger-"
+
+
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Remove this tool's temporaries for ``name`` whose writing process no longer exists.
+
+    Only regular files named ``.<name>.torchledger-<pid>.<random>.tmp`` are touched, and
+    only when ``<pid>`` is not a live process (a live one, ours included, may be writing).
+    Failures are ignored: cleaning up is a courtesy, never a reason to fail the write.
+    """
+    if os.name != "posix":                  # NB: os.kill(pid, 0) would terminate it on Windows
+        return
+    prefix = _temp_prefix(name)
+    try:
+        entries = [e for e in os.scandir(directory or ".")
+                   if e.name.startswith(prefix) and e.name.endswith(".tmp")]   # ...<pid>.<random>.tmp
+    except OSError:
+        return
+    for entry in entries:
+        pid, dot, rest = entry.name[len(prefix):].partition(".")
+        if not (pid.isdigit() and dot and len(rest) > len(".tmp")) or _alive(int(pid)):
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0 or pid == os.getpid():     # not a pid this tool writes, or our own
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):     # someone else's process, or odd
+        return True
+    return True
 
 
 def _encode(chunk) -> bytes:
