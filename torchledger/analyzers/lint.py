@@ -22,6 +22,7 @@ import os
 import re
 import tokenize
 
+from ..inputs import SOURCE_MAX_BYTES, InputFileError, read_input
 from ..record import Finding
 from .lint_ast import LOOPS, SCOPES, children, dotted, is_const, tail
 from .lint_forward import check_forward_syncs
@@ -228,15 +229,22 @@ def _suppressions(source: str) -> dict:
 
 
 def lint_file(path: str) -> list:
-    """Findings for one file on disk (decoded as Python does, honouring a coding cookie)."""
+    """Findings for one file on disk (decoded as Python does, honouring a coding cookie).
+
+    Only a regular file of at most ``SOURCE_MAX_BYTES`` is read (a FIFO named ``x.py`` is
+    refused at once, never opened for a blocking read); anything else raises :class:`LintError`.
+    """
     try:
-        with tokenize.open(path) as f:
-            source = f.read()
-    except (SyntaxError, UnicodeDecodeError) as e:
+        data = read_input(path, what="Python source", max_bytes=SOURCE_MAX_BYTES)
+    except InputFileError as e:
+        raise LintError(str(e)) from None
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        source = data.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError, LookupError) as e:
         raise LintError(f"{path}: cannot decode as Python source ({e})") from None
-    except OSError as e:
-        raise LintError(f"{path}: cannot read ({e.strerror or e})") from None
-    return lint_source(source, path)
+    # NB: universal newlines, as tokenize.open (and the interpreter) read the file
+    return lint_source(source.replace("\r\n", "\n").replace("\r", "\n"), path)
 
 
 _SKIP_DIRS = {"__pycache__", ".venv", "venv", "site-packages", "node_modules"}
@@ -266,6 +274,19 @@ def python_files(paths) -> list:
     return out
 
 
-def lint_paths(paths) -> list:
-    """Findings for every Python file under ``paths`` (files or directories), in file order."""
-    return [f for path in python_files(paths) for f in lint_file(path)]
+def lint_paths(paths, errors=None) -> list:
+    """Findings for every Python file under ``paths`` (files or directories), in file order.
+
+    A file that cannot be linted (unreadable, not a regular file, invalid Python) raises
+    :class:`LintError`; with ``errors`` (a list) its error is appended there instead and the
+    other files are still linted.
+    """
+    out = []
+    for path in python_files(paths):
+        try:
+            out += lint_file(path)
+        except LintError as e:
+            if errors is None:
+                raise
+            errors.append(e)
+    return out

@@ -34,6 +34,7 @@ import io
 import os
 import pickle
 
+from ..inputs import SNAPSHOT_MAX_BYTES, InputFileError, read_input
 from ..record import Finding
 from .snapshot_history import (ALLOCATED, SEG_ADD, SEG_SUB, _figures, _frames, _group, _isint,
                                join, module_peaks, never_freed, replay)
@@ -119,13 +120,17 @@ def _read(source):
     if isinstance(source, (bytes, bytearray, memoryview)):
         return "<bytes>", bytes(source)
     if hasattr(source, "read"):
-        return str(getattr(source, "name", "<stream>")), source.read()
+        data = source.read(SNAPSHOT_MAX_BYTES + 1)
+        name = str(getattr(source, "name", "<stream>"))
+        if len(data) > SNAPSHOT_MAX_BYTES:
+            raise SnapshotError(f"{name}: larger than {SNAPSHOT_MAX_BYTES >> 20} MiB; expected a "
+                                f"CUDA memory snapshot of at most that size")
+        return name, data
     path = os.fspath(source)
-    try:
-        with open(path, "rb") as f:
-            return path, f.read()
-    except OSError as e:
-        raise SnapshotError(f"cannot read {path}: {e.strerror or e}") from None
+    try:        # a regular file of bounded size: a FIFO or /dev/zero is refused, never read
+        return path, read_input(path, what="CUDA memory snapshot", max_bytes=SNAPSHOT_MAX_BYTES)
+    except InputFileError as e:
+        raise SnapshotError(f"cannot read {e}") from None
 
 
 def _validate(obj, name: str) -> dict:

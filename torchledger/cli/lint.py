@@ -33,38 +33,50 @@ def lint(ctx: click.Context, paths, fmt: str, fail_on: str) -> None:
     the loop (006), torch.save of a whole module (007), retain_graph in a loop (008),
     checkpoints without optimizer state (009). Silence one line with
     `# torchledger: ignore[TL-LINT-001]`. Exit 0 clean, 1 findings at or above --fail-on,
-    2 bad input.
+    2 bad input: a file that cannot be read or parsed is named in one line on stderr and
+    skipped, the others are still linted and printed, and the exit is 2.
 
     Example: torchledger lint train.py models/ --format sarif > lint.sarif
     """
     try:
         files = engine.python_files(paths)
-        findings = [f for path in files for f in engine.lint_file(path)]
     except engine.LintError as e:
         raise InputError(str(e)) from None
+    findings, errors = [], []
+    for path in files:              # one bad file is reported and skipped, never the whole tree
+        try:
+            findings += engine.lint_file(path)
+        except engine.LintError as e:
+            errors.append(str(e))
+            click.echo(f"torchledger: error: {e}", err=True)
     if not files:
         click.echo(f"torchledger: no Python files under {', '.join(paths)}", err=True)
     if fmt == "json":
         click.echo(json.dumps({"schema": SCHEMA, "findings": [f.to_dict() for f in findings],
-                               "files": len(files)}, indent=2))
+                               "files": len(files), "errors": errors}, indent=2))
     elif fmt == "sarif":
         click.echo(json.dumps(engine.findings_to_sarif(findings, engine.RULES), indent=2))
     else:
-        click.echo(render_table(findings, len(files)))
+        click.echo(render_table(findings, len(files) - len(errors), len(errors)))
+    if errors:
+        ctx.exit(2)
     if any(_RANK[f.severity] >= _RANK[fail_on] for f in findings):
         ctx.exit(1)
 
 
-def render_table(findings, n_files: int) -> str:
-    """One line per finding, ``path:line: severity RULE message (hint)``, then a summary."""
+def render_table(findings, n_files: int, n_errors: int = 0) -> str:
+    """One line per finding, ``path:line: severity RULE message (hint)``, then a summary
+    (``n_files`` linted; ``n_errors`` more could not be, their errors went to stderr)."""
     files = "file" if n_files == 1 else "files"
+    skipped = (f" {n_errors} {'file' if n_errors == 1 else 'files'} not linted (errors on stderr)."
+               if n_errors else "")
     if not findings:
-        return f"No findings in {n_files} {files}."
+        return f"No findings in {n_files} {files}.{skipped}"
     lines = [f"{f.location}: {f.severity} {f.rule} {f.message}" + (f" ({f.hint})" if f.hint else "")
              for f in findings]
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     parts = ", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}"
                       for s, n in counts.items() if n)
     noun = "finding" if len(findings) == 1 else "findings"
-    lines.append(f"{len(findings)} {noun} ({parts}) in {n_files} {files}.")
+    lines.append(f"{len(findings)} {noun} ({parts}) in {n_files} {files}.{skipped}")
     return "\n".join(lines)
