@@ -120,3 +120,44 @@ def test_lint_paths_raises_or_collects(tmp_path):
     found = lint_paths([str(src)], errors=errors)
     assert [(f.rule, int(f.location.rsplit(":", 1)[1])) for f in found] == LEAKY_RULES
     assert len(errors) == 1 and "broken.py:2" in str(errors[0])
+
+
+# -- expressions nested too deeply for Python (item 7) -----------------------------------------
+DEEP = {
+    "attributes": "import torch\nx = a" + ".b" * 5000 + "\n",       # 5,000 chained attributes
+    "unary-minus": "x = " + "- " * 3000 + "1\n",                    # 3,000 unary minuses
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEEP))
+def test_a_too_deep_expression_skips_that_file_only(tmp_path, kind):
+    src = tree_with(tmp_path, "deep.py", lambda p: p.write_text(DEEP[kind]))
+    r = lint(str(src), "--format", "json")
+    assert r.exit_code == 2
+    lines = errors_on_stderr(r)
+    assert len(lines) == 1 and "deep.py: an expression is nested too deeply to parse" in lines[0]
+    assert "RecursionError" in lines[0]
+    assert rules(json.loads(r.stdout)) == LEAKY_RULES     # a.py's findings are all there
+    with pytest.raises(LintError, match="nested too deeply"):
+        lint_file(str(src / "deep.py"))
+
+
+def test_a_rule_that_recurses_too_deep_skips_the_file_not_the_rule(monkeypatch):
+    # Past the parser's reach a rule may still recurse too deep; the file is then reported,
+    # never passed as clean after a partial check (formerly the rule was silently skipped).
+    import torchledger.analyzers.lint as engine
+
+    def deep_rule(src):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(engine, "CHECKS", engine.CHECKS + (deep_rule,))
+    with pytest.raises(LintError, match=r"^t\.py: an expression is nested too deeply to check"):
+        engine.lint_source("x = 1\n", "t.py")
+
+
+def test_a_long_sum_is_linted_not_refused():
+    # 2,000 terms: a left-nested BinOp chain 2,000 deep, fine for the parser (about 3,000 is
+    # its limit here); the rules walk it without recursing once per term.
+    from torchledger.analyzers.lint import lint_source
+    src = "import torch\nx = " + " + ".join(["a"] * 2000) + "\nsd = torch.load('a.pt')\n"
+    assert [(f.rule, f.location) for f in lint_source(src, "t.py")] == [("TL-LINT-003", "t.py:3")]

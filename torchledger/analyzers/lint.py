@@ -168,7 +168,9 @@ CHECKS = (check_kept_graph, check_grads_never_cleared, check_unsafe_load, check_
 # -- the engine ---------------------------------------------------------------------------------
 def lint_source(source: str, path: str = "<string>") -> list:
     """Findings for one file's text, sorted by line. Raises :class:`LintError` when the text
-    is not valid Python (the message names ``path:line``)."""
+    is not valid Python (the message names ``path:line``), or holds an expression nested too
+    deeply to parse or check (thousands of chained ``.b`` or ``-``: RecursionError or
+    MemoryError inside Python), so that no file is ever reported clean after a partial check."""
     try:
         tree = ast.parse(source, filename=path)
     except SyntaxError as e:
@@ -176,13 +178,15 @@ def lint_source(source: str, path: str = "<string>") -> list:
                         f"leave the file out") from None
     except ValueError as e:                            # e.g. null bytes on older Pythons
         raise LintError(f"{path}: not valid Python ({e})") from None
+    except (RecursionError, MemoryError) as e:         # 3,000 chained `- - -` or `.b.b.b`
+        raise _too_deep(path, e, "parse") from None
     src, ignored = Source(tree, path), _suppressions(source)
     found = {}
     for check in CHECKS:
         try:
             hits = list(check(src))
-        except RecursionError:                         # NB: absurdly deep expressions: skip rule
-            continue
+        except (RecursionError, MemoryError) as e:    # the rules recurse into expressions
+            raise _too_deep(path, e, "check") from None
         for rule, node, message, hint in hits:
             line = node.lineno
             if _silenced(ignored, rule, node):
@@ -191,6 +195,12 @@ def lint_source(source: str, path: str = "<string>") -> list:
                 rule=rule, severity=RULES[rule][0], message=message,
                 location=f"{path}:{line}", hint=hint))
     return [found[k] for k in sorted(found)]
+
+
+def _too_deep(path: str, e: BaseException, what: str) -> LintError:
+    # NB: the whole file is skipped, not one rule: a partial check would pass for a clean one
+    return LintError(f"{path}: an expression is nested too deeply to {what} ({type(e).__name__}); "
+                     f"expected ordinary Python: split the expression, or leave the file out")
 
 
 def _silenced(ignored: dict, rule: str, node) -> bool:

@@ -146,8 +146,12 @@ class _Flow:
             return self._classify(e.value, at)
         if isinstance(e, ast.UnaryOp):
             return self._classify(e.operand, at)
-        if isinstance(e, ast.BinOp):
-            return self._any([e.left, e.right], at)
+        if isinstance(e, ast.BinOp):                         # NB: `a + b + c` nests to the left:
+            terms = []                                       # walk the chain, do not recurse
+            while isinstance(e, ast.BinOp):                  # (a 500-term sum would overflow)
+                terms.append(e.right)
+                e = e.left
+            return self._any([e] + terms[::-1], at)
         if isinstance(e, ast.IfExp):
             return self._any([e.body, e.orelse], at)
         if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
@@ -211,10 +215,12 @@ def _accumulation(node):
                 return None
             return target.value, value
         if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Add, ast.Sub)):
-            same = ast.unparse(target)
-            if ast.unparse(value.left) == same:
+            same = ast.unparse(target)                       # NB: a target is never a BinOp,
+            left, right = (None if isinstance(v, ast.BinOp) else v   # so a long sum is not
+                           for v in (value.left, value.right))       # unparsed (it recurses)
+            if left is not None and ast.unparse(left) == same:
                 return target, value.right
-            if isinstance(value.op, ast.Add) and ast.unparse(value.right) == same:
+            if isinstance(value.op, ast.Add) and right is not None and ast.unparse(right) == same:
                 return target, value.left
     return None
 
