@@ -161,7 +161,7 @@ def _result(f: Finding, rule_index: int, source=None) -> dict:
               "message": {"text": text}}
     physical = _physical(f.location) if f.location else None
     if physical is None and source:
-        physical = _physical(f"{source[0]}:{max(int(source[1] or 1), 1)}")
+        physical = _physical(str(source[0]), source[1])
     logical = [{"fullyQualifiedName": f.module or "(root)", "kind": "module"}] if f.module is not None else []
     if physical:
         loc = {"physicalLocation": physical}
@@ -175,15 +175,38 @@ def _result(f: Finding, rule_index: int, source=None) -> dict:
     return result
 
 
-def _physical(location: str):
-    """``'src/train.py:42'`` -> artifactLocation + region; a location without a line gets line 1
-    (code scanning needs a ``startLine``)."""
-    m = _LOCATION.match(location.strip())
-    path, line = (m.group("path"), int(m.group("line"))) if m else (location.strip(), 1)
-    region = {"startLine": max(line, 1)}
-    if m and m.group("col"):
-        region["startColumn"] = max(int(m.group("col")), 1)
-    return {"artifactLocation": {"uri": artifact_uri(path)}, "region": region}
+#: SARIF lines and columns are positive; code scanning reads them as 32-bit ints.
+MAX_LINE = 2**31 - 1
+
+
+def _physical(location: str, line=None):
+    """``'src/train.py:42'`` -> artifactLocation + region, or None for a blank location (no
+    empty URI). A line that is no positive 32-bit int (``a.py:0``, ``a.py:99999999999999``)
+    becomes line 1 of the file: code scanning needs a ``startLine``; a bad column is dropped.
+    ``line``, if given, is the line of ``location`` (a bare path)."""
+    text = location.strip()
+    m = _LOCATION.match(text) if line is None else None
+    path = m.group("path") if m else text
+    if line is None:
+        line = m.group("line") if m else 1
+    region = {"startLine": _positive(line) or 1}
+    if m and m.group("col") and _positive(m.group("col")):
+        region["startColumn"] = _positive(m.group("col"))
+    uri = artifact_uri(path) if path.strip() else ""
+    if not uri:
+        return None
+    return {"artifactLocation": {"uri": uri}, "region": region}
+
+
+def _positive(value):
+    """``value`` (an int or digits) as an int in 1..MAX_LINE, else None."""
+    if isinstance(value, str):
+        if not (value.isascii() and value.isdigit()) or len(value) > 10:
+            return None
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 1 <= value <= MAX_LINE else None
 
 
 def artifact_uri(path: str, cwd=None) -> str:
