@@ -107,3 +107,55 @@ def test_sarif_blank_location_gives_no_empty_uri(blank):
     assert [n["associatedRule"]["id"] for n in run["invocations"][0]["toolExecutionNotifications"]] == ["TL-X-000"]
     text = json.dumps(run)
     assert '"uri": ""' not in text
+
+
+# -- SARIF never opens a path the record names ---------------------------------------------------
+@pytest.mark.parametrize("named", ["fifo", "/dev/zero", "model"])
+def test_report_sarif_never_opens_the_model_file_a_record_names(tmp_path, named):
+    """meta.audit.file naming a FIFO hung `report --format sarif` (it read the file for the
+    audit_spec line) and /dev/zero exhausted memory. The line now comes from the record."""
+    if named == "fifo":
+        target = tmp_path / "m.py"
+        os.mkfifo(target)
+    elif named == "model":                          # a real file with the def on line 4:
+        target = tmp_path / "m.py"                  # still unread, the record's line 9 wins
+        target.write_text("import torch\n\n\ndef audit_spec():\n    pass\n")
+    else:
+        target = named
+    d = load()
+    d["meta"]["audit"] = {"file": str(target), "entry": "audit_spec", "spec_line": 9}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(d))
+    result = {}
+
+    def go():
+        result["r"] = CliRunner().invoke(cli, ["report", str(path), "--format", "sarif"])
+    worker = threading.Thread(target=go, daemon=True)
+    worker.start()
+    worker.join(20)
+    if named == "fifo" and worker.is_alive():       # unblock the reader so the test process can end
+        with open(os.open(target, os.O_WRONLY | os.O_NONBLOCK), "w"):
+            pass
+    assert not worker.is_alive(), "report --format sarif hung on the path named in the record"
+    r = result["r"]
+    assert r.exit_code == 0, r.output
+    run = json.loads(r.stdout)["runs"][0]
+    flop = next(res for res in run["results"] if res["ruleId"] == "TL-FLOP-001")
+    assert flop["locations"][0]["physicalLocation"]["region"] == {"startLine": 9}
+
+
+def test_audit_stores_the_audit_spec_line(tmp_path):
+    model = tmp_path / "m.py"
+    model.write_text("import torch\nimport torchledger\n\n\n\ndef audit_spec():\n"
+                     "    return torchledger.AuditSpec(torch.nn.Linear(4, 2), torch.randn(3, 4))\n")
+    r = CliRunner().invoke(cli, ["audit", str(model), "--steps", "1", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["meta"]["audit"]["spec_line"] == 6       # "def audit_spec():" is line 6
+
+
+def test_spec_location_of_a_fifo_is_line_one_without_hanging(tmp_path):
+    from torchledger.render.sarif import spec_location
+    fifo = tmp_path / "m.py"
+    os.mkfifo(fifo)
+    assert spec_location(str(fifo)) == (str(fifo), 1)
+    assert spec_location("/dev/zero") == ("/dev/zero", 1)
