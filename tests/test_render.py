@@ -231,14 +231,14 @@ def test_sarif_audit_record_points_unlocated_findings_at_audit_spec(tmp_path, mo
     (tmp_path / "m.py").write_text("import torch\n\n\ndef audit_spec():\n    pass\n")
     monkeypatch.chdir(tmp_path)
     rec = load("cruncher-copy")
-    rec.meta["audit"] = {"file": "m.py", "entry": "audit_spec"}
+    rec.meta["audit"] = {"file": "m.py", "entry": "audit_spec", "spec_line": 4}   # as audit stores it
     log = json.loads(render(rec, None, "sarif"))
     run = log["runs"][0]
     assert "invocations" not in run
     flop = next(r for r in run["results"] if r["ruleId"] == "TL-FLOP-001")
     assert flop["locations"][0]["physicalLocation"] == {"artifactLocation": {"uri": "m.py"},
                                                         "region": {"startLine": 4}}
-    rec.meta["audit"]["file"] = "gone.py"                           # report away from the model
+    del rec.meta["audit"]["spec_line"]          # a record from before spec_line: line 1, m.py unread
     run = json.loads(render(rec, None, "sarif"))["runs"][0]
     flop = next(r for r in run["results"] if r["ruleId"] == "TL-FLOP-001")
     assert flop["locations"][0]["physicalLocation"]["region"] == {"startLine": 1}

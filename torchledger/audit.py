@@ -335,9 +335,11 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
             for _ in range(timing_steps):
                 with ledger.time_step():
                     step()
+    from .render.sarif import spec_location
+    spec_line = spec_location(path, entry)[1]        # SARIF points here; report never opens the file
     for r in ledger.records:
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
-                           "steps": steps, "seq_len": seq}
+                           "steps": steps, "seq_len": seq, "spec_line": spec_line}
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)

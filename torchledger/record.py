@@ -142,12 +142,15 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
-        if not isinstance(d, dict):
-            raise ValueError(f"expected a JSON object with schema {SCHEMA!r}, got {type(d).__name__}")
-        schema = d.get("schema")
-        if schema != SCHEMA:
-            raise ValueError(f"expected schema {SCHEMA!r}, got {schema!r}; is this a torchledger record?")
-        _check_shape(d)
+        """A record from its ``to_dict()`` shape, validated first (:mod:`torchledger.record_schema`):
+        a malformed one raises ``RecordError`` (a ``ValueError``) naming the field, what was
+        expected and what arrived. Fields older records lack take their defaults."""
+        from .record_schema import check_record
+        check_record(d, SCHEMA)
+        return cls._from_checked(d)
+
+    @classmethod
+    def _from_checked(cls, d: dict) -> "StepRecord":
         totals = _empty_totals()
         for key, value in d.get("totals", {}).items():      # nested parts keep their defaults
             totals[key] = {**totals[key], **value} if key in _NESTED_TOTALS else value
@@ -159,8 +162,13 @@ class StepRecord:
                    warnings=d.get("warnings", []))
 
     @classmethod
-    def from_json(cls, text: str) -> "StepRecord":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text) -> "StepRecord":
+        """A record from JSON text (str or UTF-8 bytes), parsed in bounded work: nesting is
+        checked before ``json`` recurses, NaN/Infinity and numbers past int64 are refused."""
+        from .record_schema import check_record, parse_record
+        d = parse_record(text)                  # every value already bounded: check the shape
+        check_record(d, SCHEMA, values=False)
+        return cls._from_checked(d)
 
     # -- tables ---------------------------------------------------------------------------
     def ops_df(self):
@@ -182,49 +190,7 @@ _OP_COLUMNS = ["op", "phase", "module", "kind", "count", "flops", "flops_causal"
                "bytes_read", "bytes_written"]
 
 
-_SECTIONS = {"meta": dict, "totals": dict, "predictions": dict, "modules": list, "ops": list,
-             "uncounted_ops": list, "copies": list, "memory": dict, "optimizer": dict,
-             "findings": list, "warnings": list}
 _NESTED_TOTALS = ("flops", "attention_flops", "elementwise_flops")
-_MODULE_KEYS = {"name": str, "type": str, "depth": int, "params": int, "flops_forward": int,
-                "flops_backward": int, "activation_bytes": int}
-
-
-def _check_shape(d: dict) -> None:
-    """Refuse a record whose fields the renderers and analyzers could not read, naming the
-    first bad field (a hand-edited or truncated file must be one clear error, not a crash)."""
-    def bad(where, expected, value):
-        raise ValueError(f"{where}: expected {expected}, got {type(value).__name__}")
-
-    for key, kind in _SECTIONS.items():
-        if key in d and not isinstance(d[key], kind):
-            bad(key, "an object" if kind is dict else "a list", d[key])
-    totals = d.get("totals", {})
-    for key, value in totals.items():
-        if key in _NESTED_TOTALS:
-            if not isinstance(value, dict) or not all(_is_num(v) for v in value.values()):
-                bad(f"totals.{key}", "an object of numbers", value)
-        elif key in ("peak_phase", "peak_module", "tokens_source"):
-            if not (value is None or isinstance(value, str)):
-                bad(f"totals.{key}", "a string", value)
-        elif not (value is None or _is_num(value) or isinstance(value, dict)):
-            bad(f"totals.{key}", "a number", value)
-    for section in ("modules", "ops", "uncounted_ops", "copies", "findings"):
-        for i, item in enumerate(d.get(section, [])):
-            if not isinstance(item, dict):
-                bad(f"{section}[{i}]", "an object", item)
-    for i, m in enumerate(d.get("modules", [])):
-        for key, kind in _MODULE_KEYS.items():
-            if key in m and not (isinstance(m[key], kind) and not isinstance(m[key], bool)):
-                bad(f"modules[{i}].{key}", "a string" if kind is str else "a whole number", m[key])
-    for i, f in enumerate(d.get("findings", [])):
-        for key in ("rule", "severity", "message"):
-            if not isinstance(f.get(key), str):
-                bad(f"findings[{i}].{key}", "a string", f.get(key))
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _jsonable(x):

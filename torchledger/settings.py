@@ -132,23 +132,28 @@ def compare_baseline(record, baseline, tolerance: float = 0.01):
              ("params", t["params"], b["params"])]
     findings = []
     for what, now, before in items:
-        if before and (now - before) / before > tolerance:
+        if now > before and (not before or (now - before) / before > tolerance):
+            grew = f"{100 * (now - before) / before:+.2f}%" if before else "from nothing"
             findings.append(Finding("TL-BASELINE-001", "error",
-                                    f"{what} grew {100 * (now - before) / before:+.2f}% over the baseline "
+                                    f"{what} grew {grew} over the baseline "
                                     f"({before:,} -> {now:,}; tolerance {tolerance:.0%})",
                                     measured=now, expected=before,
                                     hint="update the baseline if the growth is intended"))
-    old = {m["name"]: m for m in baseline.modules}
+    old = {m.get("name"): m for m in baseline.modules}     # validated at load; older ones lack fields
     rows = []
     for m in record.modules:
-        o = old.get(m["name"])
+        o = old.get(m.get("name"))
         if o is None:
-            rows.append({"module": m["name"], "change": "new"})
+            rows.append({"module": m.get("name"), "change": "new"})
             continue
-        d_flops = (m["flops_forward"] + m["flops_backward"]) - (o["flops_forward"] + o["flops_backward"])
-        d_act = m["activation_bytes"] - o["activation_bytes"]
+        d_flops = _module_flops(m) - _module_flops(o)
+        d_act = m.get("activation_bytes", 0) - o.get("activation_bytes", 0)
         if d_flops or d_act:
             rows.append({"module": m["name"], "flops_delta": d_flops, "activation_bytes_delta": d_act})
-    names = {m["name"] for m in record.modules}
+    names = {m.get("name") for m in record.modules}
     rows += [{"module": n, "change": "removed"} for n in old if n not in names]
     return findings, rows
+
+
+def _module_flops(m: dict) -> int:
+    return m.get("flops_forward", 0) + m.get("flops_backward", 0)

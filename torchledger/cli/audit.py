@@ -69,27 +69,37 @@ _MAKE_ONE = "write one with `torchledger audit FILE.py --format json --output a.
 
 
 def _load_record(path, label, needed=REPORT_TOTALS):
-    """A saved record, or one line saying what arrived instead and how to make one."""
-    import json
-
+    """A saved record, validated (:mod:`torchledger.record_schema`), or one line saying what
+    arrived instead and how to make one. A baseline's totals must also be positive: a zero
+    baseline compares as no growth, so a gate against it would always pass."""
+    from ..inputs import RECORD_MAX_BYTES, InputFileError, read_input
     from ..record import StepRecord
+    from ..record_schema import RecordError, parse_record
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.loads(f.read())
+        data = parse_record(read_input(path, what="record JSON", max_bytes=RECORD_MAX_BYTES))
         rec = StepRecord.from_dict(data)
-    except FileNotFoundError:
-        raise InputError(f"{label}: no such file; expected a record JSON written by "
-                         f"`torchledger audit FILE.py --format json --output a.json`") from None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except InputFileError as e:
+        raise InputError(f"{label}: {_after_path(str(e), path)}; {_MAKE_ONE}") from None
+    except RecordError as e:
         raise InputError(f"{label}: not a torchledger record ({e}); {_MAKE_ONE}") from None
-    except OSError as e:
-        raise InputError(f"{label}: cannot read ({e.strerror or e})") from None
-    missing = [key for key in needed if not _is_number(_dig(data.get("totals"), key))]
+    data = data.get("totals")
+    missing = [key for key in needed if not _is_number(_dig(data, key))]
     if missing:
-        what = "no totals" if not data.get("totals") else "no " + ", ".join(f"totals.{k}" for k in missing)
+        what = "no totals" if not data else "no " + ", ".join(f"totals.{k}" for k in missing)
         raise InputError(f"{label}: an incomplete torchledger record ({what}); expected a whole record "
                          f"with {', '.join(f'totals.{k}' for k in needed)}; {_MAKE_ONE}")
+    if needed is BASELINE_TOTALS:
+        zero = [key for key in ("flops.total", "params", "peak_bytes") if not _dig(data, key)]
+        if zero:
+            raise InputError(f"{label}: totals.{zero[0]}: expected a positive number (a step that ran), "
+                             f"got 0; a baseline of nothing would pass every gate; {_MAKE_ONE}")
     return rec
+
+
+def _after_path(message: str, path) -> str:
+    """``read_input``'s message without its leading ``path: `` (the label already names it)."""
+    prefix = f"{os.fspath(path)}: "
+    return message[len(prefix):] if message.startswith(prefix) else message
 
 
 def _dig(d, dotted: str):

@@ -9,7 +9,10 @@ import json
 
 from .common import as_findings, module_rows
 
-__all__ = ["render_json", "render_csv", "CSV_COLUMNS"]
+__all__ = ["render_json", "render_csv", "CSV_COLUMNS", "csv_cell"]
+
+#: A spreadsheet reads a cell starting with one of these as a formula (OWASP, CSV injection).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 CSV_COLUMNS = ["name", "type", "depth", "params", "flops_forward", "flops_backward", "flops_share",
                "activation_bytes", "peak_bytes", "copies", "copy_bytes", "calls"]
@@ -27,12 +30,23 @@ def render_csv(record, findings=None, *, depth=None, **_options) -> str:
 
     The root module's name is the empty string, as in ``named_modules()``; ops that ran
     outside every module are the row ``(no module)``. Findings are not part of the CSV.
+    Text cells that a spreadsheet would run as a formula are prefixed with ``'`` (:func:`csv_cell`).
     """
     import pandas as pd
 
-    rows = module_rows(record, depth)
+    rows = [{k: csv_cell(v) for k, v in row.items()} for row in module_rows(record, depth)]
     df = pd.DataFrame(rows, columns=CSV_COLUMNS)
     return df.to_csv(index=False, lineterminator="\n").rstrip("\n")
+
+
+def csv_cell(value):
+    """``value`` safe to open in a spreadsheet: a string that starts like a formula gets a
+    leading ``'`` (OWASP's advice: it then shows as text); numbers, negative ones included,
+    stay numbers. A carriage return in text is written as the two characters ``\\r``."""
+    if not isinstance(value, str):
+        return value
+    value = value.replace("\r", "\\r")       # NB: lines end in \n, so the writer leaves a CR unquoted
+    return "'" + value if value.startswith(FORMULA_START) else value
 
 
 def _jsonable(x):

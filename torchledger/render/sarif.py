@@ -6,8 +6,9 @@
 Severity maps to ``level``: error -> error, warning -> warning, info -> note. Every result has
 a ``physicalLocation`` (GitHub code scanning rejects a result without one): a finding located at
 ``path:line`` points there; one without a line (a model-level finding such as TL-MFU-001, or one
-naming only a module) points at the audited model file, at its ``audit_spec`` definition (line 1
-if it is not found), and keeps the module as a logical location. A record that names no model
+naming only a module) points at the audited model file, at its ``audit_spec`` definition (the
+line the audit stored in ``meta.audit.spec_line``, else line 1; the file is never opened here),
+and keeps the module as a logical location. A record that names no model
 file (a ``torchledger.trace`` record) has nowhere to point such findings, so they are reported as
 tool notifications (``invocations[0].toolExecutionNotifications``, with their rule id) instead of
 results. Paths under the working directory become relative URIs; a file outside it becomes
@@ -115,31 +116,37 @@ def render_sarif(record, findings=None, *, source=None, **_options) -> str:
     """The findings of a record as SARIF text; an empty record adds a note saying so.
 
     Findings without a source line point at ``source`` (a path, or ``(path, line)``), by
-    default the model file an audit record names (``meta.audit.file``) at its ``audit_spec``.
+    default the model file an audit record names (``meta.audit.file``) at the ``audit_spec``
+    line the audit stored (``meta.audit.spec_line``; line 1 in records made before it). The
+    file itself is never opened: a record is data, and a path in it may name a FIFO or a device.
     """
     from .. import __version__
 
     notes = [EMPTY_SENTENCE] if is_empty(record) else []
-    if source is None:
+    if source is None:                  # never open the file a record names: its line is in the record
         audit = (record.meta or {}).get("audit") or {}
-        if audit.get("file"):
-            source = spec_location(audit["file"], audit.get("entry") or "audit_spec")
+        if isinstance(audit.get("file"), str) and audit["file"].strip():
+            source = (audit["file"], audit.get("spec_line") or 1)
     log = findings_to_sarif(as_findings(record, findings), __version__, notifications=notes,
                             source=source)
     return json.dumps(log, indent=2, default=str)
 
 
 def spec_location(path: str, entry: str = "audit_spec") -> tuple:
-    """``(path, line)`` of ``def entry`` (or ``entry = ...``) in ``path``; line 1 if not found."""
+    """``(path, line)`` of ``def entry`` (or ``entry = ...``) in ``path``; line 1 if not found.
+
+    For ``audit``, which reads the model file it was given: the file is read as a regular file
+    of bounded size (a FIFO or device gives line 1, never a hang)."""
+    from ..inputs import SOURCE_MAX_BYTES, InputFileError, read_input
     pattern = re.compile(r"^\s*(?:(?:async\s+)?def\s+" + re.escape(entry) + r"\b|" + re.escape(entry)
                          + r"\s*(?::[^=]*)?=[^=])")
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for number, line in enumerate(fh, 1):
-                if pattern.match(line):
-                    return path, number
-    except OSError:
-        pass
+        text = read_input(path, what="model", max_bytes=SOURCE_MAX_BYTES).decode("utf-8", "replace")
+    except InputFileError:
+        return path, 1
+    for number, line in enumerate(text.split("\n"), 1):
+        if pattern.match(line):
+            return path, number
     return path, 1
 
 
@@ -161,7 +168,7 @@ def _result(f: Finding, rule_index: int, source=None) -> dict:
               "message": {"text": text}}
     physical = _physical(f.location) if f.location else None
     if physical is None and source:
-        physical = _physical(f"{source[0]}:{max(int(source[1] or 1), 1)}")
+        physical = _physical(str(source[0]), source[1])
     logical = [{"fullyQualifiedName": f.module or "(root)", "kind": "module"}] if f.module is not None else []
     if physical:
         loc = {"physicalLocation": physical}
@@ -175,15 +182,38 @@ def _result(f: Finding, rule_index: int, source=None) -> dict:
     return result
 
 
-def _physical(location: str):
-    """``'src/train.py:42'`` -> artifactLocation + region; a location without a line gets line 1
-    (code scanning needs a ``startLine``)."""
-    m = _LOCATION.match(location.strip())
-    path, line = (m.group("path"), int(m.group("line"))) if m else (location.strip(), 1)
-    region = {"startLine": max(line, 1)}
-    if m and m.group("col"):
-        region["startColumn"] = max(int(m.group("col")), 1)
-    return {"artifactLocation": {"uri": artifact_uri(path)}, "region": region}
+#: SARIF lines and columns are positive; code scanning reads them as 32-bit ints.
+MAX_LINE = 2**31 - 1
+
+
+def _physical(location: str, line=None):
+    """``'src/train.py:42'`` -> artifactLocation + region, or None for a blank location (no
+    empty URI). A line that is no positive 32-bit int (``a.py:0``, ``a.py:99999999999999``)
+    becomes line 1 of the file: code scanning needs a ``startLine``; a bad column is dropped.
+    ``line``, if given, is the line of ``location`` (a bare path)."""
+    text = location.strip()
+    m = _LOCATION.match(text) if line is None else None
+    path = m.group("path") if m else text
+    if line is None:
+        line = m.group("line") if m else 1
+    region = {"startLine": _positive(line) or 1}
+    if m and m.group("col") and _positive(m.group("col")):
+        region["startColumn"] = _positive(m.group("col"))
+    uri = artifact_uri(path) if path.strip() else ""
+    if not uri:
+        return None
+    return {"artifactLocation": {"uri": uri}, "region": region}
+
+
+def _positive(value):
+    """``value`` (an int or digits) as an int in 1..MAX_LINE, else None."""
+    if isinstance(value, str):
+        if not (value.isascii() and value.isdigit()) or len(value) > 10:
+            return None
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 1 <= value <= MAX_LINE else None
 
 
 def artifact_uri(path: str, cwd=None) -> str:
