@@ -42,6 +42,16 @@ def test_decoder_only_causal_prediction_halves_the_attention_term(gpt2_tiny_reco
     assert "causal-halved prediction 25,559,040" in row["explanation"]
 
 
+def test_a_clean_gpt2_tiny_step_has_no_warnings(gpt2_tiny_record):
+    rec = gpt2_tiny_record
+    assert rec.warnings == []
+    # every part of the record was filled: retention, allocator, predictions
+    assert rec.memory["retained"] == [] and rec.memory["retained_new"]["count"] >= 0
+    assert rec.memory["grads"]["optimizer_steps"] == 1
+    assert rec.memory["allocator"]["available"] is False
+    assert rec.predictions["comparisons"]
+
+
 def test_flops_comparison_finding_ran_and_passes(gpt2_tiny_record):
     rec = gpt2_tiny_record
     # measured 25,952,256 = 6ND + dense attention exactly: no TL-CMP-001 at any tolerance

@@ -520,6 +520,9 @@ def test_grads_cleared_by_multiplying_by_zero_are_cleared(clear):
                 torch._foreach_mul_(grads, 0.0)
     rules = [f.rule for f in ledger.findings()]
     assert ("TL-LEAK-003" in rules) == (clear == "none")
+    # the analysis ran on every step (the "none" case is the positive twin)
+    assert [r.warnings for r in ledger.records] == [[], [], []]
+    assert [r.memory["grads"]["optimizer_steps"] for r in ledger.records] == [1, 1, 1]
 
 
 def test_from_json_rejects_other_files():
