@@ -161,6 +161,11 @@ def test_clean_loops_have_no_leak_finding(loop):
     ledger = torchledger.Ledger(model, optimizer=opt)
     loop(model, opt, ledger, [])
     assert check_leaks(ledger.records) == []
+    # the analysis ran: no internal error turned into a warning, and it counted every
+    # optimizer step (5 a loop; accumulation: 8 steps, an optimizer step every second one)
+    assert [r.warnings for r in ledger.records] == [[]] * len(ledger.records)
+    steps = sum(r.memory["grads"]["optimizer_steps"] for r in ledger.records)
+    assert steps == (4 if loop.__name__ == "accumulation" else 5)
 
 
 class _RootRelu(nn.Module):

@@ -101,7 +101,10 @@ def test_needless_copies_are_flagged_at_their_line(cls, rule, marker):
     found = [f for f in check_copies([t.record]) if f.rule == rule]
     assert len(found) == 1
     assert found[0].location.endswith(f"test_step_analyzers.py:{_line(marker)}")
-    assert copy_table(t.record)[0]["bytes"] > 0
+    # x is (2, 8, 4) fp32, 64 values: the permuted .contiguous() writes 64 x 4 = 256 bytes; the
+    # round trip writes 64 x 2 (to bf16) + 64 x 4 (back to fp32) = 384, forward and backward
+    assert copy_table(t.record)[0]["bytes"] == {PermuteBack: 256, RoundTrip: 384}[cls]
+    assert t.record.totals["copy_bytes"] == {PermuteBack: 256, RoundTrip: 2 * 384}[cls]
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])

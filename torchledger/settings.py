@@ -28,15 +28,15 @@ __all__ = ["SettingsError", "load_settings", "find_pyproject", "check_budgets", 
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2, "never": 3}
 _PARSERS = {
     "fail_on": ("one of error, warning, info, never", lambda v: _severity(v)),
-    "max_params": ("a count such as 7B or 7e9", lambda v: units.parse_count(v)),
-    "max_peak_bytes": ("a size such as 80GB or 80GiB", lambda v: units.parse_bytes(v)),
-    "max_flops_per_token": ("a number such as 5e10", lambda v: units.parse_count(v)),
+    "max_params": ("a count such as 7B or 7e9", lambda v: _positive(units.parse_count(v))),
+    "max_peak_bytes": ("a size such as 80GB or 80GiB", lambda v: _positive(units.parse_bytes(v))),
+    "max_flops_per_token": ("a number such as 5e10", lambda v: _positive(units.parse_count(v))),
     "min_mfu": ("a fraction in (0, 1]", lambda v: _fraction(v)),
     "tolerance": ("a fraction such as 0.05", lambda v: _fraction(v)),
     "copy_share": ("a fraction such as 0.1", lambda v: _fraction(v)),
     "cache_share": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "baseline_tolerance": ("a fraction such as 0.01", lambda v: _fraction(v)),
-    "leak_min_bytes": ("a size such as 1024 or 1KiB", lambda v: units.parse_bytes(v)),
+    "leak_min_bytes": ("a size such as 1024 or 1KiB", lambda v: _positive(units.parse_bytes(v), zero=True)),
 }
 
 
@@ -51,8 +51,17 @@ def _severity(v) -> str:
 
 
 def _fraction(v) -> float:
+    if isinstance(v, bool):             # float(True) is 1.0: `min_mfu = true` is not a fraction
+        raise ValueError
     x = float(v)
     if not 0 < x <= 1:
+        raise ValueError
+    return x
+
+
+def _positive(x: float, zero: bool = False) -> float:
+    """A budget of 0 or less (or NaN) would fail every audit: refused as a bad value."""
+    if not (x >= 0 if zero else x > 0):
         raise ValueError
     return x
 
