@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 from .record import SAMPLES_NOT_TOKENS, TOKENS_FROM_SPEC
 
 __all__ = ["AuditError", "AuditRun", "load_entry", "run_audit", "infer_tokens", "default_tokens",
-           "TokenCount", "DEVICES"]
+           "TokenCount", "DEVICES", "stdout_to_stderr"]
 
 DEVICES = ("fake", "meta", "cpu", "cuda")
 
@@ -37,6 +37,34 @@ class AuditRun:
     @property
     def record(self):
         return self.records[-1]
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """While the user's code runs, what it writes to stdout goes to stderr, so that stdout
+    holds the report alone (``audit --format json | jq``): Python's ``print`` through
+    ``sys.stdout``, and C/C++ writes to file descriptor 1 (torch's own ``printf``) too.
+    """
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    saved = None
+    try:
+        sys.__stdout__.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError, AttributeError):   # no fd 1 or 2 (an embedded interpreter)
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.__stdout__.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 # -- loading the model file ----------------------------------------------------------------------

@@ -142,7 +142,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
           memory_snapshot):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline."""
-    from ..audit import AuditError, run_audit
+    from ..audit import AuditError, run_audit, stdout_to_stderr
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings
 
     fmt = _resolve_format(fmt, output)
@@ -156,8 +156,9 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
     try:
-        run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
-                        torch_logs=_debug())
+        with stdout_to_stderr():        # stdout is the report's alone
+            run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
+                            torch_logs=_debug())
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
