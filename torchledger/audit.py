@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 from .record import SAMPLES_NOT_TOKENS, TOKENS_FROM_SPEC
 
 __all__ = ["AuditError", "AuditRun", "load_entry", "run_audit", "infer_tokens", "default_tokens",
+           "pick_loss", "default_loss",
            "TokenCount", "DEVICES", "stdout_to_stderr"]
 
 DEVICES = ("fake", "meta", "cpu", "cuda")
@@ -151,18 +152,41 @@ def _to_device(x, device: str):
 
 # -- the step ------------------------------------------------------------------------------------
 def default_loss(output, inputs=None):
-    """The output if it is a scalar tensor, else ``output.loss``, else ``output.float().mean()``."""
+    """The loss :func:`pick_loss` picks from the model's output (without where it came from)."""
+    return pick_loss(output)[0]
+
+
+def pick_loss(output):
+    """``(loss, source)``: the scalar a default audit step backpropagates, and where it came
+    from (``meta.audit.loss``, printed as ``loss: output[1]`` in every report).
+
+    In order: the output itself if it is a scalar tensor (``output``); ``output.loss`` (a
+    Hugging Face ModelOutput) or ``output["loss"]`` (a dict); the first 0-dim floating tensor
+    of a tuple or list (``output[1]`` of nanoGPT's ``(logits, loss)``, ``output[0]`` of
+    Hugging Face's ``return_dict=False``); else the mean of the logits
+    (``output.logits``, ``output["logits"]``, ``output[0]``, or the output tensor itself), which
+    runs the model's FLOPs but is no real loss, and the source says so.
+    """
     import torch
     if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else output.float().mean()
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, (tuple, list)) and output:
-        logits = output[0]
-    if isinstance(logits, torch.Tensor):
-        return logits.float().mean()
+        if output.dim() == 0:
+            return output, "output"
+        return output.float().mean(), "output.float().mean() (no loss in the output)"
+    for source, get in (("output.loss", lambda o: getattr(o, "loss", None)),
+                        ('output["loss"]', lambda o: o.get("loss") if isinstance(o, dict) else None)):
+        loss = get(output)
+        if isinstance(loss, torch.Tensor):
+            return loss, source
+    if isinstance(output, (tuple, list)):
+        for i, v in enumerate(output):
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+                return v, f"output[{i}]"
+    for source, get in (("output.logits", lambda o: getattr(o, "logits", None)),
+                        ('output["logits"]', lambda o: o.get("logits") if isinstance(o, dict) else None),
+                        ("output[0]", lambda o: o[0] if isinstance(o, (tuple, list)) and o else None)):
+        logits = get(output)
+        if isinstance(logits, torch.Tensor):
+            return logits.float().mean(), f"{source}.float().mean() (no loss in the output)"
     raise AuditError(f"cannot make a loss from the model's output ({type(output).__name__}); "
                      f"give AuditSpec(loss_fn=...)")
 
@@ -348,9 +372,13 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
         if device == "meta":
             opt.step = _step_with_cpu_default(opt.step)
         ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
+        loss_source = []
+
         def step():
             try:
-                _one_step(spec, model, inputs, opt)
+                source = _one_step(spec, model, inputs, opt)
+                if not loss_source:
+                    loss_source.append(source)
             except AuditError:
                 raise
             except (Exception, SystemExit) as e:
@@ -365,7 +393,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
                     step()
     for r in ledger.records:
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
-                           "steps": steps, "seq_len": seq}
+                           "steps": steps, "seq_len": seq, "loss": loss_source[0] if loss_source else None}
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)
@@ -426,15 +454,20 @@ def _step_with_cpu_default(step):
     return wrapped
 
 
-def _one_step(spec, model, inputs, opt):
+def _one_step(spec, model, inputs, opt) -> str:
+    """One training step; returns where its loss came from (``meta.audit.loss``)."""
     if spec.step is not None:
         spec.step(model, inputs, opt)
-        return
+        return "AuditSpec.step (the model file's own step)"
     out = _call(model, inputs)
-    loss = spec.loss_fn(out, inputs) if spec.loss_fn is not None else default_loss(out, inputs)
+    if spec.loss_fn is not None:
+        loss, source = spec.loss_fn(out, inputs), "AuditSpec.loss_fn"
+    else:
+        loss, source = pick_loss(out)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return source
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from ..units import fmt_bytes, fmt_count
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
            "totals_rows", "measured_static_bytes", "with_hint", "tokens_note", "attention_kernels",
-           "NO_ATTENTION_KERNEL"]
+           "NO_ATTENTION_KERNEL", "run_notes"]
 
 EMPTY_SENTENCE = "Empty record: no ops were traced (did the traced block run a step?)."
 CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
@@ -72,6 +72,17 @@ def kernel_line(record) -> str:
     kernel = attention_kernels(record)
     return (f"device {m.get('device', '?')}, dtype {m.get('dtype') or '?'}, torch {m.get('torch', '?')}; "
             f"attention kernel: {kernel}")
+
+
+def run_notes(record) -> list:
+    """Lines every report prints under its header: how the step was run and measured (the
+    loss an audit backpropagated, ...). Absent fields (older records, a ``trace()`` of the
+    user's own step) print nothing."""
+    audit = (record.meta or {}).get("audit") or {}
+    lines = []
+    if audit.get("loss"):
+        lines.append(f"loss: {audit['loss']}")
+    return lines
 
 
 def module_rows(record, depth) -> list:

@@ -10,7 +10,8 @@ from tabulate import tabulate
 
 from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
-from .common import CONVENTIONS_LINE, attention_kernels, EMPTY_SENTENCE, as_findings, is_empty, module_rows, tokens_note
+from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, is_empty, module_rows,
+                     run_notes, tokens_note)
 
 __all__ = ["render_table"]
 
@@ -33,6 +34,7 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
         f" ({m.get('dtype') or '?'}), torch {m.get('torch', '?')}",
         f"attention kernel: {attention_kernels(record)}",
         f"conventions: {CONVENTIONS_LINE}",
+        *run_notes(record),
         "",
         tabulate(_module_cells(record, depth), headers=_HEADERS, tablefmt="simple",
                  disable_numparse=True),
