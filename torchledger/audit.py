@@ -398,11 +398,21 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)
     if run.untraced_seconds:
-        t = run.record.totals
-        t["step_seconds_untraced"] = sorted(run.untraced_seconds)[len(run.untraced_seconds) // 2]
-        if peak_flops:
-            t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak_flops
+        run.record.totals["step_seconds_untraced"] = sorted(run.untraced_seconds)[len(run.untraced_seconds) // 2]
+    set_mfu(run, {"peak_flops": peak_flops})
     return run
+
+
+def set_mfu(run, options: dict) -> dict:
+    """Store the report's one MFU in the last record (``analyzers.mfu.mfu_totals``), timed by
+    the untraced steps when there are any; returns ``options`` with that time added."""
+    from .analyzers.mfu import mfu_totals
+    options = dict(options)
+    if run.untraced_seconds:
+        options.update(step_seconds=run.record.totals["step_seconds_untraced"],
+                       untraced_steps=len(run.untraced_seconds))
+    run.record.totals.update(mfu_totals(run.records, options))
+    return options
 
 
 def _check_optimizer(opt, spec, path: str) -> None:

@@ -204,7 +204,7 @@ def _check_shape(d: dict) -> None:
         if key in _NESTED_TOTALS:
             if not isinstance(value, dict) or not all(_is_num(v) for v in value.values()):
                 bad(f"totals.{key}", "an object of numbers", value)
-        elif key in ("peak_phase", "peak_module", "tokens_source"):
+        elif key in ("peak_phase", "peak_module", "tokens_source", "mfu_source"):
             if not (value is None or isinstance(value, str)):
                 bad(f"totals.{key}", "a string", value)
         elif not (value is None or _is_num(value) or isinstance(value, dict)):

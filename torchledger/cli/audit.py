@@ -166,9 +166,6 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     if device == "cpu" and peak is None:
         from ..tracer.peak import measure_matmul_peak
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
-        t = run.record.totals
-        if t.get("step_seconds_untraced"):
-            t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak
     findings = _findings(run, settings, peak, peak_source, gpu)
     rec = run.record
     findings += check_budgets(rec, settings)
@@ -198,13 +195,13 @@ def _write_snapshot(run, path) -> None:
 
 def _findings(run, settings, peak, peak_source, gpu=None) -> list:
     from ..analyzers.checks import run_checks
+    from ..audit import set_mfu
     options = {k: v for k, v in settings.items() if not k.startswith("_")}
     if gpu:
         options["gpu"] = gpu                    # TL-MEM-002: does the peak fit in its memory?
     if peak:
         options.update(peak_flops=peak, peak_source=peak_source)
-    if getattr(run, "untraced_seconds", None):
-        options["step_seconds"] = run.record.totals["step_seconds_untraced"]
+    options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:
         from ..analyzers.lint import lint_paths

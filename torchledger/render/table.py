@@ -125,12 +125,11 @@ def _totals_lines(record) -> list:
                  f"{fmt_bytes(t['optimizer_state_bytes'], binary=True)}; copies "
                  f"{fmt_bytes(t.get('copy_bytes', 0), binary=True)}")
     if t.get("step_seconds") is not None:
-        mfu = f", MFU {t['mfu']:.3f}" if t.get("mfu") is not None else ""
         simulated = str(record.meta.get("device", "")).startswith(("fake", "meta"))
         note = " (traced; fake/meta: not a real step time)" if simulated else " (traced)"
         untraced = (f"{t['step_seconds_untraced'] * 1e3:.1f} ms untraced, "
                     if t.get("step_seconds_untraced") else "")
-        lines.append(f"step time: {untraced}{t['step_seconds'] * 1e3:.1f} ms{note}{mfu}")
+        lines.append(f"step time: {untraced}{t['step_seconds'] * 1e3:.1f} ms{note}")
     alloc = record.memory.get("allocator")
     if alloc:
         if alloc.get("available"):
