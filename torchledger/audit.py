@@ -505,6 +505,11 @@ def _fake_safe_init(device: str):
 def _device_hint(e: Exception, device: str) -> str:
     """What to try when a build or step failed because of the device it ran on."""
     name, text = type(e).__name__, str(e)
+    if device in ("fake", "meta") and "Expected inputs of BF16" in text:
+        return (f"; torch's grouped_mm (mixture-of-experts layers) checks for bf16 inputs on {device} "
+                f"tensors (only its CPU kernel takes float32): build the model in bf16 "
+                f"(torch.set_default_dtype(torch.bfloat16) at the top of audit_spec(), or "
+                f"dtype=torch.bfloat16 in its constructor), or use --device cpu")
     if device == "fake" and "Couldn't swap" in text and _memory_format_call(e):
         return ("; fake tensors cannot change a model's memory format in place "
                 "(model.to(memory_format=...)): leave the model as built and pass channels_last "
