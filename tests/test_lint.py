@@ -664,7 +664,7 @@ def test_cli_fail_on_thresholds(tmp_path):
     assert lint(str(info_only)).exit_code == 0                   # default: warning
     assert lint(str(info_only), "--fail-on", "info").exit_code == 1
     warning_only = tmp_path / "warn.py"
-    warning_only.write_text("import torch\ntorch.load('a.pt')\n")
+    warning_only.write_text("import torch\ntorch.load('a.pt', weights_only=False)\n")
     assert lint(str(warning_only), "--fail-on", "error").exit_code == 0
     assert lint(str(warning_only)).exit_code == 1
 

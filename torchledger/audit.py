@@ -19,7 +19,8 @@ from typing import NamedTuple, Optional
 from .record import SAMPLES_NOT_TOKENS, TOKENS_FROM_SPEC
 
 __all__ = ["AuditError", "AuditRun", "load_entry", "run_audit", "infer_tokens", "default_tokens",
-           "TokenCount", "DEVICES"]
+           "pick_loss", "default_loss",
+           "TokenCount", "DEVICES", "stdout_to_stderr"]
 
 DEVICES = ("fake", "meta", "cpu", "cuda")
 
@@ -37,6 +38,34 @@ class AuditRun:
     @property
     def record(self):
         return self.records[-1]
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """While the user's code runs, what it writes to stdout goes to stderr, so that stdout
+    holds the report alone (``audit --format json | jq``): Python's ``print`` through
+    ``sys.stdout``, and C/C++ writes to file descriptor 1 (torch's own ``printf``) too.
+    """
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    saved = None
+    try:
+        sys.__stdout__.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError, AttributeError):   # no fd 1 or 2 (an embedded interpreter)
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.__stdout__.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 # -- loading the model file ----------------------------------------------------------------------
@@ -123,18 +152,41 @@ def _to_device(x, device: str):
 
 # -- the step ------------------------------------------------------------------------------------
 def default_loss(output, inputs=None):
-    """The output if it is a scalar tensor, else ``output.loss``, else ``output.float().mean()``."""
+    """The loss :func:`pick_loss` picks from the model's output (without where it came from)."""
+    return pick_loss(output)[0]
+
+
+def pick_loss(output):
+    """``(loss, source)``: the scalar a default audit step backpropagates, and where it came
+    from (``meta.audit.loss``, printed as ``loss: output[1]`` in every report).
+
+    In order: the output itself if it is a scalar tensor (``output``); ``output.loss`` (a
+    Hugging Face ModelOutput) or ``output["loss"]`` (a dict); the first 0-dim floating tensor
+    of a tuple or list (``output[1]`` of nanoGPT's ``(logits, loss)``, ``output[0]`` of
+    Hugging Face's ``return_dict=False``); else the mean of the logits
+    (``output.logits``, ``output["logits"]``, ``output[0]``, or the output tensor itself), which
+    runs the model's FLOPs but is no real loss, and the source says so.
+    """
     import torch
     if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else output.float().mean()
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, (tuple, list)) and output:
-        logits = output[0]
-    if isinstance(logits, torch.Tensor):
-        return logits.float().mean()
+        if output.dim() == 0:
+            return output, "output"
+        return output.float().mean(), "output.float().mean() (no loss in the output)"
+    for source, get in (("output.loss", lambda o: getattr(o, "loss", None)),
+                        ('output["loss"]', lambda o: o.get("loss") if isinstance(o, dict) else None)):
+        loss = get(output)
+        if isinstance(loss, torch.Tensor):
+            return loss, source
+    if isinstance(output, (tuple, list)):
+        for i, v in enumerate(output):
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+                return v, f"output[{i}]"
+    for source, get in (("output.logits", lambda o: getattr(o, "logits", None)),
+                        ('output["logits"]', lambda o: o.get("logits") if isinstance(o, dict) else None),
+                        ("output[0]", lambda o: o[0] if isinstance(o, (tuple, list)) and o else None)):
+        logits = get(output)
+        if isinstance(logits, torch.Tensor):
+            return logits.float().mean(), f"{source}.float().mean() (no loss in the output)"
     raise AuditError(f"cannot make a loss from the model's output ({type(output).__name__}); "
                      f"give AuditSpec(loss_fn=...)")
 
@@ -320,9 +372,13 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
         if device == "meta":
             opt.step = _step_with_cpu_default(opt.step)
         ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
+        loss_source = []
+
         def step():
             try:
-                _one_step(spec, model, inputs, opt)
+                source = _one_step(spec, model, inputs, opt)
+                if not loss_source:
+                    loss_source.append(source)
             except AuditError:
                 raise
             except (Exception, SystemExit) as e:
@@ -339,16 +395,27 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
     spec_line = spec_location(path, entry)[1]        # SARIF points here; report never opens the file
     for r in ledger.records:
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
-                           "steps": steps, "seq_len": seq, "spec_line": spec_line}
+                           "steps": steps, "seq_len": seq, "spec_line": spec_line,
+                           "loss": loss_source[0] if loss_source else None}
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)
     if run.untraced_seconds:
-        t = run.record.totals
-        t["step_seconds_untraced"] = sorted(run.untraced_seconds)[len(run.untraced_seconds) // 2]
-        if peak_flops:
-            t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak_flops
+        run.record.totals["step_seconds_untraced"] = sorted(run.untraced_seconds)[len(run.untraced_seconds) // 2]
+    set_mfu(run, {"peak_flops": peak_flops})
     return run
+
+
+def set_mfu(run, options: dict) -> dict:
+    """Store the report's one MFU in the last record (``analyzers.mfu.mfu_totals``), timed by
+    the untraced steps when there are any; returns ``options`` with that time added."""
+    from .analyzers.mfu import mfu_totals
+    options = dict(options)
+    if run.untraced_seconds:
+        options.update(step_seconds=run.record.totals["step_seconds_untraced"],
+                       untraced_steps=len(run.untraced_seconds))
+    run.record.totals.update(mfu_totals(run.records, options))
+    return options
 
 
 def _check_optimizer(opt, spec, path: str) -> None:
@@ -400,15 +467,20 @@ def _step_with_cpu_default(step):
     return wrapped
 
 
-def _one_step(spec, model, inputs, opt):
+def _one_step(spec, model, inputs, opt) -> str:
+    """One training step; returns where its loss came from (``meta.audit.loss``)."""
     if spec.step is not None:
         spec.step(model, inputs, opt)
-        return
+        return "AuditSpec.step (the model file's own step)"
     out = _call(model, inputs)
-    loss = spec.loss_fn(out, inputs) if spec.loss_fn is not None else default_loss(out, inputs)
+    if spec.loss_fn is not None:
+        loss, source = spec.loss_fn(out, inputs), "AuditSpec.loss_fn"
+    else:
+        loss, source = pick_loss(out)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return source
 
 
 @contextlib.contextmanager
@@ -436,6 +508,11 @@ def _fake_safe_init(device: str):
 def _device_hint(e: Exception, device: str) -> str:
     """What to try when a build or step failed because of the device it ran on."""
     name, text = type(e).__name__, str(e)
+    if device in ("fake", "meta") and "Expected inputs of BF16" in text:
+        return (f"; torch's grouped_mm (mixture-of-experts layers) checks for bf16 inputs on {device} "
+                f"tensors (only its CPU kernel takes float32): build the model in bf16 "
+                f"(torch.set_default_dtype(torch.bfloat16) at the top of audit_spec(), or "
+                f"dtype=torch.bfloat16 in its constructor), or use --device cpu")
     if device == "fake" and "Couldn't swap" in text and _memory_format_call(e):
         return ("; fake tensors cannot change a model's memory format in place "
                 "(model.to(memory_format=...)): leave the model as built and pass channels_last "

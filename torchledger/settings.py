@@ -11,6 +11,7 @@
     cache_share = 0.01           # TL-MEM-001: a returned KV cache this share of the peak warns
     baseline_tolerance = 0.01    # --baseline: growth that fails
     leak_min_bytes = 1024        # TL-LEAK-001 ignores slower growth than this per step
+    ignore = ["TL-CMP-001"]      # audit: rules whose findings are suppressed (and counted)
 
 Values are validated; a bad one is an error naming the key, what was expected and what
 arrived.
@@ -23,7 +24,7 @@ from . import units
 from .record import Finding
 
 __all__ = ["SettingsError", "load_settings", "find_pyproject", "check_budgets", "compare_baseline",
-           "SEVERITY_RANK"]
+           "SEVERITY_RANK", "known_rules", "rule_ids", "suppress"]
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2, "never": 3}
 _PARSERS = {
@@ -37,7 +38,36 @@ _PARSERS = {
     "cache_share": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "baseline_tolerance": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "leak_min_bytes": ("a size such as 1024 or 1KiB", lambda v: _positive(units.parse_bytes(v), zero=True)),
+    "ignore": ('a list of rule ids such as ["TL-CMP-001"]', lambda v: _rule_list(v)),
 }
+
+
+def known_rules() -> list:
+    """Every rule id a finding can carry: the trace analyzers' and lint's."""
+    from .analyzers.lint import RULES
+    from .render.sarif import RULE_TITLES
+    return sorted(set(RULE_TITLES) | set(RULES))
+
+
+def rule_ids(values, where: str) -> list:
+    """``values`` as rule ids (case-insensitive: ``tl-cmp-001`` is ``TL-CMP-001``); one that
+    names no rule is a ``SettingsError`` listing the valid ids."""
+    valid = known_rules()
+    out = []
+    for v in values:
+        rid = str(v).strip().upper()
+        if rid not in valid:
+            raise SettingsError(f"{where}: unknown rule id {v!r}; valid ids: {', '.join(valid)}")
+        if rid not in out:
+            out.append(rid)
+    return out
+
+
+def suppress(findings, ignore) -> tuple:
+    """``(kept, suppressed)``: the findings of rules not in ``ignore``, and the others."""
+    ignore = set(ignore or ())
+    kept = [f for f in findings if f.rule not in ignore]
+    return kept, [f for f in findings if f.rule in ignore]
 
 
 class SettingsError(ValueError):
@@ -48,6 +78,12 @@ def _severity(v) -> str:
     if v not in SEVERITY_RANK:
         raise ValueError
     return v
+
+
+def _rule_list(v) -> list:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError
+    return list(v)
 
 
 def _fraction(v) -> float:
@@ -109,6 +145,8 @@ def load_settings(start: str) -> dict:
             out[key] = parse(value)
         except (ValueError, TypeError):
             raise SettingsError(f"{path}: [tool.torchledger] {key}: expected {expected}, got {value!r}") from None
+    if "ignore" in out:
+        out["ignore"] = rule_ids(out["ignore"], f"{path}: [tool.torchledger] ignore")
     out["_source"] = path
     return out
 

@@ -27,8 +27,11 @@ class AuditSpec:
     inputs: Any
     """A tensor, tuple or dict passed to ``model(...)`` (dict: keyword arguments)."""
     loss_fn: Optional[Callable] = None
-    """``(model_output, inputs) -> scalar``; default: the output if scalar, else
-    ``output.loss``, else ``output.float().mean()`` (of ``output.logits`` / ``output[0]``)."""
+    """``(model_output, inputs) -> scalar``; default (``audit.pick_loss``): the output if
+    scalar, else ``output.loss`` / ``output["loss"]``, else the first scalar tensor of a tuple
+    or list (``output[1]`` of nanoGPT's ``(logits, loss)``), else the mean of the logits
+    (``output.logits`` / ``output[0]``: no real loss). Reports say which (``loss: output[1]``,
+    from ``meta.audit.loss``)."""
     optimizer: Optional[Callable] = None
     """``(params) -> Optimizer``; default ``torch.optim.AdamW``."""
     step: Optional[Callable] = None

@@ -45,8 +45,9 @@ RULES = {
                     "add up across steps and the updates grow. Call "
                     "optimizer.zero_grad(set_to_none=True) every step (or every k steps)."),
     "TL-LINT-003": ("warning", "torch.load without weights_only=True",
-                    "torch.load unpickles arbitrary objects unless weights_only=True (the default "
-                    "only from torch 2.6): loading an untrusted checkpoint can run code."),
+                    "torch.load(weights_only=False) unpickles arbitrary objects: loading an untrusted "
+                    "checkpoint can run code (warning). Without weights_only it is a portability note "
+                    "(info): torch >= 2.6 defaults to weights_only=True, older versions unpickle."),
     "TL-LINT-004": ("warning", "Host-device sync in forward",
                     ".item(), .cpu(), .numpy(), .tolist(), print(tensor), branching on a tensor "
                     "value or torch.cuda.synchronize() inside forward stall the host until the "
@@ -187,12 +188,12 @@ def lint_source(source: str, path: str = "<string>") -> list:
             hits = list(check(src))
         except (RecursionError, MemoryError) as e:    # the rules recurse into expressions
             raise _too_deep(path, e, "check") from None
-        for rule, node, message, hint in hits:
+        for rule, node, message, hint, *severity in hits:    # a check may lower one hit's severity
             line = node.lineno
             if _silenced(ignored, rule, node):
                 continue
             found.setdefault((line, rule, message), Finding(
-                rule=rule, severity=RULES[rule][0], message=message,
+                rule=rule, severity=severity[0] if severity else RULES[rule][0], message=message,
                 location=f"{path}:{line}", hint=hint))
     return [found[k] for k in sorted(found)]
 

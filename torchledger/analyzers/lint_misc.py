@@ -17,18 +17,24 @@ __all__ = ["check_unsafe_load", "check_non_blocking", "check_model_moves", "chec
 
 
 def check_unsafe_load(src):
-    """TL-LINT-003: ``torch.load(path)`` without ``weights_only=True``."""
+    """TL-LINT-003: ``torch.load(path)`` with ``weights_only=False`` (warning: it unpickles
+    arbitrary objects on every torch version), or without ``weights_only`` (info: a portability
+    note, since torch >= 2.6 defaults to ``weights_only=True`` and only older versions unpickle)."""
     for call in src.calls:
         if src.qualname(call.func) != "torch.load" or any(k.arg is None for k in call.keywords):
             continue
         flag = kwarg(call, "weights_only")
-        if flag is None or is_const(flag, False):
-            said = "weights_only=False" if flag is not None else "no weights_only=True"
+        if flag is not None and is_const(flag, False):
             yield ("TL-LINT-003", call,
-                   f"torch.load() with {said} unpickles arbitrary objects: a malicious "
-                   f"checkpoint can execute code when loaded",
+                   "torch.load() with weights_only=False unpickles arbitrary objects: a malicious "
+                   "checkpoint can execute code when loaded",
                    "pass weights_only=True to load only tensors, dicts and primitives; allow "
                    "your own trusted classes with torch.serialization.add_safe_globals")
+        elif flag is None:
+            yield ("TL-LINT-003", call,
+                   "torch.load() without weights_only: safe on torch >= 2.6 (its default is "
+                   "weights_only=True), but torch < 2.6 unpickles arbitrary objects here",
+                   "pass weights_only=True to load the same way on every torch version", "info")
 
 
 def check_non_blocking(src):

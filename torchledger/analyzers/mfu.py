@@ -6,6 +6,11 @@ the options (the median of untraced steps, which ``Ledger`` and ``audit`` time) 
 median over the traced records after the first (warm-up), which includes the tracer's own
 overhead. Fake and meta steps have no meaningful time and get no MFU.
 
+A report prints one MFU: :func:`mfu_totals` decides it (value, and the steps its time comes
+from, or why there is none) and the callers (``trace``, ``Ledger``, ``audit``) store it in
+the record's totals (``mfu``, ``hfu``, ``mfu_source``), which the header prints and the
+finding below quotes.
+
 * TL-MFU-001 (warning): MFU below ``min_mfu`` (default 0.3, the floor of a healthy GPU run);
 * TL-MFU-002 (warning): MFU above 1.0, a miscount or a wrong peak.
 """
@@ -15,7 +20,7 @@ import statistics
 
 from ..record import Finding
 
-__all__ = ["step_seconds", "mfu", "check_mfu"]
+__all__ = ["step_seconds", "mfu", "check_mfu", "mfu_totals", "fmt_mfu"]
 
 
 def step_seconds(records):
@@ -34,30 +39,72 @@ def mfu(record, peak_flops: float, seconds=None):
     return t["flops"]["total"] / seconds / peak_flops, t["hardware_flops"] / seconds / peak_flops
 
 
-def check_mfu(records, options=None) -> list:
+def fmt_mfu(value) -> str:
+    """An MFU for a human: three significant digits (0.42, 0.087, 0.000123)."""
+    return f"{value:.3g}"
+
+
+def _timing(records, opts):
+    """``(seconds, where the time comes from)`` for the MFU of ``records``, or ``(None, why)``."""
+    seconds = opts.get("step_seconds")
+    if seconds:
+        n = opts.get("untraced_steps")
+        count = f"median of {n} untraced steps" if n else "untraced steps"
+        return seconds, f"{count}, {seconds * 1e3:.3g} ms"
+    seconds = step_seconds(records)
+    if not seconds:
+        return None, "no step time"
+    n = len(records) - 1
+    count = (f"median of {n} traced steps after the first" if n > 1 else
+             "the traced step after the first" if n == 1 else "the traced step")
+    return seconds, f"{count}, {seconds * 1e3:.3g} ms, tracer overhead included"
+
+
+def mfu_totals(records, options=None) -> dict:
+    """The one MFU of a report, as totals fields: ``{"mfu", "hfu", "mfu_source"}``.
+
+    ``mfu_source`` says which steps the time comes from (``median of 4 untraced steps,
+    12.3 ms``, or the traced steps, tracer overhead included) and the peak; when ``mfu`` is
+    None it says why (no ``peak_flops`` given, a fake/meta device, no step time).
+    """
     opts = options or {}
-    peak = opts.get("peak_flops")
-    if not records or not peak:
-        return []
+    none = {"mfu": None, "hfu": None}
+    if not records:
+        return dict(none, mfu_source="no step traced")
     rec = records[-1]
     if str(rec.meta.get("device", "")).startswith(("fake", "meta")):
-        return []
-    seconds = opts.get("step_seconds")
-    timed = "untraced steps" if seconds else "traced steps, tracer overhead included"
-    seconds = seconds or step_seconds(records)
+        return dict(none, mfu_source=f"none on a {rec.meta.get('device')} device: no real step time "
+                                     f"(run --device cpu or cuda to time the step)")
+    peak = opts.get("peak_flops")
+    if not peak:
+        return dict(none, mfu_source="none: no peak FLOP/s given (peak_flops=, or --peak-flops / --gpu)")
+    seconds, where = _timing(records, opts)
+    if seconds is None:
+        return dict(none, mfu_source=f"none: {where}")
     m, h = mfu(rec, peak, seconds)
+    return {"mfu": m, "hfu": h,
+            "mfu_source": f"{where}; peak {peak:.3g} FLOP/s ({opts.get('peak_source', 'given')})"}
+
+
+def check_mfu(records, options=None) -> list:
+    opts = options or {}
+    if not records or not opts.get("peak_flops"):
+        return []
+    rec = records[-1]
+    got = mfu_totals(records, opts)
+    m, h = got["mfu"], got["hfu"]
     if m is None:
         return []
-    where = (f"{rec.meta.get('device')} at a peak of {peak:.3g} FLOP/s ({opts.get('peak_source', 'given')}; "
-             f"time from {timed})")
+    where = f"{rec.meta.get('device')}, time from {got['mfu_source']}"
     floor = float(opts.get("min_mfu", 0.3))
     if m > 1.0:
         return [Finding("TL-MFU-002", "warning",
-                        f"MFU {m:.3f} is above 1 on {where}: a FLOP miscount or a wrong peak",
+                        f"MFU {fmt_mfu(m)} is above 1 on {where}: a FLOP miscount or a wrong peak",
                         measured=m, expected=1.0, hint="check --peak-flops / --gpu and the dtype")]
     if m < floor:
+        seconds, _ = _timing(records, opts)
         return [Finding("TL-MFU-001", "warning",
-                        f"MFU {m:.4f} (HFU {h:.4f}) on {where}; step {seconds * 1e3:.1f} ms for "
+                        f"MFU {fmt_mfu(m)} (HFU {fmt_mfu(h)}) on {where}; step {seconds * 1e3:.1f} ms for "
                         f"{rec.totals['flops']['total']:,} FLOPs",
                         measured=m, expected=floor,
                         hint="small matrices, element-wise overhead or data loading; larger batch or "

@@ -131,7 +131,7 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.argument("file", metavar="FILE.py")
 @click.option("--entry", default="audit_spec", show_default=True,
               help="Function in FILE.py that returns a torchledger.AuditSpec.")
-@click.option("--device", type=click.Choice(["fake", "meta", "cpu", "cuda"]), default="fake",
+@click.option("--device", type=click.Choice(["fake", "meta", "cpu", "cuda"], case_sensitive=False), default="fake",
               show_default=True, help="fake: FakeTensors with CPU kernels (no memory, no GPU).")
 @click.option("--steps", type=POS_INT, default=3, show_default=True, help="Training steps to run and trace.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
@@ -149,26 +149,33 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
 @click.option("--memory-snapshot", type=click.Path(dir_okay=False), default=None,
               help="CUDA only: write the allocator snapshot of the last step (opens in PyTorch's memory_viz).")
+@click.option("--ignore", "ignore", multiple=True, metavar="RULE",
+              help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
+                   "the report counts them and they do not fail --fail-on.")
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, depth,
-          memory_snapshot):
+          memory_snapshot, ignore):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline."""
-    from ..audit import AuditError, run_audit
-    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings
+    from ..audit import AuditError, run_audit, stdout_to_stderr
+    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
     fmt = _resolve_format(fmt, output)
     peak, peak_source = _peak(peak_flops, gpu)
     try:
         settings = load_settings(file if os.path.exists(file) else os.getcwd())
+        ignore = rule_ids(list(settings.get("ignore", [])) + list(ignore), "--ignore")
     except SettingsError as e:
         raise InputError(str(e)) from None
+    for flag, path in (("--output", output), ("--memory-snapshot", memory_snapshot)):
+        _check_folder(flag, path)           # before the audit runs, not after minutes of it
     base = _load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
     if memory_snapshot and device != "cuda":
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
     try:
-        run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
-                        torch_logs=_debug())
+        with stdout_to_stderr():        # stdout is the report's alone
+            run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
+                            torch_logs=_debug())
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
@@ -176,9 +183,6 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     if device == "cpu" and peak is None:
         from ..tracer.peak import measure_matmul_peak
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
-        t = run.record.totals
-        if t.get("step_seconds_untraced"):
-            t["mfu"] = t["flops"]["total"] / t["step_seconds_untraced"] / peak
     findings = _findings(run, settings, peak, peak_source, gpu)
     rec = run.record
     findings += check_budgets(rec, settings)
@@ -186,11 +190,26 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         more, rows = compare_baseline(rec, base, settings.get("baseline_tolerance", 0.01))
         findings += more
         rec.meta["baseline_diff"] = rows
+    findings, suppressed = suppress(findings, ignore)
+    if ignore:
+        rec.meta["suppressed"] = {"ignore": ignore, "count": len(suppressed),
+                                  "rules": {r: sum(f.rule == r for f in suppressed)
+                                            for r in ignore if any(f.rule == r for f in suppressed)}}
     rec.findings = findings
     from ..render import render
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _check_folder(flag: str, path) -> None:
+    """``--output a/b/out.json`` into a folder that does not exist: one line, before the run."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"{flag} {path}: the folder {os.path.dirname(path) or folder} does not exist; "
+                         f"create it first (mkdir -p) or write elsewhere")
 
 
 def _write_snapshot(run, path) -> None:
@@ -208,13 +227,13 @@ def _write_snapshot(run, path) -> None:
 
 def _findings(run, settings, peak, peak_source, gpu=None) -> list:
     from ..analyzers.checks import run_checks
+    from ..audit import set_mfu
     options = {k: v for k, v in settings.items() if not k.startswith("_")}
     if gpu:
         options["gpu"] = gpu                    # TL-MEM-002: does the peak fit in its memory?
     if peak:
         options.update(peak_flops=peak, peak_source=peak_source)
-    if getattr(run, "untraced_seconds", None):
-        options["step_seconds"] = run.record.totals["step_seconds_untraced"]
+    options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:
         from ..analyzers.lint import lint_paths

@@ -11,7 +11,7 @@ from ..units import fmt_bytes, fmt_count
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
            "totals_rows", "measured_static_bytes", "with_hint", "tokens_note", "attention_kernels",
-           "NO_ATTENTION_KERNEL"]
+           "NO_ATTENTION_KERNEL", "run_notes", "mfu_line"]
 
 EMPTY_SENTENCE = "Empty record: no ops were traced (did the traced block run a step?)."
 CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
@@ -72,6 +72,36 @@ def kernel_line(record) -> str:
     kernel = attention_kernels(record)
     return (f"device {m.get('device', '?')}, dtype {m.get('dtype') or '?'}, torch {m.get('torch', '?')}; "
             f"attention kernel: {kernel}")
+
+
+def run_notes(record) -> list:
+    """Lines every report prints under its header: how the step was run and measured (the
+    loss an audit backpropagated, ...). Absent fields (older records, a ``trace()`` of the
+    user's own step) print nothing."""
+    audit = (record.meta or {}).get("audit") or {}
+    lines = []
+    if audit.get("loss"):
+        lines.append(f"loss: {audit['loss']}")
+    mfu = mfu_line(record.totals)
+    if mfu:
+        lines.append(mfu)
+    hidden = (record.meta or {}).get("suppressed") or {}
+    if hidden.get("ignore"):
+        rules = ", ".join(f"{r} x{n}" for r, n in (hidden.get("rules") or {}).items())
+        lines.append(f"suppressed: {hidden.get('count', 0)} finding(s)" + (f" ({rules})" if rules else "")
+                     + f" by ignore = {', '.join(hidden['ignore'])}; they do not count for --fail-on")
+    return lines
+
+
+def mfu_line(totals):
+    """The report's one MFU, with the steps it comes from, or why there is none; None for a
+    record that has neither (made before ``mfu_source`` existed, with no MFU)."""
+    from ..analyzers.mfu import fmt_mfu
+    m, source = totals.get("mfu"), totals.get("mfu_source")
+    if m is None:
+        return f"MFU: {source}" if source else None
+    hfu = f" (HFU {fmt_mfu(totals['hfu'])})" if totals.get("hfu") is not None else ""
+    return f"MFU: {fmt_mfu(m)}{hfu} from {source or 'a source not recorded'}"
 
 
 def module_rows(record, depth) -> list:
@@ -214,6 +244,4 @@ def totals_rows(record) -> list:
         rows.append([label + " (bytes)", fmt_bytes(t.get(key, 0), binary=True)])
     if t.get("step_seconds") is not None:
         rows.append(["step time (traced)", f"{t['step_seconds'] * 1e3:.1f} ms"])
-    if t.get("mfu") is not None:
-        rows.append(["MFU", f"{t['mfu']:.3f}"])
     return rows

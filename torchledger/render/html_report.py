@@ -13,7 +13,7 @@ from __future__ import annotations
 from html import escape
 
 from ..units import fmt_bytes, fmt_count
-from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, SEVERITY_ORDER, as_findings, comparison_rows,
+from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, SEVERITY_ORDER, as_findings, comparison_rows, run_notes,
                      frontier, is_empty, kernel_line, module_rows, title, totals_rows)
 from .svg import bar_chart, legend, timeline_chart
 
@@ -50,6 +50,7 @@ def render_html(record, findings=None, *, depth: int = 2, **_options) -> str:
     else:
         body += [f'<p class="meta">{escape(kernel_line(record))}</p>',
                  f'<p class="meta">Conventions: {escape(CONVENTIONS_LINE)}.</p>',
+                 *[f'<p class="meta">{escape(note)}</p>' for note in run_notes(record)],
                  _findings(findings),
                  "<h2>Totals</h2>", _table(["quantity", "value"], totals_rows(record), "lr"),
                  _comparisons(record), _charts(record, depth), _timeline(record), _copies(record),

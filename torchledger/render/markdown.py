@@ -8,7 +8,7 @@ predicted vs measured, per-layer table, copies, uncounted ops, tracer warnings.
 from __future__ import annotations
 
 from ..units import fmt_bytes, fmt_count
-from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, SEVERITY_ORDER, as_findings, comparison_rows,
+from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, SEVERITY_ORDER, as_findings, comparison_rows, run_notes,
                      is_empty, kernel_line, module_rows, title, totals_rows, with_hint)
 
 __all__ = ["render_markdown", "md_table", "md_escape"]
@@ -40,6 +40,7 @@ def render_markdown(record, findings=None, *, depth: int = 2, **_options) -> str
         out += _findings(findings)
         return "\n".join(out).rstrip("\n")
     out += [md_escape(kernel_line(record)), "", f"Conventions: {md_escape(CONVENTIONS_LINE)}.", ""]
+    out += [line for note in run_notes(record) for line in (md_escape(note), "")]
     out += _findings(findings)
     out += ["#### Totals", "", md_table(["quantity", "value"], totals_rows(record), "lr"), ""]
     comparisons = comparison_rows(record)

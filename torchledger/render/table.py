@@ -10,7 +10,8 @@ from tabulate import tabulate
 
 from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
-from .common import CONVENTIONS_LINE, attention_kernels, EMPTY_SENTENCE, as_findings, is_empty, module_rows, tokens_note
+from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, is_empty, module_rows,
+                     run_notes, tokens_note)
 
 __all__ = ["render_table"]
 
@@ -33,6 +34,7 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
         f" ({m.get('dtype') or '?'}), torch {m.get('torch', '?')}",
         f"attention kernel: {attention_kernels(record)}",
         f"conventions: {CONVENTIONS_LINE}",
+        *run_notes(record),
         "",
         tabulate(_module_cells(record, depth), headers=_HEADERS, tablefmt="simple",
                  disable_numparse=True),
@@ -123,12 +125,11 @@ def _totals_lines(record) -> list:
                  f"{fmt_bytes(t['optimizer_state_bytes'], binary=True)}; copies "
                  f"{fmt_bytes(t.get('copy_bytes', 0), binary=True)}")
     if t.get("step_seconds") is not None:
-        mfu = f", MFU {t['mfu']:.3f}" if t.get("mfu") is not None else ""
         simulated = str(record.meta.get("device", "")).startswith(("fake", "meta"))
         note = " (traced; fake/meta: not a real step time)" if simulated else " (traced)"
         untraced = (f"{t['step_seconds_untraced'] * 1e3:.1f} ms untraced, "
                     if t.get("step_seconds_untraced") else "")
-        lines.append(f"step time: {untraced}{t['step_seconds'] * 1e3:.1f} ms{note}{mfu}")
+        lines.append(f"step time: {untraced}{t['step_seconds'] * 1e3:.1f} ms{note}")
     alloc = record.memory.get("allocator")
     if alloc:
         if alloc.get("available"):

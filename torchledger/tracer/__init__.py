@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from ..analyzers.mfu import mfu_totals
 from .step import StepTracer, active_tracer, check_optimizer
 
 __all__ = ["trace", "Ledger", "StepTracer", "active_tracer"]
@@ -48,6 +49,7 @@ class _Traced(StepTracer):
         options.setdefault("peak_flops", self.peak_flops)
         found = run_checks([self.record], options)
         self.record.findings = list(found)
+        self.record.totals.update(mfu_totals([self.record], options))   # the report's one MFU
         return found
 
 
@@ -142,9 +144,11 @@ class Ledger:
         options.setdefault("peak_flops", self.peak_flops)
         if self.untraced_seconds and "step_seconds" not in options:
             options["step_seconds"] = sorted(self.untraced_seconds)[len(self.untraced_seconds) // 2]
+            options["untraced_steps"] = len(self.untraced_seconds)
         found = run_checks(self.records, options)
         if self.records:                  # the latest record keeps them (to_dict, report)
             self.records[-1].findings = list(found)
+            self.records[-1].totals.update(mfu_totals(self.records, options))  # the one MFU
         return found
 
     def report(self, **options) -> str:
