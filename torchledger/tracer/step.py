@@ -140,8 +140,19 @@ class StepTracer:
             self._cuda_mark("end", sync=True)
             seconds = self.clock() - self._t0
             model, self._model = self._model, None
-            self.record = build_record(self, model, seconds, failed=exc_type is not None)
+            try:
+                self.record = build_record(self, model, seconds, failed=exc_type is not None)
+            finally:
+                self._release()
         return False
+
+    def _release(self) -> None:
+        """After the step: keep the record and weak references only (no parameter, optimizer,
+        state or hook of the step stays reachable from this object)."""
+        self._params, self._optimizers, self._param_storages = [], [], {}
+        self.scope = self.storages = self.mode = self.history = None
+        self._saved, self._grads_after_step, self._carried, self.carry_in = {}, {}, {}, {}
+        self._output_caches, self._cuda_marks = [], []
 
     # -- what exists before the step ---------------------------------------------------------
     def _register_persistent(self, model) -> None:
