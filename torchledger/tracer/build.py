@@ -6,7 +6,7 @@ import torch
 
 from ..record import TOKENS_GIVEN, StepRecord
 from .dispatch import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
-from .memory import ACT, CATEGORIES, GRAD
+from .memory import ACT, CATEGORIES, GRAD, state_tensors, tensor_bytes
 from .modules import NO_MODULE
 
 __all__ = ["build_record", "ATTENTION_KERNELS"]
@@ -80,7 +80,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["trainable_param_bytes"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     t["matmul_params"] = sum(tracer._param_storages[k] for k in mode.matmul_params)
     t["param_matmul_flops_forward"] = int(mode.param_matmul_flops)
-    t["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    t["grad_bytes"] = sum(_bytes(p.grad) for p in params if p.grad is not None)
     t["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) if model is not None else 0
     t["tokens"] = tracer.tokens or 0
     t["tokens_source"] = tracer.tokens_source or (TOKENS_GIVEN if tracer.tokens else None)
@@ -270,6 +270,15 @@ def _predictions(rec) -> dict:
     return out
 
 
+def _bytes(t) -> int:
+    """Bytes of a tensor's data (a sparse one's indices and values); its dense size when its
+    kind has no reachable data."""
+    try:
+        return tensor_bytes(t)
+    except Exception:
+        return t.numel() * t.element_size()
+
+
 def _op_name(func) -> str:
     return str(func)
 
@@ -306,15 +315,13 @@ def _optimizer_summary(optimizers, params) -> dict:
                 n_opt_params += p.numel()
                 if id(p) not in model_params and p.dtype == torch.float32 and low_precision:
                     master += p.numel() * p.element_size()
-        for state in opt.state.values():
-            for key, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    e = by_key.setdefault((key, str(v.dtype).replace("torch.", "")),
-                                          {"key": key, "dtype": str(v.dtype).replace("torch.", ""),
-                                           "tensors": 0, "numel": 0, "bytes": 0})
-                    e["tensors"] += 1
-                    e["numel"] += v.numel()
-                    e["bytes"] += v.numel() * v.element_size()
+        for key, v in state_tensors(opt):       # LBFGS's history lists too
+            e = by_key.setdefault((key, str(v.dtype).replace("torch.", "")),
+                                  {"key": key, "dtype": str(v.dtype).replace("torch.", ""),
+                                   "tensors": 0, "numel": 0, "bytes": 0})
+            e["tensors"] += 1
+            e["numel"] += v.numel()
+            e["bytes"] += _bytes(v)
     state_bytes = sum(e["bytes"] for e in by_key.values())
     dtypes = {p.dtype for p in params}
     precision = ("fp32" if dtypes == {torch.float32} else

@@ -19,7 +19,7 @@ from bisect import bisect_right
 from torch._C._autograd import _get_sequence_nr
 
 from .flops import FlopCount, op_flops
-from .memory import TEMP
+from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
 
 __all__ = ["LedgerMode", "PHASES"]
@@ -232,33 +232,16 @@ class LedgerMode(TorchDispatchMode):
             elif alias and self._is_view(func, args, out):   # no bytes move, no storage is made
                 self.views[phase] += 1
                 if info[3] and self.grad_watch:
-                    for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
-                        self.zeroed.add(t.untyped_storage()._cdata)
+                    self._zeroed(args[0])
                 if self._copied and info[2] and phase == FORWARD:
                     self._check_undone(args, out)
                 return
 
-        read = 0
-        for a in args:
-            if isinstance(a, _Tensor):
-                read += a.nbytes
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, _Tensor):
-                        read += b.nbytes
-        written = 0
         track = not alias or self._view_checked.get(id(func)) is False   # an "alias" that copied
-        st = self.storages
-        if isinstance(out, _Tensor):
-            written = out.nbytes
-            if track:
-                st.add(out.untyped_storage(), TEMP, at=idx, op=func)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, _Tensor):
-                    written += o.nbytes
-                    if track:
-                        st.add(o.untyped_storage(), TEMP, at=idx, op=func)
+        try:
+            read, written = self._io(args, out, track, idx, func)
+        except (RuntimeError, NotImplementedError):  # sparse: no nbytes, no single storage
+            read, written = self._io(args, out, track, idx, func, nbytes=tensor_bytes, storages=storages)
         row[3] += read
         row[4] += written
         if info[1]:
@@ -267,12 +250,33 @@ class LedgerMode(TorchDispatchMode):
             self._note_gather(args, out)
         elif info[3] and self.grad_watch and (info[3] == 1 or (
                 len(args) > 1 and type(args[1]) in (int, float) and args[1] == 0)):   # p.grad.mul_(0)
-            for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],)):
-                self.zeroed.add(t.untyped_storage()._cdata)
+            self._zeroed(args[0])
         if phase == FORWARD and written:
             first = out if isinstance(out, _Tensor) else (out[0] if isinstance(out, tuple) and out else None)
             if isinstance(first, _Tensor) and first.dim() == 0:
                 self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
+
+    def _io(self, args, out, track, idx, func, nbytes=_Tensor.nbytes.__get__, storages=None):
+        """Bytes read and written by an op; tracks the storages it made when ``track``. The
+        default reads ``.nbytes`` and one storage per tensor (fast); the caller retries with
+        ``memory.tensor_bytes``/``memory.storages`` for tensors without one (sparse)."""
+        read = 0
+        for a in args:
+            if isinstance(a, _Tensor):
+                read += nbytes(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        read += nbytes(b)
+        written = 0
+        st = self.storages
+        for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
+            if isinstance(o, _Tensor):
+                written += nbytes(o)
+                if track:
+                    for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
+                        st.add(s, TEMP, at=idx, op=func)
+        return read, written
 
     def _is_view(self, func, args, out) -> bool:
         """The schema says ``func`` aliases its input; the first time each op is seen, confirm
@@ -281,12 +285,16 @@ class LedgerMode(TorchDispatchMode):
         if ok is None:
             src = args[0] if args and isinstance(args[0], _Tensor) else None
             dst = out if isinstance(out, _Tensor) else None
-            ok = (src is None or dst is None
-                  or src.untyped_storage()._cdata == dst.untyped_storage()._cdata)
+            ok = (src is None or dst is None      # a sparse tensor's _values() is in one of its storages
+                  or not {s._cdata for s in storages(src)}.isdisjoint(s._cdata for s in storages(dst)))
             self._view_checked[id(func)] = ok
             if not ok:
                 self._finfo[id(func)] = (False,) + self._finfo[id(func)][1:]
         return ok
+
+    def _zeroed(self, arg) -> None:
+        for t in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+            self.zeroed.update(s._cdata for s in storages(t))
 
     def _in_attention(self, phase, node):
         """None outside SDPA; else whether the SDPA call was causal."""

@@ -18,13 +18,72 @@ figures recorded at phase boundaries.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 
 import numpy as np
+import torch
 
-__all__ = ["StorageTracker", "CATEGORIES"]
+__all__ = ["StorageTracker", "CATEGORIES", "data_tensors", "storages", "tensor_bytes", "state_tensors"]
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 PARAM, BUFFER, GRAD, OPT, ACT, TEMP = range(6)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_bsr: ("crow_indices", "col_indices"),
+               torch.sparse_csc: ("ccol_indices", "row_indices"), torch.sparse_bsc: ("ccol_indices", "row_indices")}
+
+
+def data_tensors(t, depth: int = 0) -> list:
+    """The strided tensors that hold ``t``'s data: ``t`` itself; a sparse tensor's indices and
+    values; the inner tensors of a wrapper subclass (DTensor's local shard, a jagged nested
+    tensor's values and offsets). Raises for a kind whose data cannot be reached."""
+    if type(t) in _PLAIN and t.layout is torch.strided:      # the common case, and fast
+        return [t]
+    layout = t.layout
+    if layout is torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if layout in _COMPRESSED:
+        a, b = _COMPRESSED[layout]
+        return [getattr(t, a)(), getattr(t, b)(), t.values()]
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and depth < 8:
+        inner = [getattr(t, name) for name in flatten()[0]]
+        return [x for i in inner if isinstance(i, torch.Tensor) for x in data_tensors(i, depth + 1)]
+    return [t]
+
+
+def storages(t) -> list:
+    """The ``UntypedStorage`` objects holding ``t``'s data (see ``data_tensors``)."""
+    if type(t) in _PLAIN and t.layout is torch.strided:
+        return [t.untyped_storage()]
+    return [x.untyped_storage() for x in data_tensors(t)]
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of ``t``'s data: a sparse tensor's indices plus values, not its dense size."""
+    if type(t) in _PLAIN and t.layout is torch.strided:
+        return t.nbytes
+    return sum(x.nbytes for x in data_tensors(t))
+
+
+def state_tensors(opt, limit: int = 100_000):
+    """(key, tensor) for every tensor in an optimizer's state, also inside lists, tuples and
+    dicts (LBFGS keeps its history in lists); each tensor once."""
+    seen: set = set()
+    todo = deque((k, v, 0) for state in list(opt.state.values()) if isinstance(state, dict)
+            for k, v in list(state.items()))
+    while todo and limit > 0:               # breadth first: a tensor is named by its first key
+        key, v, depth = todo.popleft()
+        limit -= 1
+        if isinstance(v, torch.Tensor):
+            if id(v) not in seen:
+                seen.add(id(v))
+                yield key, v
+        elif isinstance(v, (list, tuple)) and depth < 8:
+            todo.extend((key, x, depth + 1) for x in v)
+        elif isinstance(v, dict) and depth < 8:
+            todo.extend((key, x, depth + 1) for x in list(v.values()))
 
 
 class StorageTracker:

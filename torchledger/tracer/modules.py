@@ -20,11 +20,20 @@ import torch
 from torch._C._autograd import _get_sequence_nr
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from .memory import storages
+
 __all__ = ["ModuleScope", "NO_MODULE"]
 
 NO_MODULE = -1
 _current_node = torch._C._current_autograd_node
 _NO_SEQ = 2**64 - 1
+
+
+def _storages(p) -> list:
+    try:
+        return storages(p)
+    except Exception:       # a kind with no storage: StepTracer warns about it
+        return []
 
 
 class ModuleScope:
@@ -51,7 +60,8 @@ class ModuleScope:
             for p in mod.parameters(recurse=False):
                 if id(p) not in self.param_owner:
                     self.param_owner[id(p)] = i
-                    self.storage_owner.setdefault(p.untyped_storage()._cdata, i)
+                    for s in _storages(p):
+                        self.storage_owner.setdefault(s._cdata, i)
                     n += p.numel()
             self.own_params.append(n)
         self.stack: list[int] = []

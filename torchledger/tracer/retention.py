@@ -77,7 +77,8 @@ def _mark_graphs(kept: dict) -> None:
 
 def _grads(tracer) -> dict:
     left = 0
-    current = {p.grad.untyped_storage()._cdata for p in tracer._params if p.grad is not None}
+    current = {s._cdata for p in tracer._params if p.grad is not None
+               for s in tracer._storages(p.grad, "gradient")}
     for key, nbytes in tracer._grads_after_step.items():
         if key in current and key not in tracer.mode.zeroed:
             left += nbytes

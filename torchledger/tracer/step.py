@@ -18,7 +18,7 @@ import torch
 from ..record import StepRecord
 from .build import build_record
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
-from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker
+from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
 from .outputs import output_cache
 
@@ -140,8 +140,19 @@ class StepTracer:
             self._cuda_mark("end", sync=True)
             seconds = self.clock() - self._t0
             model, self._model = self._model, None
-            self.record = build_record(self, model, seconds, failed=exc_type is not None)
+            try:
+                self.record = build_record(self, model, seconds, failed=exc_type is not None)
+            finally:
+                self._release()
         return False
+
+    def _release(self) -> None:
+        """After the step: keep the record and weak references only (no parameter, optimizer,
+        state or hook of the step stays reachable from this object)."""
+        self._params, self._optimizers, self._param_storages = [], [], {}
+        self.scope = self.storages = self.mode = self.history = None
+        self._saved, self._grads_after_step, self._carried, self.carry_in = {}, {}, {}, {}
+        self._output_caches, self._cuda_marks = [], []
 
     # -- what exists before the step ---------------------------------------------------------
     def _register_persistent(self, model) -> None:
@@ -149,36 +160,59 @@ class StepTracer:
         self._params = list({id(p): p for p in model.parameters()}.values())
         self._param_storages = {}
         for p in self._params:
-            s = p.untyped_storage()
-            # params sharing one storage (cuDNN's flattened RNN weights) add up: a matmul that
-            # reads the storage counts them all in N
-            self._param_storages[s._cdata] = self._param_storages.get(s._cdata, 0) + p.numel()
-            st.add(s, PARAM, at=0)
+            for s in self._storages(p, "parameter"):
+                # params sharing one storage (cuDNN's flattened RNN weights) add up: a matmul that
+                # reads the storage counts them all in N
+                self._param_storages[s._cdata] = self._param_storages.get(s._cdata, 0) + p.numel()
+                st.add(s, PARAM, at=0)
             if p.grad is not None:
-                st.add(p.grad.untyped_storage(), GRAD, at=0)
+                self._track(p.grad, GRAD, "gradient", at=0)
         for b in model.buffers():
-            st.add(b.untyped_storage(), BUFFER, at=0)
+            self._track(b, BUFFER, "buffer", at=0)
         for opt in self._optimizers:
-            for t in _state_tensors(opt):
-                st.add(t.untyped_storage(), OPT, at=0)
+            for _, t in state_tensors(opt):
+                self._track(t, OPT, "optimizer state", at=0)
         self._carried = {}              # lifetime index -> origin, for storages from earlier steps
         for entry in self.carry_in.values():
             s = entry["ref"]()
             if s is not None:
                 self._carried[st.add(s, entry["category"], at=0)] = entry["origin"]
 
+    def _storages(self, t, what: str) -> list:
+        """``memory.storages(t)``, or [] with a warning for a tensor kind that has none."""
+        return [x.untyped_storage() for x in self._data(t, what)]
+
+    def _data(self, t, what: str) -> list:
+        """``memory.data_tensors(t)`` (those with a storage), or [] with a warning."""
+        try:
+            data = data_tensors(t)
+            for x in data:
+                x.untyped_storage()
+            return data
+        except Exception as e:
+            self._warn(f"{what} of type {type(t).__name__} (layout {t.layout}) not counted: "
+                       f"{type(e).__name__}: {e}")
+            return []
+
+    def _track(self, t, category: int, what: str, at=None, promote: bool = False) -> None:
+        for s in self._storages(t, what):
+            if promote:
+                self.storages.promote(s, category)
+            else:
+                self.storages.add(s, category, at=at)
+
     # -- hooks (never raise into the user's step) ------------------------------------------
     def _pack(self, t):
         try:
-            s = t.untyped_storage()
-            if s._cdata in self._param_storages:
-                return t
-            # keyed by lifetime, not address: a storage freed by micro-batch 1's backward and
-            # one that micro-batch 2 makes at the same address are two activations
             forward = _current_node() is None
-            k = self.storages.promote(s, ACT, only_from=TEMP) if forward else self.storages.add(s, TEMP)
-            if k not in self._saved and self.storages.cat[k] != BUFFER:  # BatchNorm's running stats
-                self._saved[k] = (s.nbytes(), self.scope.top, "forward" if forward else "recompute")
+            for s in self._storages(t, "saved tensor"):
+                if s._cdata in self._param_storages:
+                    continue
+                # keyed by lifetime, not address: a storage freed by micro-batch 1's backward and
+                # one that micro-batch 2 makes at the same address are two activations
+                k = self.storages.promote(s, ACT, only_from=TEMP) if forward else self.storages.add(s, TEMP)
+                if k not in self._saved and self.storages.cat[k] != BUFFER:  # BatchNorm's running stats
+                    self._saved[k] = (s.nbytes(), self.scope.top, "forward" if forward else "recompute")
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
         return t
@@ -194,11 +228,11 @@ class StepTracer:
             name, cache_type, tensors = found
             lifetimes, nbytes = set(), {}
             for t in tensors:
-                s = t.untyped_storage()
-                nbytes[s._cdata] = s.nbytes()
-                k = self.storages.live.get(s._cdata)
-                if k is not None:
-                    lifetimes.add(k)
+                for s in self._storages(t, "returned cache tensor"):
+                    nbytes[s._cdata] = s.nbytes()
+                    k = self.storages.live.get(s._cdata)
+                    if k is not None:
+                        lifetimes.add(k)
             self._output_caches.append({"field": name, "cache_type": cache_type, "tensors": len(tensors),
                                         "bytes": sum(nbytes.values()), "lifetimes": sorted(lifetimes)})
         except Exception as e:
@@ -207,32 +241,39 @@ class StepTracer:
     def _grad_ready(self, p):
         try:
             if p.grad is not None:
-                self.storages.promote(p.grad.untyped_storage(), GRAD)
+                self._track(p.grad, GRAD, "gradient", promote=True)
         except Exception as e:
             self._warn(f"grad hook: {type(e).__name__}: {e}")
 
     def _opt_pre(self, opt, args, kwargs):
-        self._cuda_mark("optimizer-start")
-        self.mode.in_optimizer += 1
-        if all(o is not opt for o in self._optimizers):
-            self._optimizers.append(opt)
+        try:
+            self._cuda_mark("optimizer-start")
+            self.mode.in_optimizer += 1
+            if all(o is not opt for o in self._optimizers):
+                self._optimizers.append(opt)
+        except Exception as e:
+            self._warn(f"optimizer hook: {type(e).__name__}: {e}")
 
     def _on_phase(self, phase: int) -> None:
-        if phase == BACKWARD and self.grad_bytes_at_backward is None:
-            self.grad_bytes_at_backward = sum(p.grad.nbytes for p in self._params if p.grad is not None)
+        try:
+            if phase == BACKWARD and self.grad_bytes_at_backward is None:
+                self.grad_bytes_at_backward = sum(tensor_bytes(p.grad) for p in self._params
+                                                  if p.grad is not None)
+        except Exception as e:
+            self._warn(f"gradient bytes at backward: {type(e).__name__}: {e}")
         if self.cuda is not None:
             self._cuda_mark(PHASES[phase])
 
     def _opt_post(self, opt, args, kwargs):
-        self.mode.in_optimizer = max(0, self.mode.in_optimizer - 1)
-        self.optimizer_steps += 1
-        self._grads_after_step = {p.grad.untyped_storage()._cdata: p.grad.nbytes
-                                  for p in self._params if p.grad is not None}
-        self.mode.zeroed.clear()
-        self.mode.grad_watch = True
         try:
-            for t in _state_tensors(opt):
-                self.storages.promote(t.untyped_storage(), OPT)
+            self.mode.in_optimizer = max(0, self.mode.in_optimizer - 1)
+            self.optimizer_steps += 1
+            self._grads_after_step = {x.untyped_storage()._cdata: x.nbytes for p in self._params
+                                      if p.grad is not None for x in self._data(p.grad, "gradient")}
+            self.mode.zeroed.clear()
+            self.mode.grad_watch = True
+            for _, t in state_tensors(opt):
+                self._track(t, OPT, "optimizer state", promote=True)
         except Exception as e:
             self._warn(f"optimizer hook: {type(e).__name__}: {e}")
         self._cuda_mark("optimizer-end")
@@ -261,13 +302,6 @@ _current_node = torch._C._current_autograd_node
 
 def _unpack(t):
     return t
-
-
-def _state_tensors(opt):
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                yield v
 
 
 def _cuda_device(model):
