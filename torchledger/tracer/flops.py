@@ -15,8 +15,11 @@ kernel volume); its backward costs one forward for grad_input and one for grad_w
 when cuDNN is asked for no weight grads). Attention is counted dense, 2*B*Hq*Sq*Sk*(Dqk + Dv), with the QUERY
 heads (GQA/MQA broadcast K/V heads); ``flops_causal`` is exactly half the dense figure when
 the kernel is causal (the exact pair count T(T+1)/2 differs by a factor 1 + 1/T); backward is
-counted as 2x forward (four score-sized matmuls; the flash kernels' recomputation of the
-scores is not counted). Element-wise work is approximate and low order (memory-bound):
+counted as 2x forward (four score-sized matmuls: model FLOPs; the flash, efficient and cuDNN
+kernels' recomputation of the scores, 2.5x forward in all, is added to hardware FLOPs by the
+record builder, see :mod:`.flops_attention`). ``torch.nn.attention.varlen_attn`` is attention
+too (its custom ops, dense and causal, as the flash varlen kernel it calls). Element-wise
+work is approximate and low order (memory-bound):
 1 FLOP per output element for pointwise ops, 1 per input element for reductions, softmax,
 norms and losses, sum of list numels for ``_foreach_*`` ops, and a per-element constant for
 fused optimizers that matches what their foreach path reports. Views, copies, indexing,
@@ -58,7 +61,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from .flops_attention import _ATTENTION, _attention  # the SDPA, flash, efficient, cuDNN formulas
+from .flops_attention import _ATTENTION, VARLEN, _attention  # SDPA, flash, efficient, cuDNN, varlen
 
 __all__ = ["FLOP_KINDS", "FlopCount", "op_flops"]
 
@@ -425,6 +428,8 @@ def _resolve(func) -> Optional[Handler]:
     if namespace in _FREE_NAMESPACES:
         return _free
     if namespace != "aten":  # custom and collective ops: uncounted unless a formula is known
+        if schema.name in VARLEN:      # before _registered: PyTorch registers these as plain work
+            return _attention(func, _getter, FlopCount, **VARLEN[schema.name])
         if schema.name in _CUSTOM:
             return _CUSTOM[schema.name](func)
         return _registered(func)
