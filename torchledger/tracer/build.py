@@ -89,6 +89,9 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["trainable_param_bytes"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     t["matmul_params"] = sum(tracer._param_storages[k] for k in mode.matmul_params)
     t["param_matmul_flops_forward"] = int(mode.param_matmul_flops)
+    # the backward matmuls those need: one forward's worth per operand that requires grad
+    # (2 x forward when weight and input both train: 6 x sum(P x rows) in all; frozen weights less)
+    t["param_matmul_flops_grad"] = int(mode.param_grad_flops)
     t["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     t["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) if model is not None else 0
     t["tokens"] = tracer.tokens or 0

@@ -63,7 +63,7 @@ import torch
 
 from .flops_attention import _ATTENTION, VARLEN, _attention  # SDPA, flash, efficient, cuDNN, varlen
 
-__all__ = ["FLOP_KINDS", "FlopCount", "op_flops"]
+__all__ = ["FLOP_KINDS", "FlopCount", "op_flops", "grads_needed"]
 
 FLOP_KINDS = ("matmul", "attention", "elementwise", "free")
 
@@ -478,6 +478,42 @@ def _resolve(func) -> Optional[Handler]:
     if torch.Tag.reduction in packet_tags:
         return _per_input
     return None
+
+
+# --- gradients a matmul's backward makes ---------------------------------------------------
+
+_ADD_FIRST = frozenset({"addmm", "baddbmm", "addbmm", "_addmm_activation", "addmv"})
+_OPERANDS: Dict[int, Optional[tuple]] = {}
+
+
+def _operand_slots(func) -> Optional[tuple]:
+    """Positions of the two multiplied operands of a matmul or convolution (the bias or
+    ``self`` of addmm-like ops excluded), or None for other matmul-class work (fused RNNs,
+    trilinear, custom ops: counted as making every gradient)."""
+    name = func._schema.name.partition("::")[2] if func._schema.name.startswith("aten::") else ""
+    if name in _ADD_FIRST:
+        return (1, 2)
+    if name in _MATMUL and name != "_trilinear" or name in _CONV_FORWARD:
+        return (0, 1)
+    return None
+
+
+def grads_needed(func, args) -> int:
+    """How many gradient matmuls the backward of this forward matmul will run, each as costly
+    as the forward (FLOP count conventions): one per multiplied operand that requires grad,
+    0 under ``no_grad``. A frozen weight times an input that needs no grad makes none; a
+    trainable weight (or one whose input needs grad) makes one; both make two (the 6ND case).
+    Fused recurrent kernels and ops with no known operand slots count 2."""
+    if not torch.is_grad_enabled():
+        return 0
+    slots = _OPERANDS.get(id(func), ())
+    if slots == ():
+        slots = _OPERANDS[id(func)] = _operand_slots(func)
+        _RESOLVED.append(func)
+    if slots is None:
+        return 2
+    return sum(1 for i in slots if i < len(args) and isinstance(args[i], torch.Tensor)
+               and args[i].requires_grad)
 
 
 # Keyed by id(func): OpOverload.__hash__ is Python code and costs more than a formula. The
