@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 from ..record import Finding, counts_samples
 from .activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
 from .flops import encoder_decoder_attention_flops
-from .memory import OPTIMIZERS, static_memory
+from .memory import OPTIMIZERS, bytes_per_param, static_memory
 from .params import count_params, params_12ld2_encoder_decoder
 
 __all__ = ["predictions", "comparisons", "check_comparisons"]
@@ -53,6 +53,30 @@ def _exact_formula_fits(cfg) -> bool:
 def _uneven(p) -> bool:
     """Weights did not all multiply every token: 6 x sum(weight x rows) is not 6ND."""
     return p.get("flops_6nd_per_weight") is not None and p["flops_6nd_per_weight"] != p.get("flops_6nd")
+
+
+def _frozen_params(t) -> int:
+    """Parameters that do not train (requires_grad False); 0 for records made before
+    ``trainable_params`` existed."""
+    return max(int(t.get("params") or 0) - int(t.get("trainable_params", t.get("params")) or 0), 0)
+
+
+#: What the weights' term of the FLOPs prediction is: (prediction key, row name).
+_BASES = {
+    "6nd": ("flops_6nd", "training FLOPs vs 6ND"),
+    "per_weight": ("flops_6nd_per_weight", "training FLOPs vs 6 x sum(weight x rows)"),
+    "grads": ("flops_per_weight_grads", "training FLOPs vs weights' fwd + grads"),
+}
+
+
+def _base(p) -> str:
+    """Which weights' term describes the step: with frozen weights, the work each weight's
+    matmuls really did (forward, plus the gradients its backward made); where weights did not
+    all see D tokens (experts, convolutions, encoder/decoder lengths, heads on a few rows),
+    6 x sum(weight x rows); else 6ND."""
+    if "flops_per_weight_grads" in p:
+        return "grads"
+    return "per_weight" if _uneven(p) else "6nd"
 
 
 class _Shape(NamedTuple):
@@ -135,6 +159,10 @@ def predictions(record) -> dict:
         # when every weight sees every token; not for experts (top-k of E), encoder-decoder
         # stacks (their own lengths) or heads that read a few rows (a classifier's CLS token)
         out["flops_6nd_per_weight"] = 3 * int(t["param_matmul_flops_forward"])
+        if _frozen_params(t) and t.get("param_matmul_flops_grad") is not None:
+            # frozen weights make no weight gradient (and none for their input when nothing
+            # upstream trains): forward 2 x sum(P x rows) + one forward per gradient made
+            out["flops_per_weight_grads"] = int(t["param_matmul_flops_forward"]) + int(t["param_matmul_flops_grad"])
     cfg, shape, T = _config(record), _shape(record), _seq_len(record)
     if cfg is not None and _exact_formula_fits(record.meta.get("config")):
         out["params_exact"] = count_params(cfg).total
@@ -145,7 +173,8 @@ def predictions(record) -> dict:
         args = (n_enc, n_dec, lengths.t_enc, lengths.t_dec, d_attn, lengths.d_enc, lengths.d_dec)
         # decoder tokens != encoder tokens: 6ND is not the weights' work; 6 x sum(weight x
         # rows) is (each stack's weights at its own tokens, cross K/V at the encoder's)
-        base = (out["flops_6nd_per_weight"] if lengths.d_dec != lengths.d_enc
+        base = (out["flops_per_weight_grads"] if "flops_per_weight_grads" in out else
+                out["flops_6nd_per_weight"] if lengths.d_dec != lengths.d_enc
                 and "flops_6nd_per_weight" in out else 6 * N * D)
         out["flops_6nd_attention"] = base + encoder_decoder_attention_flops(*args)
         out["flops_6nd_attention_causal"] = base + encoder_decoder_attention_flops(*args, causal=True)
@@ -155,8 +184,9 @@ def predictions(record) -> dict:
                                if shape.n_enc is not None else 12 * L * d * d + V * d)
         if D and T:
             attn = 12 * L * T * d_attn * D
-            out["flops_6nd_attention"] = 6 * N * D + attn
-            out["flops_6nd_attention_causal"] = 6 * N * D + attn // 2
+            base = out[_BASES[_base(out)][0]]
+            out["flops_6nd_attention"] = base + attn
+            out["flops_6nd_attention_causal"] = base + attn // 2
     if cfg is not None and D and T:
         fused = _attention_storage(record)[0]
         if lengths is not None:
@@ -171,9 +201,13 @@ def predictions(record) -> dict:
             out["activation_bytes_korthikanti_16bit"] = cfg.n_layers * layer
     opt = record.optimizer or {}
     if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
+        # trainable: params + grads + master + optimizer state; frozen: their weights only
         sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"])
-        out["static_bytes"] = sm.total_bytes
+        frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
+        out["static_bytes"] = sm.total_bytes + frozen
         out["static_bytes_per_param"] = sm.bytes_per_param
+        if frozen:
+            out["static_bytes_frozen"] = frozen
     return out
 
 
@@ -198,18 +232,17 @@ def comparisons(record, p=None) -> list:
         rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
                          enc_dec + _explain_12ld2(cfg) if cfg is not None else
                          "L, d and V found from the modules (no config): " + _explain_partial(record)))
-    if "flops_6nd" in p:
+    base = _base(p)
+    if base == "6nd" and "flops_6nd" in p:
         f = t["flops"]["total"]
         attn = t["attention_flops"]["dense"]
         other = f - p["flops_6nd"] - attn
-        unit = "samples" if counts_samples(t) else "tokens"      # D of an image batch: its samples
         rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
                          f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
-                         f"D = {t['tokens']:,} {unit}; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
-                         + (f"; weights do not all see D {unit} (experts, encoder/decoder lengths, "
-                            f"heads on a few rows): 6 x sum(weight x rows it multiplied) = "
-                            f"{p['flops_6nd_per_weight']:,}"
-                            if _uneven(p) else _other(other, p["flops_6nd"]))))
+                         f"D = {t['tokens']:,} {_unit(t)}; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
+                         + _other(other, p["flops_6nd"])))
+    elif base != "6nd":
+        rows.append(_weights_row(record, p, base))
     if "flops_6nd_attention" in p:
         d, d_attn = shape.d, shape.d_attn
         if lengths is not None:
@@ -227,6 +260,10 @@ def comparisons(record, p=None) -> list:
                          f"decoder's saw {lengths.d_dec:,}")
         else:
             text = f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
+        if base != "6nd" and lengths is None:
+            text += f"; the weights' term is {_BASES[base][1].split(' vs ')[1]} = {p[_BASES[base][0]]:,}, not 6ND"
+        elif base == "grads":
+            text += f"; the weights' term is their forward + the gradients made = {p[_BASES[base][0]]:,} (frozen weights)"
         rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
                          text + (f"; d in 12LTd is heads x head_dim = {d_attn:,}, not the hidden size {d:,}"
                                  if d_attn != d else "")))
@@ -234,10 +271,12 @@ def comparisons(record, p=None) -> list:
         measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
                     + (record.optimizer or {}).get("master_weight_bytes", 0))
         opt = record.optimizer
+        frozen = (f" + {p['static_bytes_frozen']:,} bytes of {_frozen_params(t):,} frozen params "
+                  f"(their weights only: no gradient, no optimizer state)" if p.get("static_bytes_frozen") else "")
         rows.append(_row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
-                         f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes/param "
-                         f"predicted, {measured / max(t.get('trainable_params', 1), 1):.3f} measured "
-                         f"(per-tensor step scalars and frozen params make the difference)"))
+                         f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes per "
+                         f"trainable param x {t['trainable_params']:,}{frozen} predicted "
+                         f"(per-tensor step scalars make the difference)"))
     if "activation_bytes_korthikanti_16bit" in p:
         layers = ""
         if lengths is not None:
@@ -261,26 +300,33 @@ def check_comparisons(records, options=None) -> list:
     p = predictions(rec)
     out = []
     t = rec.totals
-    if "flops_6nd" in p and _shape(rec) is not None and t["flops"]["total"]:
-        if _uneven(p):
-            explained = p["flops_6nd_per_weight"] + t["attention_flops"]["dense"]
+    key, name = _BASES[_base(p)]
+    if key in p and _shape(rec) is not None and t["flops"]["total"]:
+        if "flops_6nd_attention" in p:
+            explained, what = p["flops_6nd_attention"], name.split(" vs ")[1] + " + 12LTd attention"
         else:
-            explained = p.get("flops_6nd_attention") or p["flops_6nd"] + t["attention_flops"]["dense"]
-        gap = (t["flops"]["total"] - explained) / t["flops"]["total"]
-        if abs(gap) > tol:
+            explained = p[key] + t["attention_flops"]["dense"]
+            what = name.split(" vs ")[1] + " + attention as measured"
+        measured = t["flops"]["total"]
+        gap = (measured - explained) / explained if explained else 0.0
+        if abs(gap) > tol:     # gap = (measured - predicted) / predicted: > 0 above, < 0 below
             out.append(Finding("TL-CMP-001", "warning" if _config(rec) is not None else "info",
-                               f"{gap:+.1%} of the step's FLOPs are not explained by 6ND + attention",
-                               measured=t["flops"]["total"], expected=explained,
-                               hint="look for matmuls that belong to no parameter (extra einsums, "
-                                    "recomputed projections) in the per-op table"))
+                               f"the step's FLOPs ({measured:,}) are {abs(gap):.1%} "
+                               f"{'above' if gap > 0 else 'below'} {what} ({explained:,})",
+                               measured=measured, expected=explained,
+                               hint="above: look for matmuls that belong to no parameter (extra "
+                                    "einsums, recomputed projections) in the per-op table; below: "
+                                    "gradients that were not made, or weights the prediction "
+                                    "counts that did not multiply"))
     if "static_bytes" in p:
         measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
                     + (rec.optimizer or {}).get("master_weight_bytes", 0))
         ratio = measured / p["static_bytes"] if p["static_bytes"] else None
         if ratio is not None and abs(ratio - 1) > tol:
             out.append(Finding("TL-CMP-002", "warning",
-                               f"static bytes are {ratio:.3f}x the {rec.optimizer['kind']} x "
-                               f"{rec.optimizer['precision']} prediction",
+                               f"static bytes ({measured:,}) are {ratio:.3f}x, {abs(ratio - 1):.1%} "
+                               f"{'above' if ratio > 1 else 'below'}, the {rec.optimizer['kind']} x "
+                               f"{rec.optimizer['precision']} prediction ({p['static_bytes']:,})",
                                measured=measured, expected=p["static_bytes"],
                                hint="extra optimizer state or copies of the weights are being kept"))
     return out
@@ -313,6 +359,29 @@ def _attention_storage(record) -> tuple:
                        f"fused kernel): the 5as^2b term kept")
     return False, ("assumed a materialised attention matrix (no SDPA kernel seen: eager attention "
                    "or none): the 5as^2b term kept")
+
+
+def _unit(t) -> str:
+    return "samples" if counts_samples(t) else "tokens"      # D of an image batch: its samples
+
+
+def _weights_row(record, p, base) -> dict:
+    """The FLOPs row when 6ND does not describe the weights' work (see ``_base``)."""
+    t = record.totals
+    key, name = _BASES[base]
+    f, attn, ref = t["flops"]["total"], t["attention_flops"]["dense"], p[key]
+    six = (f"6ND = {p['flops_6nd']:,} (N = {t['matmul_params']:,} matmul params, D = "
+           f"{t['tokens']:,} {_unit(t)})" if "flops_6nd" in p else "no D, no 6ND")
+    if base == "grads":
+        text = (f"{_frozen_params(t):,} of {t['params']:,} params are frozen: a frozen weight's "
+                f"matmul costs its forward (2 x weight x rows), plus 2 x that when its input needs "
+                f"grad, never a weight gradient; a trainable one 6 x weight x rows, 4 when its input "
+                f"needs none; {six} would count every weight as trained")
+    else:
+        text = (f"weights do not all see D {_unit(t)} (convolutions at every output position, "
+                f"experts, encoder/decoder lengths, heads on a few rows): each weight x the rows "
+                f"it multiplied; {six}")
+    return _row(name, f, ref, text + f"; attention adds {_pct(attn, ref)}" + _other(f - ref - attn, ref))
 
 
 def _row(quantity, measured, predicted, explanation) -> dict:

@@ -6,6 +6,7 @@ import torch
 
 from ..record import TOKENS_GIVEN, StepRecord
 from .dispatch import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
+from .flops_attention import score_recompute_flops
 from .memory import ACT, CATEGORIES, GRAD, state_tensors, tensor_bytes
 from .modules import NO_MODULE
 
@@ -25,6 +26,9 @@ ATTENTION_KERNELS = {
     "_efficient_attention_backward": "memory-efficient attention",
     "_scaled_dot_product_cudnn_attention": "cuDNN attention",
     "_scaled_dot_product_cudnn_attention_backward": "cuDNN attention",
+    "_varlen_attn": "varlen attention (flash or cuDNN)",
+    "_varlen_attn_out": "varlen attention (flash or cuDNN)",
+    "_varlen_attn_backward": "varlen attention (flash or cuDNN)",
     "math": "SDPA math path (bmm + softmax)",
 }
 _MATMULISH = ("matmul", "attention")
@@ -40,7 +44,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     # -- FLOPs by phase and by module ----------------------------------------------------
     flops = [0] * len(PHASES)
     causal = [0] * len(PHASES)
-    attn_dense = attn_causal = 0
+    attn_dense = attn_causal = rescored = 0
     read = written = 0
     mod_flops = np.zeros((n_mod + 1, len(PHASES)), dtype=np.int64)      # last row: no module
     ops = []
@@ -50,9 +54,12 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         causal[phase] += fc
         read += r
         written += w
-        if kind == "attention" and phase != RECOMPUTE:
-            attn_dense += f
-            attn_causal += fc
+        if kind == "attention":
+            if phase != RECOMPUTE:
+                attn_dense += f
+                attn_causal += fc
+            if phase != FORWARD and phase != OTHER:   # fused backwards redo Q K^T: hardware only
+                rescored += score_recompute_flops(_kernel_name(func), f)
         mod_flops[mod if mod >= 0 else n_mod, phase] += f
         ops.append({"op": _op_name(func), "phase": PHASES[phase], "module": scope.name(mod),
                     "kind": kind if kind is not None else "uncounted", "count": count, "flops": f,
@@ -62,8 +69,10 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["flops"] = {"forward": flops[FORWARD], "backward": flops[BACKWARD],
                   "optimizer": flops[OPTIMIZER], "total": model_flops, "other": flops[OTHER]}
     t["flops_causal"] = causal[FORWARD] + causal[BACKWARD] + causal[OPTIMIZER]
-    t["attention_flops"] = {"dense": attn_dense, "causal": attn_causal}
-    t["hardware_flops"] = model_flops + flops[RECOMPUTE]
+    # score_recompute: Q K^T that the flash/efficient/cuDNN backward kernels redo (2.5 x forward
+    # in all where the model count has 2 x); in hardware_flops, not in the model's total
+    t["attention_flops"] = {"dense": attn_dense, "causal": attn_causal, "score_recompute": rescored}
+    t["hardware_flops"] = model_flops + flops[RECOMPUTE] + rescored
     ew = mode.elementwise
     t["elementwise_flops"] = {"forward": ew[FORWARD], "backward": ew[BACKWARD], "recompute": ew[RECOMPUTE],
                               "optimizer": ew[OPTIMIZER], "other": ew[OTHER],
@@ -80,6 +89,9 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["trainable_param_bytes"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     t["matmul_params"] = sum(tracer._param_storages[k] for k in mode.matmul_params)
     t["param_matmul_flops_forward"] = int(mode.param_matmul_flops)
+    # the backward matmuls those need: one forward's worth per operand that requires grad
+    # (2 x forward when weight and input both train: 6 x sum(P x rows) in all; frozen weights less)
+    t["param_matmul_flops_grad"] = int(mode.param_grad_flops)
     t["grad_bytes"] = sum(_bytes(p.grad) for p in params if p.grad is not None)
     t["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers()) if model is not None else 0
     t["tokens"] = tracer.tokens or 0
@@ -281,6 +293,12 @@ def _bytes(t) -> int:
 
 def _op_name(func) -> str:
     return str(func)
+
+
+def _kernel_name(func) -> str:
+    """An op's schema name without its namespace (``_flash_attention_backward``)."""
+    schema = getattr(func, "_schema", None)
+    return schema.name.split("::")[-1] if schema is not None else ""
 
 
 def _downsample(tl: np.ndarray, op_phase: np.ndarray, peak_idx: int) -> list:

@@ -18,7 +18,7 @@ from bisect import bisect_right
 
 from torch._C._autograd import _get_sequence_nr
 
-from .flops import FlopCount, op_flops
+from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
 
@@ -104,6 +104,7 @@ class LedgerMode(TorchDispatchMode):
         self.copies: dict = {}       # (func, module, phase, location, reason) -> [count, bytes, detail]
         self.matmul_params: set = set()
         self.param_matmul_flops = 0  # forward matmul FLOPs with a parameter operand: 2 x sum(P x rows)
+        self.param_grad_flops = 0    # their gradient matmuls: forward x operands that need grad
         self.kinds: dict = {}        # id(func) -> FLOP kind (None: no formula)
         self.funcs: dict = {}        # id(func) -> func (kept alive, so ids are not reused)
         self.attention_kernels: dict = {}
@@ -227,6 +228,7 @@ class LedgerMode(TorchDispatchMode):
                 elif phase == FORWARD:
                     if self._note_matmul_params(args):
                         self.param_matmul_flops += fc.flops
+                        self.param_grad_flops += fc.flops * grads_needed(func, args)
             elif kind == "elementwise":
                 self.elementwise[phase] += fc.flops
             elif alias and self._is_view(func, args, out):   # no bytes move, no storage is made

@@ -15,8 +15,11 @@ kernel volume); its backward costs one forward for grad_input and one for grad_w
 when cuDNN is asked for no weight grads). Attention is counted dense, 2*B*Hq*Sq*Sk*(Dqk + Dv), with the QUERY
 heads (GQA/MQA broadcast K/V heads); ``flops_causal`` is exactly half the dense figure when
 the kernel is causal (the exact pair count T(T+1)/2 differs by a factor 1 + 1/T); backward is
-counted as 2x forward (four score-sized matmuls; the flash kernels' recomputation of the
-scores is not counted). Element-wise work is approximate and low order (memory-bound):
+counted as 2x forward (four score-sized matmuls: model FLOPs; the flash, efficient and cuDNN
+kernels' recomputation of the scores, 2.5x forward in all, is added to hardware FLOPs by the
+record builder, see :mod:`.flops_attention`). ``torch.nn.attention.varlen_attn`` is attention
+too (its custom ops, dense and causal, as the flash varlen kernel it calls). Element-wise
+work is approximate and low order (memory-bound):
 1 FLOP per output element for pointwise ops, 1 per input element for reductions, softmax,
 norms and losses, sum of list numels for ``_foreach_*`` ops, and a per-element constant for
 fused optimizers that matches what their foreach path reports. Views, copies, indexing,
@@ -58,9 +61,9 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from .flops_attention import _ATTENTION, _attention  # the SDPA, flash, efficient, cuDNN formulas
+from .flops_attention import _ATTENTION, VARLEN, _attention  # SDPA, flash, efficient, cuDNN, varlen
 
-__all__ = ["FLOP_KINDS", "FlopCount", "op_flops"]
+__all__ = ["FLOP_KINDS", "FlopCount", "op_flops", "grads_needed"]
 
 FLOP_KINDS = ("matmul", "attention", "elementwise", "free")
 
@@ -425,6 +428,8 @@ def _resolve(func) -> Optional[Handler]:
     if namespace in _FREE_NAMESPACES:
         return _free
     if namespace != "aten":  # custom and collective ops: uncounted unless a formula is known
+        if schema.name in VARLEN:      # before _registered: PyTorch registers these as plain work
+            return _attention(func, _getter, FlopCount, **VARLEN[schema.name])
         if schema.name in _CUSTOM:
             return _CUSTOM[schema.name](func)
         return _registered(func)
@@ -473,6 +478,42 @@ def _resolve(func) -> Optional[Handler]:
     if torch.Tag.reduction in packet_tags:
         return _per_input
     return None
+
+
+# --- gradients a matmul's backward makes ---------------------------------------------------
+
+_ADD_FIRST = frozenset({"addmm", "baddbmm", "addbmm", "_addmm_activation", "addmv"})
+_OPERANDS: Dict[int, Optional[tuple]] = {}
+
+
+def _operand_slots(func) -> Optional[tuple]:
+    """Positions of the two multiplied operands of a matmul or convolution (the bias or
+    ``self`` of addmm-like ops excluded), or None for other matmul-class work (fused RNNs,
+    trilinear, custom ops: counted as making every gradient)."""
+    name = func._schema.name.partition("::")[2] if func._schema.name.startswith("aten::") else ""
+    if name in _ADD_FIRST:
+        return (1, 2)
+    if name in _MATMUL and name != "_trilinear" or name in _CONV_FORWARD:
+        return (0, 1)
+    return None
+
+
+def grads_needed(func, args) -> int:
+    """How many gradient matmuls the backward of this forward matmul will run, each as costly
+    as the forward (FLOP count conventions): one per multiplied operand that requires grad,
+    0 under ``no_grad``. A frozen weight times an input that needs no grad makes none; a
+    trainable weight (or one whose input needs grad) makes one; both make two (the 6ND case).
+    Fused recurrent kernels and ops with no known operand slots count 2."""
+    if not torch.is_grad_enabled():
+        return 0
+    slots = _OPERANDS.get(id(func), ())
+    if slots == ():
+        slots = _OPERANDS[id(func)] = _operand_slots(func)
+        _RESOLVED.append(func)
+    if slots is None:
+        return 2
+    return sum(1 for i in slots if i < len(args) and isinstance(args[i], torch.Tensor)
+               and args[i].requires_grad)
 
 
 # Keyed by id(func): OpOverload.__hash__ is Python code and costs more than a formula. The
