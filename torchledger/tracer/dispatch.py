@@ -494,9 +494,10 @@ class MathAttention:
         return f"{self.func} (attention, SDPA math path)"
 
 
-def attention_hook(mode, stack) -> None:
+def attention_hook(mode, life, ours) -> None:
     """Wrap ``F.scaled_dot_product_attention`` for the trace so that the matmuls of its math
-    path (meta device, dropout, masks the fused kernels refuse) count as attention.
+    path (meta device, dropout, masks the fused kernels refuse) count as attention. Calls on
+    threads that are not the step's (``ours()`` false) go straight to the original.
 
     NB: code that bound the function before the trace (``from torch.nn.functional import
     scaled_dot_product_attention``) bypasses the wrapper; ``LedgerMode._unwrapped_sdpa`` still
@@ -508,6 +509,8 @@ def attention_hook(mode, stack) -> None:
     original = F.scaled_dot_product_attention
 
     def scaled_dot_product_attention(*args, **kwargs):
+        if not ours():
+            return original(*args, **kwargs)
         causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
         outer = (mode.sdpa_depth, mode.sdpa_causal)
         mode.sdpa_depth += 1
@@ -524,8 +527,7 @@ def attention_hook(mode, stack) -> None:
 
     scaled_dot_product_attention.__wrapped__ = original
     scaled_dot_product_attention.__doc__ = original.__doc__
-    F.scaled_dot_product_attention = scaled_dot_product_attention
-    stack.callback(setattr, F, "scaled_dot_product_attention", original)
+    life.patch(F, "scaled_dot_product_attention", scaled_dot_product_attention)
 
 
 def _short(dtype) -> str:
