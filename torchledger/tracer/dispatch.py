@@ -172,6 +172,8 @@ class LedgerMode(TorchDispatchMode):
     def _record(self, func, args, kwargs, out, node, phase, mod):
         idx = self.n_ops
         self.n_ops = idx + 1
+        if self.storages.dead:          # storages freed since the last op died at op idx
+            self.storages.drain()
         self.storages.now = idx + 1
         self.op_phase.append(phase)
         if phase != self._last_phase:

@@ -9,13 +9,12 @@ at any function entry (where Python delivers a KeyboardInterrupt) leaves nothing
 ``close`` does not know about. The caller re-runs ``close`` until it returns: an undo that was
 interrupted stays on the list and runs again.
 
-On the main thread SIGINT is deferred while a tracer is entered or left: the handler only
-notes the signal, and ``resume`` hands it to the handler that was there before (normally
-raising ``KeyboardInterrupt``) once everything is in place or gone. A process-wide lock makes
-"one tracer at a time" hold between threads.
-
-Known limitations: a Ctrl-C at the very entry of ``StepTracer.__exit__`` (before its first
-line) is beyond the tracer's reach: Python then never runs its body.
+On the main thread a SIGINT handler is in place from entering until removal: a signal that
+lands while the tracer's own ``__enter__``/``__exit__`` is running (the very entry of
+``__exit__`` included, where a raised KeyboardInterrupt would skip its whole body) is noted
+and handed to the previous handler (normally: raise ``KeyboardInterrupt``) once everything
+is in place or gone; during the user's step it goes to the previous handler at once. A
+process-wide lock makes "one tracer at a time" hold between threads.
 """
 from __future__ import annotations
 
@@ -54,29 +53,36 @@ class Installed:
         self.undo: list = []
         self.locked = False
         self._pending: list = []        # frames of SIGINTs noted while deferred
-        self._handler = None            # the SIGINT handler we replaced (None: not deferred)
+        self._handler = None            # the SIGINT handler we replaced (None: not ours now)
+        self._previous = None           # ... once put back by close()
+        self._critical: set = set()
 
     # -- SIGINT ------------------------------------------------------------------------------
-    def defer_sigint(self) -> None:
-        """Main thread only: note SIGINT instead of acting on it until ``resume``."""
+    def watch_sigint(self, critical: set) -> None:
+        """Main thread only, from entering the tracer until it is removed: a SIGINT that
+        lands while a frame running one of the ``critical`` code objects is on the stack is
+        noted and delivered by ``deliver``; anywhere else (the user's step) it goes to the
+        previous handler at once."""
         if self._handler is None and get_ident() == _MAIN:
-            self._handler = _signal.signal(signal.SIGINT, self._note)
+            self._critical = critical
+            self._handler = _signal.signal(signal.SIGINT, self._on_sigint)
 
-    def _note(self, signum, frame) -> None:
-        self._pending.append(frame)
+    def _on_sigint(self, signum, frame) -> None:
+        f = frame
+        while f is not None:
+            if f.f_code in self._critical:
+                self._pending.append(frame)
+                return
+            f = f.f_back
+        _call(self._handler, frame)
 
-    def resume(self) -> None:
-        """Put the SIGINT handler back; a signal noted meanwhile goes to it now (the default
-        handler raises KeyboardInterrupt)."""
-        old, self._handler = self._handler, None
-        if old is None:
-            return
-        _signal.signal(signal.SIGINT, old)
+    def deliver(self) -> None:
+        """Hand a SIGINT noted meanwhile to the previous handler (normally: raise
+        KeyboardInterrupt)."""
         if self._pending:
             frame = self._pending[-1]
             self._pending.clear()
-            if callable(old):
-                old(signal.SIGINT, frame)
+            _call(self._handler, frame)
 
     # -- install -----------------------------------------------------------------------------
     def lock(self, owner) -> None:
@@ -104,10 +110,10 @@ class Installed:
 
     # -- remove ------------------------------------------------------------------------------
     def close(self) -> list:
-        """Undo everything (last first), release the lock, resume SIGINT. A KeyboardInterrupt
-        propagates with the interrupted undo still listed: call ``close`` again. Returns the
-        messages of undo actions that failed otherwise (for record.warnings)."""
-        self.defer_sigint()
+        """Undo everything (last first), release the lock, put the SIGINT handler back and
+        deliver a SIGINT noted meanwhile. A KeyboardInterrupt propagates with the interrupted
+        undo still listed: call ``close`` again. Returns the messages of undo actions that
+        failed otherwise (for record.warnings)."""
         errors = []
         while self.undo:
             try:
@@ -121,8 +127,24 @@ class Installed:
             self.locked = False
             ACTIVE.clear()
             LOCK.release()
-        self.resume()
+        if self._handler is not None:
+            if _signal.getsignal(signal.SIGINT) == self._on_sigint:   # unless the step replaced it
+                _signal.signal(signal.SIGINT, self._handler)
+            self._previous, self._handler = self._handler, None
+        if self._pending:
+            frame = self._pending[-1]
+            self._pending.clear()
+            _call(self._previous, frame)
         return errors
+
+
+def _call(handler, frame) -> None:
+    """What Python would have done with a SIGINT under ``handler``."""
+    if callable(handler):
+        handler(signal.SIGINT, frame)           # default_int_handler raises KeyboardInterrupt
+    elif handler == signal.SIG_DFL:
+        _signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
 
 
 def _pop_saved_hooks(pack) -> None:

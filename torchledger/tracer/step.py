@@ -93,11 +93,12 @@ class StepTracer:
             raise RuntimeError("the traced model no longer exists")
         life = self._life = Installed()
         try:
-            life.defer_sigint()              # Ctrl-C waits until all is in place (or gone)
+            life.watch_sigint(_CRITICAL)     # Ctrl-C in here waits until all is in place
             life.lock(self)                  # one tracer at a time, across threads
             self._model, self._thread = model, get_ident()
             self._install(model, life)
-            life.resume()                    # a Ctrl-C noted meanwhile raises here
+            life.deliver()                   # a Ctrl-C noted meanwhile raises here
+            return self
         except BaseException:
             for _ in range(TRIES):           # re-run until done: every undo is idempotent
                 try:
@@ -108,7 +109,6 @@ class StepTracer:
             self._life = None
             self._release()
             raise
-        return self
 
     def _install(self, model, life) -> None:
         """Everything for the step, each piece registered on ``life`` as it goes in (see
@@ -269,6 +269,7 @@ class StepTracer:
                 return
             name, cache_type, tensors = found
             lifetimes, nbytes = set(), {}
+            self.storages.drain()
             for t in tensors:
                 for s in self._storages(t, "returned cache tensor"):
                     nbytes[s._cdata] = s.nbytes()
@@ -348,6 +349,10 @@ _current_node = torch._C._current_autograd_node
 
 def _unpack(t):
     return t
+
+
+#: Code during which a SIGINT is deferred (``lifecycle.Installed.watch_sigint``).
+_CRITICAL = {StepTracer.__enter__.__code__, StepTracer.__exit__.__code__}
 
 
 def _cuda_device(params: list):
