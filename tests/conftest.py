@@ -2,8 +2,11 @@
 a test (pyinstrument's check_sampler_state)."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
+from torch.utils import _python_dispatch
 
 
 def pytest_addoption(parser):
@@ -32,7 +35,15 @@ def hook_state():
         if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else False,
         "active": active_tracer() is not None,
         "sdpa": torch.nn.functional.scaled_dot_product_attention,
+        "sigint": signal.getsignal(signal.SIGINT),
+        "lock": _lifecycle().LOCK.locked(),
+        "mode_flag": _python_dispatch._is_in_torch_dispatch_mode,
     }
+
+
+def _lifecycle():
+    from torchledger.tracer import lifecycle
+    return lifecycle
 
 
 @pytest.fixture(autouse=True)

@@ -33,10 +33,10 @@ class _Traced(StepTracer):
             raise RuntimeError("report() is available after the traced block ends")
         return render_table(self.record, self.findings(), **options)
 
-    def __exit__(self, exc_type, exc, tb):
-        out = super().__exit__(exc_type, exc, tb)
+    def _finished(self) -> None:
+        # NB: not an __exit__ override calling super(): a Ctrl-C at that call would skip
+        # StepTracer.__exit__ and leave every hook installed
         _keep_findings(self.record, self.findings)
-        return out
 
     def findings(self, **options) -> list:
         """Findings of every analyzer; ``options`` as in ``[tool.torchledger]`` (and

@@ -173,6 +173,8 @@ class LedgerMode(TorchDispatchMode):
     def _record(self, func, args, kwargs, out, node, phase, mod):
         idx = self.n_ops
         self.n_ops = idx + 1
+        if self.storages.dead:          # storages freed since the last op died at op idx
+            self.storages.drain()
         self.storages.now = idx + 1
         self.op_phase.append(phase)
         if phase != self._last_phase:
@@ -496,9 +498,10 @@ class MathAttention:
         return f"{self.func} (attention, SDPA math path)"
 
 
-def attention_hook(mode, stack) -> None:
+def attention_hook(mode, life, ours) -> None:
     """Wrap ``F.scaled_dot_product_attention`` for the trace so that the matmuls of its math
-    path (meta device, dropout, masks the fused kernels refuse) count as attention.
+    path (meta device, dropout, masks the fused kernels refuse) count as attention. Calls on
+    threads that are not the step's (``ours()`` false) go straight to the original.
 
     NB: code that bound the function before the trace (``from torch.nn.functional import
     scaled_dot_product_attention``) bypasses the wrapper; ``LedgerMode._unwrapped_sdpa`` still
@@ -510,6 +513,8 @@ def attention_hook(mode, stack) -> None:
     original = F.scaled_dot_product_attention
 
     def scaled_dot_product_attention(*args, **kwargs):
+        if not ours():
+            return original(*args, **kwargs)
         causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
         outer = (mode.sdpa_depth, mode.sdpa_causal)
         mode.sdpa_depth += 1
@@ -526,8 +531,7 @@ def attention_hook(mode, stack) -> None:
 
     scaled_dot_product_attention.__wrapped__ = original
     scaled_dot_product_attention.__doc__ = original.__doc__
-    F.scaled_dot_product_attention = scaled_dot_product_attention
-    stack.callback(setattr, F, "scaled_dot_product_attention", original)
+    life.patch(F, "scaled_dot_product_attention", scaled_dot_product_attention)
 
 
 def _short(dtype) -> str:

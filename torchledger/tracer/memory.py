@@ -87,6 +87,15 @@ def state_tensors(opt, limit: int = 100_000):
 
 
 class StorageTracker:
+    """Storage lifetimes of one step.
+
+    NB: a storage's death is noted by a weakref callback that is a C function (``list.append``
+    of the dead weakref), applied by ``drain`` before the next lookup or op. A Python callback
+    would be a function entry where Python delivers a pending Ctrl-C, and the interpreter
+    swallows exceptions raised in weakref callbacks ("Exception ignored in ..."): the
+    user's KeyboardInterrupt would be lost.
+    """
+
     def __init__(self):
         self.alloc: list[int] = []
         self.free: list[int] = []
@@ -95,12 +104,16 @@ class StorageTracker:
         self.op: list = []                  # the op that made each storage (None: not an op)
         self.live: dict[int, int] = {}      # storage cdata -> lifetime index (while alive)
         self._refs: dict[int, object] = {}
+        self._owner: dict[int, tuple] = {}  # id(weakref) -> (storage cdata, lifetime index)
+        self.dead: list = []                # weakrefs whose storage died, not yet drained
         self.now = 0                        # ops completed so far (set by the dispatch mode)
         self.closed = False
 
     def add(self, storage, category: int, at: int | None = None, op=None) -> int:
         """Start tracking ``storage`` (an UntypedStorage) made by ``op`` (if an op made it);
         returns its lifetime index."""
+        if self.dead:
+            self.drain()
         key = storage._cdata
         k = self.live.get(key)
         if k is not None:
@@ -112,18 +125,30 @@ class StorageTracker:
         self.cat.append(category)
         self.op.append(op)
         self.live[key] = k
-        self._refs[key] = weakref.ref(storage, lambda _r, key=key, k=k: self._freed(key, k))
+        ref = weakref.ref(storage, self.dead.append)
+        self._refs[key] = ref
+        self._owner[id(ref)] = (key, k)
         return k
 
-    def _freed(self, key: int, k: int) -> None:
-        if self.closed:
-            return
-        self.free[k] = self.now
-        self.live.pop(key, None)
-        self._refs.pop(key, None)
+    def drain(self) -> None:
+        """Note the storages that died since the last call as freed now (before ``now``
+        moves on: the dispatch mode calls this before it counts the next op)."""
+        dead = self.dead
+        while dead:
+            ref = dead.pop()
+            key, k = self._owner.pop(id(ref), (None, None))
+            if k is None or self.closed:
+                continue
+            self.free[k] = self.now
+            if self.live.get(key) == k:
+                del self.live[key]
+            if self._refs.get(key) is ref:
+                del self._refs[key]
 
     def promote(self, storage, category: int, only_from: int | None = TEMP) -> int:
         """Re-categorise a tracked storage (or start tracking it now)."""
+        if self.dead:
+            self.drain()
         k = self.live.get(storage._cdata)
         if k is None:
             return self.add(storage, category)
@@ -133,6 +158,7 @@ class StorageTracker:
 
     def close(self) -> None:
         """Stop listening for frees (storages still alive stay live to the end)."""
+        self.drain()
         self.closed = True
 
     def alive_at_end(self) -> dict:
@@ -142,6 +168,8 @@ class StorageTracker:
     def release(self) -> None:
         self._refs.clear()
         self.live.clear()
+        self._owner.clear()
+        self.dead.clear()
 
     def timeline(self, n_ops: int) -> np.ndarray:
         """Live bytes per category after each op: array of shape (len(CATEGORIES), n_ops + 1).

@@ -29,6 +29,10 @@ _current_node = torch._C._current_autograd_node
 _NO_SEQ = 2**64 - 1
 
 
+def _always() -> bool:
+    return True
+
+
 def _storages(p) -> list:
     try:
         return storages(p)
@@ -64,6 +68,7 @@ class ModuleScope:
                         self.storage_owner.setdefault(s._cdata, i)
                     n += p.numel()
             self.own_params.append(n)
+        self.ours = _always      # whether this thread's module calls are the step's (StepTracer)
         self.stack: list[int] = []
         self.calls = [0] * len(self.names)
         self.recompute_depth = 0
@@ -73,14 +78,15 @@ class ModuleScope:
         self._node_cache: dict[int, int] = {}
 
     # -- hooks ---------------------------------------------------------------------------
-    def install(self, stack) -> None:
-        """Register the global module hooks on ``stack`` (an ExitStack)."""
-        stack.enter_context(register_module_forward_pre_hook(self._pre))
-        stack.enter_context(register_module_forward_hook(self._post, always_call=True))
+    def install(self, undo) -> None:
+        """Register the global module hooks; ``undo`` (``lifecycle.Installed.undo.append``)
+        gets each handle's ``remove``."""
+        undo(register_module_forward_pre_hook(self._pre).remove)
+        undo(register_module_forward_hook(self._post, always_call=True).remove)
 
     def _pre(self, module, args):
         i = self._index.get(id(module))
-        if i is None or self._refs[i]() is not module:
+        if i is None or self._refs[i]() is not module or not self.ours():
             return None
         in_bwd = _current_node() is not None
         if in_bwd:
@@ -94,7 +100,7 @@ class ModuleScope:
 
     def _post(self, module, args, output):
         i = self._index.get(id(module))
-        if i is None or i not in self.stack:
+        if i is None or i not in self.stack or not self.ours():
             return None
         while self.stack:                            # unwind past frames an exception skipped
             top = self.stack.pop()

@@ -3,33 +3,33 @@
 While active it owns: one dispatch mode (``dispatch.LedgerMode``), global module
 pre/post hooks (``modules.ModuleScope``), saved-tensor hooks (activations), global
 optimizer step hooks (phase and state), and per-parameter post-accumulate-grad hooks
-(gradients). All are entered on one ``ExitStack``: if installing any of them fails,
-everything already installed is removed, and ``__exit__`` removes all of them even when
-the step raised.
+(gradients), and the SDPA wrapper. Each goes in through one ``lifecycle.Installed`` with an
+idempotent undo: if installing any of them fails (or Ctrl-C arrives), everything already
+installed is removed; ``__exit__`` removes all of them even when the step raised or is
+interrupted, and a KeyboardInterrupt is delivered once nothing is left installed. The global
+hooks record only the tracing thread's work and the autograd engine's for its backward.
 """
 from __future__ import annotations
 
 import time
 import weakref
-from contextlib import ExitStack
+from _thread import get_ident
 
 import torch
 
 from ..record import StepRecord
 from .build import build_record
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
+from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
 from .outputs import output_cache
 
 __all__ = ["StepTracer", "active_tracer"]
 
-_ACTIVE: list = []   # at most one tracer at a time (process-wide)
-
-
 def active_tracer():
     """The tracer now active, or None."""
-    return _ACTIVE[0] if _ACTIVE else None
+    return ACTIVE[0] if ACTIVE else None
 
 
 def check_optimizer(optimizer, who: str) -> None:
@@ -82,69 +82,110 @@ class StepTracer:
         self.memory_history = memory_history
         """On CUDA: record the allocator's history (True, or the max events kept as an int)."""
         self.history = None
-        self._stack: ExitStack | None = None
+        self._life: Installed | None = None
 
     # -- install / remove ------------------------------------------------------------------
     def __enter__(self) -> "StepTracer":
-        if self._stack is not None or _ACTIVE:
-            raise RuntimeError("a torchledger trace is already active; exit it before entering "
-                               "another (use one Ledger for many steps)")
+        if self._life is not None:
+            raise RuntimeError("StepTracer is already active; exit it before entering again")
         model = self._model if self._model is not None else self._model_ref()
         if model is None:
             raise RuntimeError("the traced model no longer exists")
-        self._model = model
-        with ExitStack() as stack:
-            self.scope = ModuleScope(model)
-            self.storages = StorageTracker()
-            self._register_persistent(model)
-            self.mode = LedgerMode(self.scope, self.storages, self._param_storages)
-            self._saved: dict = {}
-            self._warnings: list[str] = []
-            self.cuda = _cuda_device(model)
-            self._cuda_marks: list = []
-            self.mode.on_phase = self._on_phase
-            self.grad_bytes_at_backward = None
-            self._grads_after_step: dict = {}
-            self.optimizer_steps = 0
-            self.scope.install(stack)
-            self._output_caches: list = []
-            stack.enter_context(model.register_forward_hook(self._model_output))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
-            from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                               register_optimizer_step_pre_hook)
-            stack.enter_context(register_optimizer_step_pre_hook(self._opt_pre))
-            stack.enter_context(register_optimizer_step_post_hook(self._opt_post))
-            for p in self._params:
-                if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                    stack.enter_context(p.register_post_accumulate_grad_hook(self._grad_ready))
-            attention_hook(self.mode, stack)
-            if self.cuda is not None and self.memory_history:
-                from .cuda_history import CudaMemoryHistory
-                entries = self.memory_history if type(self.memory_history) is int else 100_000
-                self.history = stack.enter_context(CudaMemoryHistory(max_entries=entries, device=self.cuda))
-                self.mode.marks = []
-            stack.callback(self.storages.close)
-            _ACTIVE.append(self)
-            stack.callback(_ACTIVE.clear)
-            self._cuda_mark("start")
-            self._t0 = self.clock()
-            stack.enter_context(self.mode)     # last: nothing of ours runs under it
-            self._stack = stack.pop_all()
-        return self
+        life = self._life = Installed()
+        try:
+            life.watch_sigint(_CRITICAL)     # Ctrl-C in here waits until all is in place
+            life.lock(self)                  # one tracer at a time, across threads
+            self._model, self._thread = model, get_ident()
+            self._install(model, life)
+            life.deliver()                   # a Ctrl-C noted meanwhile raises here
+            return self
+        except BaseException:
+            for _ in range(TRIES):           # re-run until done: every undo is idempotent
+                try:
+                    life.close()
+                    break
+                except KeyboardInterrupt:
+                    pass
+            self._life = None
+            self._release()
+            raise
+
+    def _install(self, model, life) -> None:
+        """Everything for the step, each piece registered on ``life`` as it goes in (see
+        ``lifecycle``); the dispatch mode last, so nothing of ours runs under it."""
+        self._reset(model)
+        undo = life.undo.append          # C: nothing can interrupt between register and undo
+        self.scope.install(undo)
+        undo(model.register_forward_hook(self._model_output).remove)
+        life.saved_tensors_hooks(self._pack_hook, _unpack)
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        undo(register_optimizer_step_pre_hook(self._opt_pre).remove)
+        undo(register_optimizer_step_post_hook(self._opt_post).remove)
+        for p in self._params:
+            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                undo(p.register_post_accumulate_grad_hook(self._grad_ready).remove)
+        attention_hook(self.mode, life, self._ours)
+        if self.cuda is not None and self.memory_history:
+            from .cuda_history import CudaMemoryHistory
+            entries = self.memory_history if type(self.memory_history) is int else 100_000
+            self.history = CudaMemoryHistory(max_entries=entries, device=self.cuda)
+            life.undo.append(lambda h=self.history: h.__exit__(None, None, None))
+            self.history.__enter__()
+            self.mode.marks = []
+        life.undo.append(self.storages.close)
+        self._cuda_mark("start")
+        self._t0 = self.clock()
+        life.dispatch_mode(self.mode)
+
+    def _reset(self, model) -> None:
+        """The per-step recorder, fresh."""
+        self.scope = ModuleScope(model)
+        self.scope.ours = self._ours
+        self.storages = StorageTracker()
+        self._warnings: list[str] = []
+        self._register_persistent(model)
+        self.mode = LedgerMode(self.scope, self.storages, self._param_storages)
+        self._saved: dict = {}
+        self.cuda = _cuda_device(self._params)
+        self._cuda_marks: list = []
+        self.mode.on_phase = self._on_phase
+        self.grad_bytes_at_backward = None
+        self._grads_after_step: dict = {}
+        self.optimizer_steps = 0
+        self._output_caches: list = []
+        self._pack_hook = self._pack     # one bound method: lifecycle finds it on the hook stack
 
     def __exit__(self, exc_type, exc, tb):
-        stack, self._stack = self._stack, None
+        life, interrupt, errors = self._life, None, []
+        for _ in range(TRIES):               # re-run until done: every undo is idempotent
+            try:
+                errors = life.close()        # mode, hooks, handles, patch, lock: all removed
+                break
+            except KeyboardInterrupt as e:   # delivered below, once everything is removed
+                interrupt = interrupt or e
+        self._life = None
         try:
-            stack.close()                          # mode, hooks, handles: all removed
-        finally:
+            self._warnings.extend(errors)
             self._cuda_mark("end", sync=True)
             seconds = self.clock() - self._t0
             model, self._model = self._model, None
-            try:
-                self.record = build_record(self, model, seconds, failed=exc_type is not None)
-            finally:
-                self._release()
+            self.record = build_record(self, model, seconds, failed=exc_type is not None)
+        finally:
+            self._release()
+        if interrupt is not None:
+            raise interrupt
+        self._finished()
         return False
+
+    def _finished(self) -> None:
+        """Called once the record is built (``trace()`` computes its findings here)."""
+
+    def _ours(self) -> bool:
+        """This thread works for the traced step: the tracing thread, or an autograd engine
+        thread running its backward. Other threads' forwards and optimizer steps are not
+        recorded (the global hooks see them too)."""
+        return get_ident() == self._thread or in_tls(self.mode)
 
     def _release(self) -> None:
         """After the step: keep the record and weak references only (no parameter, optimizer,
@@ -220,13 +261,15 @@ class StepTracer:
     def _model_output(self, model, args, output):
         """A key/value cache returned by a training forward (see ``outputs``)."""
         try:
-            if not model.training or not torch.is_grad_enabled() or _current_node() is not None:
+            if (not model.training or not torch.is_grad_enabled() or _current_node() is not None
+                    or not self._ours()):
                 return
             found = output_cache(output)
             if found is None:
                 return
             name, cache_type, tensors = found
             lifetimes, nbytes = set(), {}
+            self.storages.drain()
             for t in tensors:
                 for s in self._storages(t, "returned cache tensor"):
                     nbytes[s._cdata] = s.nbytes()
@@ -240,12 +283,14 @@ class StepTracer:
 
     def _grad_ready(self, p):
         try:
-            if p.grad is not None:
+            if p.grad is not None and self._ours():
                 self._track(p.grad, GRAD, "gradient", promote=True)
         except Exception as e:
             self._warn(f"grad hook: {type(e).__name__}: {e}")
 
     def _opt_pre(self, opt, args, kwargs):
+        if not self._ours():                 # another thread's optimizer
+            return
         try:
             self._cuda_mark("optimizer-start")
             self.mode.in_optimizer += 1
@@ -265,6 +310,8 @@ class StepTracer:
             self._cuda_mark(PHASES[phase])
 
     def _opt_post(self, opt, args, kwargs):
+        if not self._ours():
+            return
         try:
             self.mode.in_optimizer = max(0, self.mode.in_optimizer - 1)
             self.optimizer_steps += 1
@@ -304,11 +351,14 @@ def _unpack(t):
     return t
 
 
-def _cuda_device(model):
-    for p in model.parameters():
-        if p.device.type == "cuda" and not _is_fake(p) and torch.cuda.is_available():
-            return p.device
-        return None
+#: Code during which a SIGINT is deferred (``lifecycle.Installed.watch_sigint``).
+_CRITICAL = {StepTracer.__enter__.__code__, StepTracer.__exit__.__code__}
+
+
+def _cuda_device(params: list):
+    p = params[0] if params else None
+    if p is not None and p.device.type == "cuda" and not _is_fake(p) and torch.cuda.is_available():
+        return p.device
     return None
 
 
