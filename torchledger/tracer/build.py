@@ -215,6 +215,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     storages.release()
     rec.memory["allocator"] = _allocator(tracer)
     rec.predictions = _predictions(rec)
+    tracer._params = []          # the step is over: hold no parameter (entering again re-reads them)
     return rec
 
 
