@@ -6,10 +6,12 @@ import gc
 import types
 import weakref
 
+import pytest
 import torch
 import torch.nn as nn
 
 import torchledger
+from torchledger.tracer import LEAK_WINDOW, TIMES_KEPT
 from torchledger.models import build_model, example_inputs
 
 
@@ -171,3 +173,81 @@ def test_a_cycle_that_gc_frees_is_not_a_kept_graph():
     finally:
         gc.enable()
     assert "TL-LEAK-002" not in {f.rule for f in ledger.findings()}
+
+
+# -- long runs: bounded history, incremental analysis ------------------------------------------
+
+def small():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train(ledger, model, opt, steps: int, kept: list | None = None):
+    for _ in range(steps):
+        with ledger.step(tokens=4):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if kept is not None:
+                kept.append(torch.randn(256))          # 1 KiB made in the step, kept
+                kept.append(loss)
+
+
+def test_records_are_bounded_by_keep_and_dropped_ones_are_freed():
+    model, opt = small()
+    ledger = torchledger.Ledger(model, optimizer=opt, keep=3)
+    train(ledger, model, opt, 1)
+    first = weakref.ref(ledger.records[0])
+    train(ledger, model, opt, 11)                   # 12 traced steps in all
+    assert [r.meta["step_index"] for r in ledger.records] == [9, 10, 11]
+    gc.collect()
+    assert first() is None                          # nothing else (window, carry) holds it
+    assert torchledger.Ledger(model).keep == 20     # the documented default
+
+
+def test_keep_is_checked():
+    model, _ = small()
+    for bad in (0, -1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="keep must be an int >= 1"):
+            torchledger.Ledger(model, keep=bad)
+
+
+def test_each_traced_step_analyses_only_the_leak_window(monkeypatch):
+    from torchledger.analyzers import checks
+    seen = []
+    monkeypatch.setattr(checks, "ALL_CHECKS", [*checks.ALL_CHECKS,
+                                               lambda records, options: seen.append(len(records)) or []])
+    model, opt = small()
+    ledger = torchledger.Ledger(model, optimizer=opt, keep=100)
+    train(ledger, model, opt, 12)
+    # one analysis per traced step, over the new record and at most 7 before it
+    assert seen == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8, 8]
+    ledger.findings()
+    assert seen[-1] == LEAK_WINDOW == 8
+
+
+def test_leaks_are_still_found_past_the_window():
+    model, opt = small()
+    ledger = torchledger.Ledger(model, optimizer=opt, keep=2)
+    kept = []
+    train(ledger, model, opt, 12, kept=kept)
+    found = {f.rule: f for f in ledger.findings()}
+    assert set(found) == {"TL-LEAK-001", "TL-LEAK-002"}
+    # 256 * 4 = 1024 bytes of randn and a 4-byte loss kept per step
+    assert found["TL-LEAK-001"].measured == 1024 + 4
+    assert "since step 5" in found["TL-LEAK-001"].message    # window: steps 4..11, 4 is the base
+    # the kept losses of every step (their origins travel with the carry, not the records)
+    assert "step(s) 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 are" in found["TL-LEAK-002"].message
+    assert ledger.records[-1].findings == ledger.findings()
+
+
+def test_untraced_step_times_are_bounded():
+    model, _ = small()
+    ledger = torchledger.Ledger(model, sample_every=10**9)
+    for _ in range(1500):
+        with ledger.step():
+            pass
+    assert ledger.steps == 1500 and len(ledger.records) == 1    # step 0 is traced
+    assert len(ledger.untraced_seconds) == TIMES_KEPT == 1000
