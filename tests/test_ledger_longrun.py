@@ -251,3 +251,20 @@ def test_untraced_step_times_are_bounded():
             pass
     assert ledger.steps == 1500 and len(ledger.records) == 1    # step 0 is traced
     assert len(ledger.untraced_seconds) == TIMES_KEPT == 1000
+
+
+def test_memory_timeline_rows_add_up_and_end_at_the_step_end():
+    model, opt = small()
+    with torchledger.trace(model, optimizer=opt) as t:
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    mem = t.record.memory
+    rows = mem["timeline"]
+    cats = mem["categories"]
+    assert [r["op_index"] for r in rows] == sorted({r["op_index"] for r in rows})
+    assert all(r["total"] == sum(r[c] for c in cats) and all(type(r[c]) is int for c in cats)
+               for r in rows)
+    assert rows[-1]["phase"] == "end" and {r["phase"] for r in rows[:-1]} <= {"forward", "backward",
+                                                                             "optimizer", "other"}
+    assert {c: rows[-1][c] for c in cats} == mem["end_breakdown"]
+    assert max(r["total"] for r in rows) == mem["peak_bytes"]
