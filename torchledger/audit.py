@@ -371,7 +371,8 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
         _check_optimizer(opt, spec, path)
         if device == "meta":
             opt.step = _step_with_cpu_default(opt.step)
-        ledger = Ledger(model, optimizer=opt, peak_flops=peak_flops if device in ("cpu", "cuda") else None)
+        ledger = Ledger(model, optimizer=opt, keep=max(steps, 1),       # every audited step
+                        peak_flops=peak_flops if device in ("cpu", "cuda") else None)
         loss_source = []
 
         def step():

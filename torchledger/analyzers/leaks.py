@@ -1,11 +1,14 @@
-"""Leaks over several traced steps (a ``Ledger`` with consecutive steps, or ``audit --steps``).
+"""Leaks over several traced steps (a ``Ledger``'s leak window of recent traced steps, or
+``audit --steps``).
 
 * TL-LEAK-001 (warning): live bytes at the end of each step grow step after step over three
   or more steps after the first (warm-up: it allocates the optimizer state), by at least
   ``leak_min_bytes`` (default 1 KiB) a step: a detached scalar kept per step is not a leak
   worth a warning, a kept graph is caught by TL-LEAK-002 whatever its size;
 * TL-LEAK-002 (warning): tensors made in step k and still alive at the end of step k+1 that
-  hold an autograd graph (``losses.append(loss)``), named by their creation site;
+  hold an autograd graph (``losses.append(loss)``), named by their creation site; "alive" is
+  read from a weak reference after one ``gc.collect()`` (``tracer.retention``), so storages
+  held only by garbage (a reference cycle) are not blamed on the user;
 * TL-LEAK-003 (warning): gradients never cleared: an optimizer step left the gradients in
   place and the next step's backward accumulated into them;
 * TL-LEAK-004 (warning): a module attribute (a list or dict) that holds more tensors after

@@ -16,12 +16,13 @@ Works on CPU, CUDA, meta and fake tensors. One tracer may be active at a time.
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 
 from ..analyzers.mfu import mfu_totals
 from .step import StepTracer, active_tracer, check_optimizer
 
-__all__ = ["trace", "Ledger", "StepTracer", "active_tracer"]
+__all__ = ["trace", "Ledger", "StepTracer", "active_tracer", "LEAK_WINDOW"]
 
 
 class _Traced(StepTracer):
@@ -76,25 +77,61 @@ def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
                    seq_len=seq_len, tokens_source=tokens_source)
 
 
+#: Traced steps the leak rules compare (the new one and those before it): TL-LEAK-001 needs
+#: growth over three steps after the window's first, TL-LEAK-003 two consecutive steps.
+LEAK_WINDOW = 8
+#: Untraced step times kept (their median is the step time MFU uses).
+TIMES_KEPT = 1000
+
+
 class Ledger:
     """Trace many steps of an existing loop; one in ``sample_every`` is traced.
 
-    ``with ledger.step(tokens=n): ...`` around each step. Untraced steps cost nothing but a
-    counter. ``ledger.records`` holds one ``StepRecord`` per traced step.
+    ``with ledger.step(tokens=n): ...`` around each step. Untraced steps cost a counter and
+    two clock reads. A long run costs no more memory than a short one:
+
+    * ``records``: the ``StepRecord`` of the last ``keep`` traced steps (default 20; a
+      record of a small model is about 0.3 MB); older records are dropped.
+    * the leak window: the records of the last ``LEAK_WINDOW`` (8) traced steps, kept
+      whatever ``keep`` is; between traced steps, weak references to the storages the last
+      one left alive (to see them still alive at the next). No tensor is held.
+    * ``untraced_seconds``: the last ``TIMES_KEPT`` (1,000) untraced step times.
+
+    Findings: at the end of each traced step every analyzer runs once over the leak window
+    (the leak rules compare its steps, the others read the new record) and the new record
+    keeps the result (``record.findings``); the cost does not grow with the run.
+    ``findings()`` runs them over the same window: it describes the recent steps, and a
+    finding that stopped holding stays only in the records of the steps it held in.
+
+    Example::
+
+        ledger = Ledger(model, optimizer=opt, sample_every=100, keep=10)
+        for x, y in loader:
+            with ledger.step(tokens=x.numel()):
+                loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+        print(ledger.report())
+
+    Known limitations: with ``sample_every > 1`` traced steps are not consecutive, so
+    TL-LEAK-003 (gradients never cleared) needs ``sample_every=1``; growth slower than
+    ``LEAK_WINDOW`` traced steps is judged on the window only.
     """
 
-    def __init__(self, model, optimizer=None, *, sample_every: int = 1, peak_flops=None,
-                 clock=time.perf_counter):
+    def __init__(self, model, optimizer=None, *, sample_every: int = 1, keep: int = 20,
+                 peak_flops=None, clock=time.perf_counter):
         if not isinstance(sample_every, int) or sample_every < 1:
             raise ValueError(f"sample_every must be an int >= 1, got {sample_every!r}")
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (traced step records kept), got {keep!r}")
         check_optimizer(optimizer, "Ledger()")
         self.model, self.optimizer = model, optimizer
         self.sample_every, self.peak_flops, self.clock = sample_every, peak_flops, clock
+        self.keep = keep
         self.records: list = []
         self.steps = 0
-        self._carry: dict = {}      # storages kept by earlier traced steps (leak analysis)
+        self._window: deque = deque(maxlen=LEAK_WINDOW)
+        self._carry: dict = {}      # weakrefs to storages kept by the last traced step (leak analysis)
         self.snapshot = None        # CUDA: the allocator snapshot of the last traced step
-        self.untraced_seconds: list = []   # wall time of each untraced step
+        self.untraced_seconds: deque = deque(maxlen=TIMES_KEPT)   # wall time of untraced steps
         self._cuda = None
 
     @contextmanager
@@ -116,10 +153,16 @@ class Ledger:
                 yield tracer
         finally:
             if tracer.record is not None:
-                self.records.append(tracer.record)
+                self._keep(tracer.record)
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)
                 _keep_findings(tracer.record, self.findings)
+
+    def _keep(self, record) -> None:
+        self.records.append(record)
+        if len(self.records) > self.keep:
+            del self.records[: len(self.records) - self.keep]
+        self._window.append(record)
 
     def _edge(self) -> float:
         """The clock at a step edge; on CUDA after a synchronize (NB: a CPU-GPU sync point)."""
@@ -138,17 +181,19 @@ class Ledger:
         return _Timed(self)
 
     def findings(self, **options) -> list:
-        """Findings over the traced steps; MFU uses the untraced steps' median time when
-        there are any (tracing adds its own overhead to the traced ones)."""
+        """Findings over the leak window (the last ``LEAK_WINDOW`` traced steps); ``options``
+        as in ``[tool.torchledger]``. MFU uses the untraced steps' median time when there are
+        any (tracing adds its own overhead to the traced ones)."""
         from ..analyzers.checks import run_checks
         options.setdefault("peak_flops", self.peak_flops)
         if self.untraced_seconds and "step_seconds" not in options:
             options["step_seconds"] = sorted(self.untraced_seconds)[len(self.untraced_seconds) // 2]
             options["untraced_steps"] = len(self.untraced_seconds)
-        found = run_checks(self.records, options)
-        if self.records:                  # the latest record keeps them (to_dict, report)
-            self.records[-1].findings = list(found)
-            self.records[-1].totals.update(mfu_totals(self.records, options))  # the one MFU
+        window = list(self._window)
+        found = run_checks(window, options)
+        if window:                        # the latest record keeps them (to_dict, report)
+            window[-1].findings = list(found)
+            window[-1].totals.update(mfu_totals(window, options))  # the one MFU
         return found
 
     def report(self, **options) -> str:

@@ -130,10 +130,11 @@ class LedgerMode(TorchDispatchMode):
         self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
         self._last_mark = None
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
+        self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if id(func) in _PASSTHROUGH:    # metadata queries (fake tensors ask prim.device often)
+        if id(func) in _PASSTHROUGH or self.quiet:   # metadata queries (fake tensors ask prim.device often)
             return func(*args, **kwargs)
         try:                    # where we are is known before the op runs (CUDA marks need it)
             node = _current_node()

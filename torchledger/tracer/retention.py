@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+import weakref
 
 import torch
 
@@ -25,24 +26,23 @@ _PRIVATE = {"_parameters", "_buffers", "_modules"}
 
 def retention(tracer, model, record) -> None:
     """Fill ``record.memory`` retained/grads/module_caches and ``tracer.carry_out``."""
-    st, mode, scope = tracer.storages, tracer.mode, tracer.scope
-    alive = st.alive_at_end()
+    st = tracer.storages
+    alive = {k: ref for k, ref in st.alive_at_end().items()
+             if st.cat[k] in (TEMP, ACT) and ref() is not None}
+    if any(k in tracer._carried for k in alive):
+        # a storage kept since an earlier step may be held only by a reference cycle that
+        # gc would free: collect once (only when something was kept) and look again
+        gc.collect()
+        alive = {k: ref for k, ref in alive.items() if ref() is not None}
     retained, new_count, new_bytes = {}, 0, 0
     kept_refs = {}
     for k, ref in alive.items():
-        if st.cat[k] not in (TEMP, ACT):
-            continue
         storage = ref()
         if storage is None:
             continue
         origin = tracer._carried.get(k)
         if origin is None:
-            i = st.alloc[k]
-            op = st.op[k]
-            origin = {"step": tracer.step_index, "op": str(op) if op is not None else None,
-                      "module": scope.name(mode.op_module[i]) if i < len(mode.op_module) else None,
-                      "phase": PHASES[mode.op_phase[i]] if i < len(mode.op_phase) else None,
-                      "location": mode.scalar_sites.get(i)}
+            origin = _origin(tracer, k)
             new_count += 1
             new_bytes += st.nbytes[k]
         else:
@@ -52,13 +52,27 @@ def retention(tracer, model, record) -> None:
             g["count"] += 1
             g["bytes"] += st.nbytes[k]
             kept_refs[storage._cdata] = g
-        tracer.carry_out[storage._cdata] = {"ref": ref, "category": st.cat[k], "origin": origin}
+        # a plain weakref: the tracker's (whose callback holds the whole tracker) stays here
+        tracer.carry_out[storage._cdata] = {"ref": weakref.ref(storage), "category": st.cat[k],
+                                            "origin": origin}
+        del storage
     if kept_refs:
         _mark_graphs(kept_refs)
     record.memory["retained"] = sorted(retained.values(), key=lambda g: -g["bytes"])
     record.memory["retained_new"] = {"count": new_count, "bytes": new_bytes}
     record.memory["grads"] = _grads(tracer)
     record.memory["module_caches"] = _module_caches(model) if model is not None else []
+
+
+def _origin(tracer, k: int) -> dict:
+    """Where storage ``k`` (made in this step) was made: step, op, module, phase, user line."""
+    st, mode, scope = tracer.storages, tracer.mode, tracer.scope
+    i = st.alloc[k]
+    op = st.op[k]
+    return {"step": tracer.step_index, "op": str(op) if op is not None else None,
+            "module": scope.name(mode.op_module[i]) if i < len(mode.op_module) else None,
+            "phase": PHASES[mode.op_phase[i]] if i < len(mode.op_phase) else None,
+            "location": mode.scalar_sites.get(i)}
 
 
 def _mark_graphs(kept: dict) -> None:

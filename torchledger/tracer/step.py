@@ -256,7 +256,27 @@ class StepTracer:
                     self._saved[k] = (s.nbytes(), self.scope.top, "forward" if forward else "recompute")
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
-        return t
+        return self._detached(t)
+
+    def _detached(self, t):
+        """What autograd keeps for a saved tensor: ``t`` without its autograd history.
+
+        Returning ``t`` itself makes a cycle for every op that saves its own output (relu,
+        exp, softmax...): output -> grad_fn -> saved output. The cycle runs through C++, so
+        Python's gc never frees it, and the graph of a forward that is never backpropagated
+        (an eval forward without no_grad) would live for the rest of the process (torch's
+        ``saved_tensors_hooks`` docs: return ``x.detach()``). Autograd gives the unpacked
+        tensor its history back; the detach shares storage and version counter, and is not
+        recorded (``mode.quiet``)."""
+        mode = self.mode
+        mode.quiet += 1
+        try:
+            return t.detach()
+        except Exception as e:
+            self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
+            return t
+        finally:
+            mode.quiet -= 1
 
     def _model_output(self, model, args, output):
         """A key/value cache returned by a training forward (see ``outputs``)."""
