@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 
 from ..analyzers.mfu import mfu_totals
+from .compiled import note_run
 from .step import StepTracer, active_tracer, check_optimizer
 
 __all__ = ["trace", "Ledger", "StepTracer", "active_tracer"]
@@ -35,6 +36,7 @@ class _Traced(StepTracer):
 
     def __exit__(self, exc_type, exc, tb):
         out = super().__exit__(exc_type, exc, tb)
+        note_run(self)                  # meta.compiled / meta.autocast
         _keep_findings(self.record, self.findings)
         return out
 
@@ -116,6 +118,7 @@ class Ledger:
                 yield tracer
         finally:
             if tracer.record is not None:
+                note_run(tracer)        # meta.compiled / meta.autocast
                 self.records.append(tracer.record)
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)

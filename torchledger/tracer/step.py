@@ -17,6 +17,7 @@ import torch
 
 from ..record import StepRecord
 from .build import build_record
+from .compiled import observe_run
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker
 from .modules import ModuleScope
@@ -94,6 +95,7 @@ class StepTracer:
             raise RuntimeError("the traced model no longer exists")
         self._model = model
         with ExitStack() as stack:
+            model = self._model = observe_run(self, model, stack)   # torch.compile: eager, cache kept
             self.scope = ModuleScope(model)
             self.storages = StorageTracker()
             self._register_persistent(model)
