@@ -92,6 +92,9 @@ def load_entry(path: str, entry: str = "audit_spec"):
     module.__file__ = os.path.abspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, folder)
+    # registered, as an import would: a dataclass in a file with `from __future__ import
+    # annotations` looks its module up in sys.modules while the class is made
+    sys.modules[module.__name__] = module
     try:
         exec(code, module.__dict__)
     except (Exception, SystemExit) as e:
