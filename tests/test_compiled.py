@@ -144,3 +144,34 @@ def test_autocast_compute_dtype_in_header_and_notes():
            "optimizer state stay float32" in text
     from torchledger.render import render
     assert "dtype float32 weights, autocast bfloat16 compute" in render(t.record, [], "markdown")
+
+
+SLOW_COMPILE = """
+    import time, torch, torchledger
+
+    def slow_backend(gm, example_inputs):       # compiling costs a second, running nothing
+        time.sleep(1.0)
+        return gm.forward
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+        def forward(self, x):
+            return self.fc(x).relu()
+
+    def audit_spec():
+        return torchledger.AuditSpec(torch.compile(MLP(), backend=slow_backend), torch.randn(2, 4))
+"""
+
+
+def test_cpu_audit_of_a_compiled_model_times_compiled_steps_not_the_compile(tmp_path):
+    import textwrap
+
+    from torchledger.audit import run_audit
+    path = tmp_path / "m.py"
+    path.write_text(textwrap.dedent(SLOW_COMPILE))
+    run = run_audit(str(path), device="cpu", steps=1, timing_steps=2)
+    assert run.record.meta["compiled"]["modules"] == ["(root)"]
+    assert len(run.untraced_seconds) == 2
+    assert max(run.untraced_seconds) < 0.5      # the 1 s compile ran before the timed steps

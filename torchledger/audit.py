@@ -391,6 +391,8 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
             with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
                 step()
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
+            if timing_steps and any(r.meta.get("compiled") for r in ledger.records):
+                step()                      # the traced steps ran eagerly: compile untimed
             for _ in range(timing_steps):
                 with ledger.time_step():
                     step()
