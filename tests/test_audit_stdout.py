@@ -76,3 +76,21 @@ def test_stdout_is_restored_after_the_audit(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "inside" in err and "inside-fd" in err
     assert out == "after\n"
+
+
+def test_a_dataclass_in_a_file_with_future_annotations_loads(tmp_path):
+    """dataclasses look the class's module up in sys.modules (nanoGPT's GPTConfig pattern)."""
+    p = tmp_path / "dc.py"
+    p.write_text(textwrap.dedent("""
+        from __future__ import annotations
+        from dataclasses import dataclass
+        import torch, torchledger
+        @dataclass
+        class Config:
+            width: int = 4
+        def audit_spec():
+            return torchledger.AuditSpec(torch.nn.Linear(Config().width, 2), torch.randn(3, 4))
+    """))
+    r = CliRunner().invoke(cli, ["audit", str(p), "--format", "json", "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["totals"]["params"] == 4 * 2 + 2      # 10

@@ -275,6 +275,17 @@ def test_accounting_leaky_loop_is_caught_at_its_lines():
 
 
 CLEAN_IDIOMS = {
+    "grad-accumulation-logging-the-item-over-accum": """
+        for x, y in loader:
+            total = 0.0
+            for _ in range(accum):
+                _, loss = model(x, y)
+                (loss / accum).backward()
+                total += loss.item() / accum
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(total)
+        """,
     "grad-accumulation-every-k-steps": """
         for step, (x, y) in enumerate(loader):
             loss = criterion(model(x), y) / accum

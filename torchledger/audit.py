@@ -92,6 +92,9 @@ def load_entry(path: str, entry: str = "audit_spec"):
     module.__file__ = os.path.abspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, folder)
+    # registered, as an import would: a dataclass in a file with `from __future__ import
+    # annotations` looks its module up in sys.modules while the class is made
+    sys.modules[module.__name__] = module
     try:
         exec(code, module.__dict__)
     except (Exception, SystemExit) as e:
@@ -389,6 +392,8 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
             with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
                 step()
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
+            if timing_steps and any(r.meta.get("compiled") for r in ledger.records):
+                step()                      # the traced steps ran eagerly: compile untimed
             for _ in range(timing_steps):
                 with ledger.time_step():
                     step()

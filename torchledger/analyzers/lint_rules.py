@@ -90,6 +90,10 @@ class _Flow:
                 # accelerator.backward(loss): the argument is the tensor, not the receiver
                 for expr in node.args[:1] or [node.func.value]:
                     calls = {id(c.func) for c in walk(expr) if isinstance(c, ast.Call)}
+                    # (loss / accum).backward(): the divisor (gradient accumulation steps) is a
+                    # number, not a tensor whose graph flows into backward
+                    calls |= {id(b.right) for b in walk(expr) if isinstance(b, ast.BinOp)
+                              and isinstance(b.op, (ast.Div, ast.FloorDiv))}
                     self.backward |= {n.id for n in walk(expr)
                                       if isinstance(n, ast.Name) and id(n) not in calls}
         for defs in self.defs.values():

@@ -11,7 +11,7 @@ from ..units import fmt_bytes, fmt_count
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
            "totals_rows", "measured_static_bytes", "with_hint", "tokens_note", "attention_kernels",
-           "NO_ATTENTION_KERNEL", "run_notes", "mfu_line"]
+           "NO_ATTENTION_KERNEL", "run_notes", "mfu_line", "dtype_text"]
 
 EMPTY_SENTENCE = "Empty record: no ops were traced (did the traced block run a step?)."
 CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
@@ -67,10 +67,17 @@ def attention_kernels(record) -> str:
     return ", ".join(kernels) if kernels else NO_ATTENTION_KERNEL
 
 
+def dtype_text(meta) -> str:
+    """The parameters' dtype, and the compute dtype when autocast differs from it."""
+    dtype = meta.get("dtype") or "?"
+    cast = (meta.get("autocast") or {}).get("dtype")
+    return f"{dtype} weights, autocast {cast} compute" if cast and cast != dtype else dtype
+
+
 def kernel_line(record) -> str:
     m = record.meta
     kernel = attention_kernels(record)
-    return (f"device {m.get('device', '?')}, dtype {m.get('dtype') or '?'}, torch {m.get('torch', '?')}; "
+    return (f"device {m.get('device', '?')}, dtype {dtype_text(m)}, torch {m.get('torch', '?')}; "
             f"attention kernel: {kernel}")
 
 
@@ -78,10 +85,20 @@ def run_notes(record) -> list:
     """Lines every report prints under its header: how the step was run and measured (the
     loss an audit backpropagated, ...). Absent fields (older records, a ``trace()`` of the
     user's own step) print nothing."""
-    audit = (record.meta or {}).get("audit") or {}
+    meta = record.meta or {}
+    audit = meta.get("audit") or {}
     lines = []
     if audit.get("loss"):
         lines.append(f"loss: {audit['loss']}")
+    compiled = meta.get("compiled") or {}
+    if compiled:
+        where = ", ".join(compiled.get("modules") or []) or "compiled functions"
+        lines.append(f"torch.compile ({where}; {compiled.get('calls', 0)} call(s) of compiled code): "
+                     f"{compiled.get('note') or 'the traced step ran eagerly'}")
+    cast = meta.get("autocast") or {}
+    if cast.get("dtype"):
+        lines.append(f"autocast: the step computes in {cast['dtype']} ({cast.get('device_type', '?')} "
+                     f"autocast); parameters, gradients and optimizer state stay {meta.get('dtype') or '?'}")
     mfu = mfu_line(record.totals)
     if mfu:
         lines.append(mfu)

@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
-from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, is_empty, module_rows,
+from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, dtype_text, is_empty, module_rows,
                      run_notes, tokens_note)
 
 __all__ = ["render_table"]
@@ -31,7 +31,7 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
     m = record.meta
     lines = [
         f"torchledger step report: {m.get('model') or 'model'} on {m.get('device', '?')}"
-        f" ({m.get('dtype') or '?'}), torch {m.get('torch', '?')}",
+        f" ({dtype_text(m)}), torch {m.get('torch', '?')}",
         f"attention kernel: {attention_kernels(record)}",
         f"conventions: {CONVENTIONS_LINE}",
         *run_notes(record),

@@ -20,6 +20,7 @@ from collections import deque
 from contextlib import contextmanager
 
 from ..analyzers.mfu import mfu_totals
+from .compiled import note_run
 from .step import StepTracer, active_tracer, check_optimizer
 
 __all__ = ["trace", "Ledger", "StepTracer", "active_tracer", "LEAK_WINDOW"]
@@ -37,6 +38,7 @@ class _Traced(StepTracer):
     def _finished(self) -> None:
         # NB: not an __exit__ override calling super(): a Ctrl-C at that call would skip
         # StepTracer.__exit__ and leave every hook installed
+        note_run(self)                  # meta.compiled / meta.autocast
         _keep_findings(self.record, self.findings)
 
     def findings(self, **options) -> list:
@@ -153,6 +155,7 @@ class Ledger:
                 yield tracer
         finally:
             if tracer.record is not None:
+                note_run(tracer)        # meta.compiled / meta.autocast
                 self._keep(tracer.record)
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)

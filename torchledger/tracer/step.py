@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import ExitStack
 from _thread import get_ident
 
 import torch
 
 from ..record import StepRecord
 from .build import build_record
+from .compiled import observe_run
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
 from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
@@ -113,8 +115,11 @@ class StepTracer:
     def _install(self, model, life) -> None:
         """Everything for the step, each piece registered on ``life`` as it goes in (see
         ``lifecycle``); the dispatch mode last, so nothing of ours runs under it."""
-        self._reset(model)
         undo = life.undo.append          # C: nothing can interrupt between register and undo
+        compiled = ExitStack()
+        undo(compiled.close)
+        model = self._model = observe_run(self, model, compiled)   # torch.compile: eager, cache kept
+        self._reset(model)
         self.scope.install(undo)
         undo(model.register_forward_hook(self._model_output).remove)
         life.saved_tensors_hooks(self._pack_hook, _unpack)

@@ -1,0 +1,121 @@
+"""How the traced step's code ran: ``torch.compile`` and autocast.
+
+**torch.compile.** dynamo does not trace under a Python dispatch mode (the tracer's): it runs
+the frame eagerly and marks it to be skipped, so a compiled model whose first call ran under
+the tracer never compiles again (measured on torch 2.13: ``CompileCounter.frame_count`` stays
+0 for every later untraced step). The traced step therefore runs under
+``torch.compiler.set_stance("force_eager")``: dynamo is not consulted at all, its cache is
+neither filled nor poisoned, and the untraced steps before and after run compiled as they
+would without the tracer. The record says so (``meta.compiled``) and so does every report:
+the traced step's numbers describe the eager step (same FLOPs; fusion changes time and
+temporaries, not the matmul-class work counted here).
+
+Detected: an ``OptimizedModule`` (``torch.compile(model)``: traced as its original module, so
+module names carry no ``_orig_mod.`` prefix), modules compiled in place (``module.compile()``),
+and calls of compiled code during the step (compiled functions included) where dynamo's
+internals allow counting them.
+
+**autocast.** The dtype the step computes in is not the parameters' under ``torch.autocast``;
+a forward pre-hook on the model notes the autocast state of its first call
+(``meta.autocast``: device type and dtype) for the report's header.
+
+Known limitations: a step that calls ``torch.compile`` itself inside the traced block
+compiles nothing until an untraced step; autocast entered inside ``forward`` is not seen.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+__all__ = ["observe_run", "note_run"]
+
+
+def _unwrap(model) -> tuple:
+    """``(module to trace, names of compiled modules)``: ``(root)`` for an ``OptimizedModule``
+    or a model compiled in place, else the ``named_modules()`` name of the original module."""
+    names = []
+    while _is_optimized(model):
+        names, model = ["(root)"], model._orig_mod
+    for name, mod in model.named_modules():
+        if _is_optimized(mod) or getattr(mod, "_compiled_call_impl", None) is not None:
+            if (name or "(root)") not in names:
+                names.append(name or "(root)")
+    return model, names
+
+
+def _is_optimized(mod) -> bool:
+    return type(mod).__name__ == "OptimizedModule" and hasattr(mod, "_orig_mod")
+
+
+def observe_run(tracer, model, stack):
+    """Install, on ``stack``, eager mode for compiled code and the autocast probe; returns the
+    module to trace (an ``OptimizedModule``'s original module). Never raises: what cannot be
+    installed is noted in the tracer's warnings."""
+    info = tracer.run_info = {"compiled_modules": [], "compiled_calls": 0, "autocast": None}
+    try:
+        model, info["compiled_modules"] = _unwrap(model)
+        _force_eager(info, stack)
+        # our global module hooks make an OptimizedModule warn that they fire twice; they are
+        # ours and fire harmlessly on the wrapper (it is not in the traced tree)
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        stack.enter_context(model.register_forward_pre_hook(_autocast_probe(info, model)))
+    except Exception as e:  # noqa: BLE001  (the step must run even if dynamo changed)
+        tracer._warn(f"torch.compile/autocast probe: {type(e).__name__}: {e}")
+    return model
+
+
+def _force_eager(info, stack) -> None:
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:                  # torch < 2.6: nothing to protect the cache with
+        info["unprotected"] = True
+        return
+    stack.enter_context(set_stance("force_eager"))
+    try:
+        from torch._dynamo import eval_frame
+    except Exception:  # noqa: BLE001
+        return
+    original = getattr(eval_frame, "_callback_from_stance", None)
+    if original is None:
+        return
+
+    def counting(callback):                 # dynamo asks this on each entry into compiled code
+        if callback not in (False, None):
+            info["compiled_calls"] += 1
+        return original(callback)
+
+    eval_frame._callback_from_stance = counting
+    stack.callback(setattr, eval_frame, "_callback_from_stance", original)
+
+
+def _autocast_probe(info, model):
+    def probe(module, args):
+        try:
+            if info["autocast"] is not None:
+                return
+            p = next(module.parameters(), None)
+            device = p.device.type if p is not None else "cpu"
+            if device in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device):
+                dtype = torch.get_autocast_dtype(device)
+                info["autocast"] = {"device_type": device, "dtype": str(dtype).replace("torch.", "")}
+        except Exception:  # noqa: BLE001  (a probe never raises into the step)
+            pass
+    return probe
+
+
+def note_run(tracer) -> None:
+    """Copy what :func:`observe_run` saw into the finished record's meta (``compiled``,
+    ``autocast``); a no-op when there is no record or nothing to say."""
+    rec, info = getattr(tracer, "record", None), getattr(tracer, "run_info", None)
+    if rec is None or not info:
+        return
+    if info["compiled_modules"] or info["compiled_calls"]:
+        rec.meta["compiled"] = {
+            "modules": info["compiled_modules"], "calls": info["compiled_calls"], "traced_step": "eager",
+            "note": ("the traced step ran eagerly (torch.compile stance force_eager): dynamo's "
+                     "cache untouched, untraced steps run compiled" if not info.get("unprotected") else
+                     "the traced step ran eagerly and torch < 2.6 cannot keep dynamo's cache out of "
+                     "it: code first called under the trace may not compile later")}
+    if info["autocast"]:
+        rec.meta["autocast"] = info["autocast"]
