@@ -48,10 +48,12 @@ def _is_optimized(mod) -> bool:
     return type(mod).__name__ == "OptimizedModule" and hasattr(mod, "_orig_mod")
 
 
-def observe_run(tracer, model, stack):
+def observe_run(tracer, model, stack, undo=None):
     """Install, on ``stack``, eager mode for compiled code and the autocast probe; returns the
     module to trace (an ``OptimizedModule``'s original module). Never raises: what cannot be
-    installed is noted in the tracer's warnings."""
+    installed is noted in the tracer's warnings. ``undo`` (the lifecycle's ``list.append``)
+    takes the probe's removal with no Python call between registering and noting it, so a
+    Ctrl-C cannot leave the hook behind."""
     info = tracer.run_info = {"compiled_modules": [], "compiled_calls": 0, "autocast": None}
     try:
         model, info["compiled_modules"] = _unwrap(model)
@@ -60,7 +62,8 @@ def observe_run(tracer, model, stack):
         # ours and fire harmlessly on the wrapper (it is not in the traced tree)
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-        stack.enter_context(model.register_forward_pre_hook(_autocast_probe(info, model)))
+        handle = model.register_forward_pre_hook(_autocast_probe(info, model))
+        (undo or stack.callback)(handle.remove)
     except Exception as e:  # noqa: BLE001  (the step must run even if dynamo changed)
         tracer._warn(f"torch.compile/autocast probe: {type(e).__name__}: {e}")
     return model

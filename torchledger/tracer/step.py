@@ -118,7 +118,7 @@ class StepTracer:
         undo = life.undo.append          # C: nothing can interrupt between register and undo
         compiled = ExitStack()
         undo(compiled.close)
-        model = self._model = observe_run(self, model, compiled)   # torch.compile: eager, cache kept
+        model = self._model = observe_run(self, model, compiled, undo)   # torch.compile: eager, cache kept
         self._reset(model)
         self.scope.install(undo)
         undo(model.register_forward_hook(self._model_output).remove)
