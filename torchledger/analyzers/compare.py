@@ -324,21 +324,24 @@ def _weights_row(record, p, base) -> dict:
     name, ref = _BASES[base], _base_value(p, base)
     f, attn = t["flops"]["total"], t["attention_flops"]["dense"]
     six = (f"6ND = {p['flops_6nd']:,} (N = {t['matmul_params']:,} matmul params, D = "
-           f"{t['tokens']:,} {_unit(t)})" if "flops_6nd" in p else "no D, no 6ND")
+           f"{t['tokens']:,} {_unit(t)})" if "flops_6nd" in p else "")
     if base == "grads":
         text = (f"{_frozen_params(t):,} of {t['params']:,} params are frozen: a frozen weight's "
                 f"matmul costs its forward (2 x weight x rows), plus 2 x that when its input needs "
                 f"grad, never a weight gradient; a trainable one 6 x weight x rows, 4 when its input "
-                f"needs none; {six} would count every weight as trained")
+                f"needs none" + (f"; {six} would count every weight as trained" if "flops_6nd" in p else ""))
     else:
         skipped = p["flops_6nd_per_weight"] - ref
-        text = (f"weights do not all see D {_unit(t)} (convolutions at every output position, "
-                f"experts, encoder/decoder lengths, heads on a few rows): each weight x the rows "
+        why = (f"weights do not all see D {_unit(t)} (convolutions at every output position, "
+               f"experts, encoder/decoder lengths, heads on a few rows)" if "flops_6nd" in p
+               else "no D (tokens) given")
+        text = (f"{why}: each weight x the rows "
                 f"it multiplied, 6 x sum(weight x rows) = {p['flops_6nd_per_weight']:,}"
                 + (f" less {skipped:,} of input gradients nothing needed (the first layer's, of "
-                   f"inputs without grad)" if skipped > 0 else "") + f"; {six}")
+                   f"inputs without grad)" if skipped > 0 else "") + (f"; {six}" if "flops_6nd" in p else ""))
     if "flops_6nd_attention" in p or not attn:   # the 12LTd row predicts attention; none here
-        return _row(name, f, ref, text + f"; attention adds {_pct(attn, ref)}" + _other(f - ref - attn, ref))
+        return _row(name, f, ref, text + (f"; attention adds {_pct(attn, ref)}" if attn else "")
+                    + _other(f - ref - attn, ref))
     # no closed form for attention here (no config, or D counts samples): as measured
     return _row(name + " + attention", f, ref + attn, text + f"; attention as measured, {attn:,}"
                 + _other(f - ref - attn, ref))
