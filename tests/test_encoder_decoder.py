@@ -155,7 +155,7 @@ def test_no_lm_head_assumes_equal_lengths(record):
     # BartModel: no head; N = 2*49,152 + 3*65,536 = 294,912; attention as above 12,582,912
     assert t["matmul_params"] == 294_912
     assert p["flops_6nd_attention"] == 6 * 294_912 * D_ENC + 12_582_912 == t["flops"]["total"]
-    assert "T_dec assumed = T_enc = 32" in rows(rec)["training FLOPs vs 6ND + 12LTd"]["explanation"]
+    assert "T_dec = 32 read off the decoder's first projection" in rows(rec)["training FLOPs vs 6ND + 12LTd"]["explanation"]
 
 
 def test_korthikanti_encoder_decoder(record):

@@ -50,14 +50,14 @@ def test_frozen_first_layer_hand_count():
 
 
 def test_trainable_mlp_keeps_6nd():
-    """Nothing frozen: the weights' term stays 6ND (no frozen-aware prediction)."""
+    """Nothing frozen: the weights' term stays 6ND (the frozen-aware figure is kept beside it)."""
     model = _mlp_frozen_first()
     model[0].weight.requires_grad_(True)
     with torchledger.trace(model, tokens=4) as t:
         model(torch.randn(4, 8)).sum().backward()
-    assert "flops_per_weight_grads" not in t.record.predictions
-    # 2,048 + layer 1's weight grad 1,024 + layer 2's input grad 512 = 3,584
+    # gradients: layer 1's weight 1,024 (x needs none) + layer 2's weight and input 2 * 512
     assert t.record.totals["param_matmul_flops_grad"] == 1_024 + 2 * 512
+    assert t.record.predictions["flops_per_weight_grads"] == 1_536 + 2_048 == t.record.totals["flops"]["total"]
     assert [r["quantity"] for r in comparisons(t.record)][0] == "training FLOPs vs 6ND"
 
 

@@ -9,10 +9,9 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 from ..record import Finding, counts_samples
 from .activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
+from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
 from .flops import encoder_decoder_attention_flops
 from .memory import OPTIMIZERS, bytes_per_param, static_memory
 from .params import count_params, params_12ld2_encoder_decoder
@@ -61,90 +60,31 @@ def _frozen_params(t) -> int:
     return max(int(t.get("params") or 0) - int(t.get("trainable_params", t.get("params")) or 0), 0)
 
 
-#: What the weights' term of the FLOPs prediction is: (prediction key, row name).
+#: The weights' term of the FLOPs prediction: kind -> row name.
 _BASES = {
-    "6nd": ("flops_6nd", "training FLOPs vs 6ND"),
-    "per_weight": ("flops_6nd_per_weight", "training FLOPs vs 6 x sum(weight x rows)"),
-    "grads": ("flops_per_weight_grads", "training FLOPs vs weights' fwd + grads"),
+    "6nd": "training FLOPs vs 6ND",
+    "per_weight": "training FLOPs vs 6 x sum(weight x rows)",
+    "grads": "training FLOPs vs weights' fwd + grads",
 }
 
 
-def _base(p) -> str:
+def _base_value(p, base: str):
+    """The weights' term: 6ND; or each weight x the rows it multiplied, forward plus the
+    gradients its backward made (6 x sum(weight x rows) less the input gradients nothing
+    needed, e.g. of the pixels; records without the gradient count: 6 x sum(weight x rows))."""
+    if base == "6nd":
+        return p.get("flops_6nd")
+    return p.get("flops_per_weight_grads", p.get("flops_6nd_per_weight"))
+
+
+def _base(t, p) -> str:
     """Which weights' term describes the step: with frozen weights, the work each weight's
     matmuls really did (forward, plus the gradients its backward made); where weights did not
     all see D tokens (experts, convolutions, encoder/decoder lengths, heads on a few rows),
     6 x sum(weight x rows); else 6ND."""
-    if "flops_per_weight_grads" in p:
+    if "flops_per_weight_grads" in p and _frozen_params(t):
         return "grads"
     return "per_weight" if _uneven(p) else "6nd"
-
-
-class _Shape(NamedTuple):
-    L: int
-    """All layers (encoder + decoder for an encoder-decoder stack)."""
-    d: int
-    V: int
-    d_attn: int
-    n_enc: Optional[int] = None
-    """Encoder / decoder layers of an encoder-decoder stack (T5, BART); None otherwise."""
-    n_dec: Optional[int] = None
-
-
-def _shape(record):
-    """(L, d, V, d_attn, n_enc, n_dec) of a recognised transformer, exact config or found from
-    its modules; d_attn = heads x head dim, the width the attention term runs at (d unless the
-    config sets a head_dim apart, as Gemma and T5 can); n_enc / n_dec only for encoder-decoder
-    stacks (``tracer.shape``), where L = n_enc + n_dec."""
-    cfg = record.meta.get("config")
-    if not cfg or cfg.get("kind") != "transformer":
-        return None
-    try:
-        d = int(cfg["d_model"])
-        if cfg.get("encoder_decoder"):
-            n_enc, n_dec = int(cfg["n_encoder_layers"]), int(cfg["n_decoder_layers"])
-            return _Shape(n_enc + n_dec, d, int(cfg["vocab_size"]), int(cfg.get("d_attn") or d),
-                          n_enc, n_dec)
-        return _Shape(int(cfg["n_layers"]), d, int(cfg["vocab_size"]), int(cfg.get("d_attn") or d))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-class _Lengths(NamedTuple):
-    """Sequence lengths and tokens of an encoder-decoder step."""
-    t_enc: int
-    t_dec: int
-    d_enc: int
-    d_dec: int
-    how: str
-    """Where t_dec came from, for the rows' text."""
-
-
-def _enc_dec_lengths(record, shape, D, T) -> Optional[_Lengths]:
-    """Encoder length T and tokens D are the record's (read off the first 2-D token ids, the
-    encoder's input_ids). The record carries no decoder length; it is read off the LM head
-    when the model has one (a module named ``lm_head``, called once, whose forward FLOPs are
-    2*V*d*rows: rows = decoder tokens, as logits are computed at every decoder position),
-    else assumed equal to T."""
-    if shape is None or shape.n_enc is None or not D or not T:
-        return None
-    batch = D // T if D % T == 0 else None
-    for m in record.modules or []:
-        if str(m.get("name", "")).rsplit(".", 1)[-1] != "lm_head" or m.get("calls") != 1:
-            continue
-        per_row = 2 * shape.V * shape.d
-        fwd = int(m.get("flops_forward") or 0)
-        if batch and fwd and fwd % per_row == 0 and (fwd // per_row) % batch == 0:
-            rows = fwd // per_row
-            return _Lengths(T, rows // batch, D, rows,
-                            f"T_dec = {rows // batch:,} read off the LM head (2*V*d x {rows:,} "
-                            f"decoder rows forward)")
-        break
-    return _Lengths(T, T, D, D, f"T_dec assumed = T_enc = {T:,} (the record carries one sequence "
-                                f"length, the encoder's, and no LM head to read the decoder's off)")
-
-
-def _seq_len(record):
-    return (record.meta.get("audit") or {}).get("seq_len") or record.meta.get("seq_len")
 
 
 def predictions(record) -> dict:
@@ -159,23 +99,25 @@ def predictions(record) -> dict:
         # when every weight sees every token; not for experts (top-k of E), encoder-decoder
         # stacks (their own lengths) or heads that read a few rows (a classifier's CLS token)
         out["flops_6nd_per_weight"] = 3 * int(t["param_matmul_flops_forward"])
-        if _frozen_params(t) and t.get("param_matmul_flops_grad") is not None:
-            # frozen weights make no weight gradient (and none for their input when nothing
-            # upstream trains): forward 2 x sum(P x rows) + one forward per gradient made
+        if t.get("param_matmul_flops_grad") is not None:
+            # forward 2 x sum(P x rows) + one forward per gradient made: frozen weights make no
+            # weight gradient, inputs that need none (pixels, a frozen stem's output) no input
+            # gradient; 6 x sum(P x rows) when everything trains
             out["flops_per_weight_grads"] = int(t["param_matmul_flops_forward"]) + int(t["param_matmul_flops_grad"])
     cfg, shape, T = _config(record), _shape(record), _seq_len(record)
     if cfg is not None and _exact_formula_fits(record.meta.get("config")):
         out["params_exact"] = count_params(cfg).total
     lengths = _enc_dec_lengths(record, shape, D, T)
     if shape is not None and lengths is not None:       # encoder-decoder (T5, BART)
-        L, d, V, d_attn, n_enc, n_dec = shape
+        L, d, V, d_attn, n_enc, n_dec = shape[:6]
         out["params_12ld2"] = params_12ld2_encoder_decoder(d, n_enc, n_dec, V)
         args = (n_enc, n_dec, lengths.t_enc, lengths.t_dec, d_attn, lengths.d_enc, lengths.d_dec)
         # decoder tokens != encoder tokens: 6ND is not the weights' work; 6 x sum(weight x
         # rows) is (each stack's weights at its own tokens, cross K/V at the encoder's)
-        base = (out["flops_per_weight_grads"] if "flops_per_weight_grads" in out else
-                out["flops_6nd_per_weight"] if lengths.d_dec != lengths.d_enc
-                and "flops_6nd_per_weight" in out else 6 * N * D)
+        kind = _base(t, out)
+        if kind == "6nd" and lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in out:
+            kind = "per_weight"
+        base = _base_value(out, kind) if kind != "6nd" else 6 * N * D
         out["flops_6nd_attention"] = base + encoder_decoder_attention_flops(*args)
         out["flops_6nd_attention_causal"] = base + encoder_decoder_attention_flops(*args, causal=True)
     elif shape is not None:
@@ -183,8 +125,9 @@ def predictions(record) -> dict:
         out["params_12ld2"] = (params_12ld2_encoder_decoder(d, shape.n_enc, shape.n_dec, V)
                                if shape.n_enc is not None else 12 * L * d * d + V * d)
         if D and T:
-            attn = 12 * L * T * d_attn * D
-            base = out[_BASES[_base(out)][0]]
+            # per token and layer: Q K^T 2*T*d_qk + x V 2*T*d_v forward, 3x for training
+            attn = 6 * L * T * (shape.attn_width or 2 * d_attn) * D
+            base = _base_value(out, _base(t, out))
             out["flops_6nd_attention"] = base + attn
             out["flops_6nd_attention_causal"] = base + attn // 2
     if cfg is not None and D and T:
@@ -232,7 +175,7 @@ def comparisons(record, p=None) -> list:
         rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
                          enc_dec + _explain_12ld2(cfg) if cfg is not None else
                          "L, d and V found from the modules (no config): " + _explain_partial(record)))
-    base = _base(p)
+    base = _base(t, p)
     if base == "6nd" and "flops_6nd" in p:
         f = t["flops"]["total"]
         attn = t["attention_flops"]["dense"]
@@ -244,29 +187,26 @@ def comparisons(record, p=None) -> list:
     elif base != "6nd":
         rows.append(_weights_row(record, p, base))
     if "flops_6nd_attention" in p:
-        d, d_attn = shape.d, shape.d_attn
         if lengths is not None:
             text = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; attention counted dense: "
                     f"encoder self 12*L_enc*T_enc*d*D_enc + decoder self 12*L_dec*T_dec*d*D_dec + "
-                    f"cross 12*L_dec*T_enc*d*D_dec, T_enc = {lengths.t_enc:,} (the token ids' length), "
-                    f"{lengths.how}; causal prediction {p['flops_6nd_attention_causal']:,} halves "
+                    f"cross 12*L_dec*T_enc*d*D_dec, {lengths.how}; causal prediction {p['flops_6nd_attention_causal']:,} halves "
                     f"the decoder self-attention only")
-            if lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in p:
+            if lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in p and base != "grads":
                 text += (f"; the weights' term is 6 x sum(weight x rows it multiplied) = "
-                         f"{p['flops_6nd_per_weight']:,}, not 6ND: the decoder's weights saw "
+                         f"{_base_value(p, 'per_weight'):,}, not 6ND: the decoder's weights saw "
                          f"{lengths.d_dec:,} tokens, the encoder's {lengths.d_enc:,}")
-            elif lengths.d_dec != lengths.d_enc:
-                text += (f"; 6ND takes every weight at D = {lengths.d_enc:,} encoder tokens, the "
-                         f"decoder's saw {lengths.d_dec:,}")
+            elif lengths.d_dec != lengths.d_enc and base != "grads":
+                text += (f"; 6ND takes every weight at D = {t['tokens']:,} tokens, the encoder's "
+                         f"saw {lengths.d_enc:,} rows, the decoder's {lengths.d_dec:,}")
         else:
             text = f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
         if base != "6nd" and lengths is None:
-            text += f"; the weights' term is {_BASES[base][1].split(' vs ')[1]} = {p[_BASES[base][0]]:,}, not 6ND"
+            text += f"; the weights' term is {_BASES[base].split(' vs ')[1]} = {_base_value(p, base):,}, not 6ND"
         elif base == "grads":
-            text += f"; the weights' term is their forward + the gradients made = {p[_BASES[base][0]]:,} (frozen weights)"
+            text += f"; the weights' term is their forward + the gradients made = {_base_value(p, base):,} (frozen weights)"
         rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
-                         text + (f"; d in 12LTd is heads x head_dim = {d_attn:,}, not the hidden size {d:,}"
-                                 if d_attn != d else "")))
+                         text + _width_text(record, shape)))
     if "static_bytes" in p:
         measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
                     + (record.optimizer or {}).get("master_weight_bytes", 0))
@@ -300,12 +240,13 @@ def check_comparisons(records, options=None) -> list:
     p = predictions(rec)
     out = []
     t = rec.totals
-    key, name = _BASES[_base(p)]
-    if key in p and _shape(rec) is not None and t["flops"]["total"]:
+    base = _base(t, p)
+    name, weights = _BASES[base], _base_value(p, base)
+    if weights is not None and _shape(rec) is not None and t["flops"]["total"]:
         if "flops_6nd_attention" in p:
             explained, what = p["flops_6nd_attention"], name.split(" vs ")[1] + " + 12LTd attention"
         else:
-            explained = p[key] + t["attention_flops"]["dense"]
+            explained = weights + t["attention_flops"]["dense"]
             what = name.split(" vs ")[1] + " + attention as measured"
         measured = t["flops"]["total"]
         gap = (measured - explained) / explained if explained else 0.0
@@ -361,6 +302,18 @@ def _attention_storage(record) -> tuple:
                    "or none): the 5as^2b term kept")
 
 
+def _width_text(record, shape) -> str:
+    """What d in 12LTd is, when it is not the hidden size."""
+    cfg = record.meta.get("config") or {}
+    if shape.attn_width:
+        return (f"; multi-head latent attention: Q K^T at heads x (qk_nope + qk_rope head dims) = "
+                f"{cfg['d_attn_qk']:,}, x V at heads x v_head_dim = {cfg['d_attn_v']:,}: "
+                f"6LT x ({cfg['d_attn_qk']:,} + {cfg['d_attn_v']:,}) per token, not 12LTd (d = {shape.d:,})")
+    if shape.d_attn != shape.d:
+        return f"; d in 12LTd is heads x head_dim = {shape.d_attn:,}, not the hidden size {shape.d:,}"
+    return ""
+
+
 def _unit(t) -> str:
     return "samples" if counts_samples(t) else "tokens"      # D of an image batch: its samples
 
@@ -368,20 +321,30 @@ def _unit(t) -> str:
 def _weights_row(record, p, base) -> dict:
     """The FLOPs row when 6ND does not describe the weights' work (see ``_base``)."""
     t = record.totals
-    key, name = _BASES[base]
-    f, attn, ref = t["flops"]["total"], t["attention_flops"]["dense"], p[key]
+    name, ref = _BASES[base], _base_value(p, base)
+    f, attn = t["flops"]["total"], t["attention_flops"]["dense"]
     six = (f"6ND = {p['flops_6nd']:,} (N = {t['matmul_params']:,} matmul params, D = "
-           f"{t['tokens']:,} {_unit(t)})" if "flops_6nd" in p else "no D, no 6ND")
+           f"{t['tokens']:,} {_unit(t)})" if "flops_6nd" in p else "")
     if base == "grads":
         text = (f"{_frozen_params(t):,} of {t['params']:,} params are frozen: a frozen weight's "
                 f"matmul costs its forward (2 x weight x rows), plus 2 x that when its input needs "
                 f"grad, never a weight gradient; a trainable one 6 x weight x rows, 4 when its input "
-                f"needs none; {six} would count every weight as trained")
+                f"needs none" + (f"; {six} would count every weight as trained" if "flops_6nd" in p else ""))
     else:
-        text = (f"weights do not all see D {_unit(t)} (convolutions at every output position, "
-                f"experts, encoder/decoder lengths, heads on a few rows): each weight x the rows "
-                f"it multiplied; {six}")
-    return _row(name, f, ref, text + f"; attention adds {_pct(attn, ref)}" + _other(f - ref - attn, ref))
+        skipped = p["flops_6nd_per_weight"] - ref
+        why = (f"weights do not all see D {_unit(t)} (convolutions at every output position, "
+               f"experts, encoder/decoder lengths, heads on a few rows)" if "flops_6nd" in p
+               else "no D (tokens) given")
+        text = (f"{why}: each weight x the rows "
+                f"it multiplied, 6 x sum(weight x rows) = {p['flops_6nd_per_weight']:,}"
+                + (f" less {skipped:,} of input gradients nothing needed (the first layer's, of "
+                   f"inputs without grad)" if skipped > 0 else "") + (f"; {six}" if "flops_6nd" in p else ""))
+    if "flops_6nd_attention" in p or not attn:   # the 12LTd row predicts attention; none here
+        return _row(name, f, ref, text + (f"; attention adds {_pct(attn, ref)}" if attn else "")
+                    + _other(f - ref - attn, ref))
+    # no closed form for attention here (no config, or D counts samples): as measured
+    return _row(name + " + attention", f, ref + attn, text + f"; attention as measured, {attn:,}"
+                + _other(f - ref - attn, ref))
 
 
 def _row(quantity, measured, predicted, explanation) -> dict:

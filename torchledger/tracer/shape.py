@@ -61,6 +61,10 @@ def _from_attrs(cfg, model):
     ff = _first(cfg, "intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim")
     # T5's head_dim is an alias of d_kv (its attribute_map)
     head_dim = _first(cfg, "head_dim", "attention_head_dim", "d_kv")
+    # multi-head latent attention (DeepSeek-V2/V3): Q K^T runs at qk_nope + qk_rope per head,
+    # x V at v_head_dim; their config's head_dim is the rope part alone
+    nope, rope, v_dim = (getattr(cfg, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    mla = all(isinstance(x, int) and x > 0 for x in (nope, rope, v_dim))
     if getattr(cfg, "is_gated_act", False):     # T5 v1.1 "gated-gelu": wi_0, wi_1, wo
         swiglu = True
     norm = "rmsnorm" if (hasattr(cfg, "rms_norm_eps") and not hasattr(cfg, "layer_norm_epsilon")) else "layernorm"
@@ -78,11 +82,43 @@ def _from_attrs(cfg, model):
         # attention runs at heads x head_dim, which some models (Gemma) set apart from d
         "d_attn": h * head_dim if isinstance(head_dim, int) and head_dim > 0 else d,
     }
+    if mla:
+        out.update(d_attn_qk=h * (nope + rope), d_attn_v=h * v_dim, d_attn=h * (nope + rope + v_dim) // 2)
     stacks = _encoder_decoder_layers(model)
     if stacks is not None:
         out.update(encoder_decoder=True, n_encoder_layers=stacks[0], n_decoder_layers=stacks[1],
                    n_layers=stacks[0] + stacks[1])
+        out.update(_stack_probes(model))
     return out
+
+
+def _stack_probes(model) -> dict:
+    """For each stack of an encoder-decoder model, the first projection of its first layer
+    (a module with a 2-D ``weight``: the self-attention's q or k) and that weight's numel, as
+    ``encoder_probe`` / ``decoder_probe``: [name, numel]. Its forward FLOPs are 2 x numel x
+    rows, so the record tells each stack's rows (batch x its own sequence length) without
+    guessing: Whisper's encoder runs at its audio frames, not at the labels' length."""
+    import torch.nn as nn
+    out = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        key = f"{last}_probe"
+        if last not in ("encoder", "decoder") or key in out:
+            continue
+        layers = max((c for c in module.children() if isinstance(c, nn.ModuleList)), key=len, default=None)
+        if not layers:
+            continue
+        prefix = f"{name}.{_child_name(module, layers)}.0"
+        for sub_name, sub in layers[0].named_modules():
+            w = getattr(sub, "weight", None)
+            if isinstance(w, nn.Parameter) and w.dim() == 2 and not isinstance(sub, nn.Embedding):
+                out[key] = [f"{prefix}.{sub_name}", int(w.numel())]
+                break
+    return out
+
+
+def _child_name(module, child) -> str:
+    return next(n for n, c in module.named_children() if c is child)
 
 
 def _layer_count(module):
