@@ -202,6 +202,18 @@ def test_nested_shared_lists_in_a_key_nothing_reads_cost_nothing(tmp_path):
     one_line(run(str(f)), "nested at most 3 deep")
 
 
+def test_thousands_of_device_traces_are_refused(tmp_path):
+    # each device's trace is summarised on its own (a history section of the report): 5,000
+    # one-event traces in 35 KB took 10 s to print; a machine has at most a few dozen GPUs
+    event = {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 1, "frames": []}
+    f = tmp_path / "s.pickle"
+    f.write_bytes(pickle.dumps({"segments": [], "device_traces": [[event] for _ in range(1025)]}))
+    one_line(run(str(f)), "'device_traces' holds 1,025 traces; expected one per CUDA device, at most 1,024")
+    f.write_bytes(pickle.dumps({"segments": [], "device_traces": [[event] for _ in range(8)]}))
+    r = run(str(f), "--format", "json")
+    assert r.exit_code == 0 and len(json.loads(r.stdout)["history"]) == 8
+
+
 # -- the budget: what real snapshots cost, against what it allows ------------------------------
 def _nodes(data: bytes) -> int:
     from torchledger.analyzers import snapshot_format as fmt

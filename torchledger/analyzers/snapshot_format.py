@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["validate_snapshot", "NODES_BASE", "NODES_PER_BYTE", "STATES"]
+__all__ = ["validate_snapshot", "NODES_BASE", "NODES_PER_BYTE", "STATES", "MAX_DEVICES"]
 
 #: Work allowed per input byte, and for any file, in nodes visited (see the module docstring).
 NODES_PER_BYTE = 32
@@ -36,6 +36,8 @@ NODES_BASE = 1_000_000
 #: Block states the allocator writes (torch documents ``active_awaiting_free``; it writes
 #: ``active_pending_free``).
 STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", "inactive")
+#: One trace per CUDA device of the machine; each is summarised on its own (a history section).
+MAX_DEVICES = 1024
 _SETTINGS_DEPTH = 3                 # allocator_settings: {"roundup_power2_divisions": {...}} at most
 _U64 = 2**64
 _I64 = 2**63
@@ -269,6 +271,9 @@ def validate_snapshot(obj, *, error=ValueError, name: str = "snapshot", budget=N
     traces = obj.get("device_traces", [])
     if not isinstance(obj["segments"], list) or not isinstance(traces, list):
         raise error(f"{name}: 'segments' and 'device_traces' must be lists; expected {want}")
+    if len(traces) > MAX_DEVICES:
+        raise error(f"{name}: 'device_traces' holds {len(traces):,} traces; expected one per CUDA "
+                    f"device, at most {MAX_DEVICES:,}")
     out = dict(obj)
     out["segments"] = _list(c, obj["segments"], "segments", _segment, "a list of segments")
     out["device_traces"] = _list(c, traces, "device_traces", _trace, "a list of event lists")
