@@ -25,8 +25,16 @@ are requested bytes; ``time_us`` is host wall-clock time, microseconds since the
 The history (:func:`replay`, :func:`never_freed`, :func:`join`, :func:`module_peaks`) is in
 :mod:`.snapshot_history`, with its own limitations; every name is importable from here.
 
+:func:`load_snapshot` checks what it reads against that format (:mod:`.snapshot_format`:
+types and ranges of every field the summaries read, frames, ``allocator_settings``) and
+bounds the work by the file's size, so a malformed or crafted file is one ``SnapshotError``
+line, never a traceback or a run that does not end.
+
 Known limitations:
   - the legacy format (a bare list of segments, no traces) is accepted; it has no history.
+  - the other functions trust their input (a dict from ``torch.cuda.memory._snapshot()`` in
+    this process, or from :func:`load_snapshot`); pass any other dict through
+    ``validate_snapshot`` first.
 """
 from __future__ import annotations
 
@@ -36,13 +44,13 @@ import pickle
 
 from ..inputs import SNAPSHOT_MAX_BYTES, InputFileError, read_input
 from ..record import Finding
-from .snapshot_history import (ALLOCATED, SEG_ADD, SEG_SUB, _figures, _frames, _group, _isint,
-                               join, module_peaks, never_freed, replay)
+from .snapshot_format import NODES_BASE, NODES_PER_BYTE, validate_snapshot
+from .snapshot_history import (ALLOCATED, _figures, _frames, _group, join, module_peaks,
+                               never_freed, replay)
 
-__all__ = ["SnapshotError", "load_snapshot", "summarize_snapshot", "replay", "never_freed",
-           "join", "module_peaks", "check_snapshot", "DEFAULT_OPTIONS"]
+__all__ = ["SnapshotError", "load_snapshot", "validate_snapshot", "summarize_snapshot", "replay",
+           "never_freed", "join", "module_peaks", "check_snapshot", "DEFAULT_OPTIONS"]
 
-_SIZED = {"alloc", "free_requested", "free_completed", *SEG_ADD, *SEG_SUB}
 _PLAIN = "dicts, lists, tuples, strings, numbers, booleans and None"
 _MAKE = "torch.cuda.memory._dump_snapshot(path)"
 
@@ -102,7 +110,10 @@ def load_snapshot(source) -> dict:
         why = " ".join(str(e).split()) or type(e).__name__
         what = "is a truncated pickle" if isinstance(e, EOFError) or "truncated" in why else "is not a valid pickle"
         raise SnapshotError(f"{name} {what} ({why}){hint}; expected a file written by {_MAKE}") from None
-    return _validate(obj, name)
+    # NB: every reference to a shared object counts in full: a small file cannot stand for a
+    # huge snapshot ("billion laughs"); see snapshot_format's docstring for the budget
+    return validate_snapshot(obj, error=SnapshotError, name=name,
+                             budget=NODES_BASE + NODES_PER_BYTE * len(data))
 
 
 def _is_json(head: bytes, data: bytes) -> bool:
@@ -133,37 +144,6 @@ def _read(source):
         raise SnapshotError(f"cannot read {e}") from None
 
 
-def _validate(obj, name: str) -> dict:
-    if isinstance(obj, list) and obj and all(isinstance(s, dict) and "blocks" in s for s in obj):
-        obj = {"segments": obj, "device_traces": []}      # legacy: a bare list of segments
-    want = "a dict with 'segments' and 'device_traces', as torch.cuda.memory._snapshot() returns"
-    if not isinstance(obj, dict):
-        raise SnapshotError(f"{name} holds a {type(obj).__name__}; expected {want}")
-    if "segments" not in obj:
-        keys = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
-        raise SnapshotError(f"{name} has no 'segments' key (keys: {keys}); expected {want}")
-    segs, traces = obj["segments"], obj.get("device_traces", [])
-    if not isinstance(segs, list) or not isinstance(traces, list):
-        raise SnapshotError(f"{name}: 'segments' and 'device_traces' must be lists; expected {want}")
-    for i, s in enumerate(segs):
-        if not (isinstance(s, dict) and _isint(s.get("total_size")) and isinstance(s.get("blocks"), list)):
-            raise SnapshotError(f"{name}: segments[{i}] is not a dict with 'total_size' (int) and "
-                                f"'blocks' (list)")
-        for j, b in enumerate(s["blocks"]):
-            if not (isinstance(b, dict) and _isint(b.get("size")) and isinstance(b.get("state"), str)):
-                raise SnapshotError(f"{name}: segments[{i}].blocks[{j}] is not a dict with "
-                                    f"'size' (int) and 'state' (str)")
-    for d, trace in enumerate(traces):
-        if not isinstance(trace, list):
-            raise SnapshotError(f"{name}: device_traces[{d}] is not a list of events")
-        for k, e in enumerate(trace):
-            if not (isinstance(e, dict) and isinstance(e.get("action"), str)) or (
-                    e["action"] in _SIZED and not (_isint(e.get("addr")) and _isint(e.get("size")))):
-                raise SnapshotError(f"{name}: device_traces[{d}][{k}] is not an event dict with "
-                                    f"'action' (str) and, for alloc/free/segment events, 'addr' "
-                                    f"and 'size' (int)")
-    return {**obj, "device_traces": traces}
-
 # -- the end state -------------------------------------------------------------------------
 def summarize_snapshot(snap: dict, top: int = 10, *, device=None, steps=None) -> dict:
     """Figures of the end state, per device and stream, top stacks, and the replayed history.
@@ -176,19 +156,22 @@ def summarize_snapshot(snap: dict, top: int = 10, *, device=None, steps=None) ->
     """
     segs = [s for s in snap["segments"] if device is None or s.get("device", 0) == device]
     out = {"schema": "torchledger.snapshot/1", **_figures(segs)}
-    keyed: dict = {}
+    by_device: dict = {}                        # NB: grouped once, so that the work per device
+    keyed: dict = {}                            # and stream stays linear in the segments
     for s in segs:
+        by_device.setdefault(s.get("device", 0), []).append(s)
         keyed.setdefault((s.get("device", 0), s.get("stream", 0)), []).append(s)
-    out["devices"] = [{"device": d, **_figures([s for (dd, _), ss in keyed.items() if dd == d for s in ss])}
-                      for d in sorted({d for d, _ in keyed})]
+    out["devices"] = [{"device": d, **_figures(by_device[d])} for d in sorted(by_device)]
     out["streams"] = [{"device": d, "stream": st, **_figures(ss)} for (d, st), ss in sorted(keyed.items())]
     out["segment_types"] = {t: sum(1 for s in segs if s.get("segment_type", "large") == t)
                             for t in ("large", "small")}
     out["top_allocations"] = _group(((b["size"], b.get("requested_size", b["size"]), _frames(b.get("frames")))
                                      for s in segs for b in s["blocks"] if b["state"] == ALLOCATED), top)
-    out["history"] = [{**replay(snap, d), "never_freed": never_freed(snap, d, steps=steps, top=top)}
-                      for d, trace in enumerate(snap.get("device_traces", []))
-                      if trace and (device is None or d == device)]
+    out["history"] = []
+    for d, trace in enumerate(snap.get("device_traces", [])):
+        if trace and (device is None or d == device):
+            one = {**snap, "segments": by_device.get(d, [])}      # this device's segments only
+            out["history"].append({**replay(one, d), "never_freed": never_freed(one, d, steps=steps, top=top)})
     out["allocator_settings"] = snap.get("allocator_settings") or {}
     return out
 
