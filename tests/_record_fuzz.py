@@ -1,7 +1,8 @@
 """Mutated records and the one property every one of them must keep, shared by the hypothesis
 test (tests/test_record_fuzz.py, a few seconds in CI) and the long run by hand:
 
-    python tests/_record_fuzz.py 20000        # cases, then a count of tracebacks by place
+    python tests/_record_fuzz.py 2000 [SEED]          # every format for each case
+    python tests/_record_fuzz.py 20000 SEED --rotate  # one format per case, cyclically
 
 A case takes a scenario record (tests/data/*/record.json), applies one to three mutations
 (a value replaced by another type, NaN, Infinity, a huge int, a lone surrogate, deep nesting
@@ -93,8 +94,8 @@ def _strict(text: str):
     return json.loads(text, parse_constant=no_constant)
 
 
-def check_case(text: str, tmpdir: str) -> list:
-    """Problems (strings) with this record across every format and the baseline path; [] if none."""
+def check_case(text: str, tmpdir: str, formats=FORMATS) -> list:
+    """Problems (strings) with this record in ``formats`` and the baseline path; [] if none."""
     from click.testing import CliRunner
     from torchledger.cli import cli
     path = os.path.join(tmpdir, "r.json")
@@ -102,7 +103,7 @@ def check_case(text: str, tmpdir: str) -> list:
         fh.write(text)
     problems = []
     runner = CliRunner()
-    for fmt in FORMATS:
+    for fmt in formats:
         r = runner.invoke(cli, ["report", path, "--format", fmt])
         problems += _judge(r, fmt)
     problems += _baseline(path)
@@ -198,7 +199,9 @@ def _baseline(path: str) -> list:
     return []
 
 
-def main(n: int, seed: int = 0) -> int:
+def main(n: int, seed: int = 0, rotate: bool = False) -> int:
+    """``n`` cases from ``seed``; ``rotate``: case i runs one format (the i-th, cyclically)
+    and the baseline path, for a long run in less time (CSV through pandas costs the most)."""
     import collections
     import random
     rng = random.Random(seed)
@@ -209,13 +212,16 @@ def main(n: int, seed: int = 0) -> int:
             rec = rng.choice(records)
             steps = [(rng.choice(MUTATIONS), rng.randrange(1 << 30), rng.choice(LITERALS))
                      for _ in range(rng.randint(1, 3))]
-            problems = check_case(mutate(rec, steps), tmp)
+            formats = (FORMATS[i % len(FORMATS)],) if rotate else FORMATS
+            problems = check_case(mutate(rec, steps), tmp, formats)
             if problems:
                 failed += 1
                 places.update(problems)
             if (i + 1) % 1000 == 0:
                 print(f"{i + 1} cases, {failed} with problems", file=sys.stderr, flush=True)
-    print(f"cases run: {n}; cases with a problem: {failed}; tracebacks and bad outputs by place:")
+    each = f"{n // len(FORMATS):,}+ per format" if rotate else "every format"
+    print(f"cases run: {n:,} ({each}, and --baseline for each); cases with a problem: {failed}; "
+          f"tracebacks and bad outputs by place:")
     for place, count in places.most_common():
         print(f"  {count:6d}  {place}")
     return 1 if failed else 0
@@ -223,4 +229,6 @@ def main(n: int, seed: int = 0) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 2000, int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    args = [a for a in sys.argv[1:] if a != "--rotate"]
+    sys.exit(main(int(args[0]) if args else 2000, int(args[1]) if len(args) > 1 else 0,
+                  rotate="--rotate" in sys.argv))
