@@ -23,7 +23,7 @@ def mutated_records(draw):
     return mutate(record, steps)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(mutated_records())
 def test_mutated_record_renders_or_is_refused_in_one_line(text):
     with tempfile.TemporaryDirectory() as tmp:
@@ -54,7 +54,7 @@ def records_with_hostile_text(draw):
     return json.dumps(d)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(records_with_hostile_text())
 def test_hostile_text_gives_safe_csv_and_valid_sarif_or_one_line(text):
     with tempfile.TemporaryDirectory() as tmp:
