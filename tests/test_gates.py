@@ -231,3 +231,18 @@ def test_baseline_module_rows():
         {"module": "new", "change": "new"},
         {"module": "gone", "change": "removed"}]
     assert compare_baseline(base, base, 0.01)[1] == []                      # unchanged: no rows
+
+
+def test_find_pyproject_walks_up_to_the_root_and_stops(tmp_path, monkeypatch):
+    from torchledger import settings
+    looked = []
+
+    def isfile(p):
+        looked.append(p)
+        return False
+    monkeypatch.setattr(settings.os.path, "isfile", isfile)
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    assert settings.find_pyproject(str(deep)) is None
+    assert looked[0] == str(deep / "pyproject.toml") and looked[-1] == "/pyproject.toml"
+    assert len(looked) == len(deep.parts)              # every folder from deep up to / once
