@@ -202,3 +202,47 @@ def test_nearest_pyproject_wins(tmp_path):
     assert load_settings(str(inner))["fail_on"] == "info"
     (tmp_path / "a" / "pyproject.toml").write_text('[project]\nname = "x"\n')
     assert load_settings(str(inner / "m.py")) == {"_source": str(tmp_path / "a" / "pyproject.toml")}
+
+
+def test_baseline_compares_each_quantity_with_its_own_baseline():
+    # baseline quantities all different: params 1e6, peak 2e6, activation bytes 3e6, FLOPs 4e6
+    base = record()
+    grown = {"params": 1_020_000, "peak": 2_040_000, "act": 3_060_000, "flops": 4_080_000}   # +2% each
+    for key, value in grown.items():
+        (f,) = compare_baseline(record(**{key: value}), base, 0.01)[0]
+        assert (f.measured, f.expected) == (value, {"params": 1_000_000, "peak": 2_000_000,
+                                                    "act": 3_000_000, "flops": 4_000_000}[key])
+        assert "+2.00%" in f.message
+    under = {"params": 1_005_000, "peak": 2_010_000, "act": 3_015_000, "flops": 4_020_000}   # +0.5% each
+    assert compare_baseline(record(**under), base, 0.01)[0] == []
+
+
+def test_baseline_module_rows():
+    base, now = record(), record()
+    base.modules = [{"name": "", "flops_forward": 10, "flops_backward": 20, "activation_bytes": 100},
+                    {"name": "a", "flops_forward": 4, "flops_backward": 8, "activation_bytes": 40},
+                    {"name": "gone", "flops_forward": 1, "flops_backward": 2, "activation_bytes": 3}]
+    now.modules = [{"name": "", "flops_forward": 10, "flops_backward": 20, "activation_bytes": 164},
+                   {"name": "a", "flops_forward": 6, "flops_backward": 12, "activation_bytes": 40},
+                   {"name": "new", "flops_forward": 1, "flops_backward": 2, "activation_bytes": 64}]
+    assert compare_baseline(now, base, 0.01)[1] == [
+        {"module": "", "flops_delta": 0, "activation_bytes_delta": 64},     # 164 - 100
+        {"module": "a", "flops_delta": 6, "activation_bytes_delta": 0},     # (6 + 12) - (4 + 8)
+        {"module": "new", "change": "new"},
+        {"module": "gone", "change": "removed"}]
+    assert compare_baseline(base, base, 0.01)[1] == []                      # unchanged: no rows
+
+
+def test_find_pyproject_walks_up_to_the_root_and_stops(tmp_path, monkeypatch):
+    from torchledger import settings
+    looked = []
+
+    def isfile(p):
+        looked.append(p)
+        return False
+    monkeypatch.setattr(settings.os.path, "isfile", isfile)
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    assert settings.find_pyproject(str(deep)) is None
+    assert looked[0] == str(deep / "pyproject.toml") and looked[-1] == "/pyproject.toml"
+    assert len(looked) == len(deep.parts)              # every folder from deep up to / once

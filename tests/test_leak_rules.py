@@ -18,7 +18,8 @@ KIB4 = 1024 * 4
 
 
 def run_steps(keep, n_steps=5, numel=1024):
-    """``keep(i)``: whether step i keeps a fresh ``numel``-element fp32 tensor alive."""
+    """``keep(i)``: whether step i keeps a fresh ``numel``-element fp32 tensor alive (or how
+    many elements, when it returns an int)."""
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -29,8 +30,9 @@ def run_steps(keep, n_steps=5, numel=1024):
             model(torch.randn(4, 16)).sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if keep(i):
-                kept.append(torch.zeros(numel))
+            n = keep(i)                                 # True: numel elements; an int: that many
+            if n:
+                kept.append(torch.zeros(numel if n is True else n))
     for r in ledger.records:
         assert r.warnings == []
         assert "retained" in r.memory and "grads" in r.memory       # the retention analysis ran
@@ -51,7 +53,7 @@ def test_steady_growth_every_step_is_a_leak():
     assert deltas(recs) == [KIB4, KIB4, KIB4]
     (f,) = growth(recs)
     assert f.measured == KIB4 and f.severity == "warning"
-    assert "4,096 bytes per step since step 1" in f.message
+    assert "4,096 bytes per step since step 1 (temporaries)" in f.message   # the one category grown
 
 
 def test_a_one_off_jump_is_not_a_leak():
@@ -88,3 +90,56 @@ def test_slow_steady_growth_under_the_default_floor():
     assert deltas(recs) == [512, 512, 512]
     assert growth(recs) == []                                           # default floor 1024
     assert [f.measured for f in growth(recs, leak_min_bytes=512)] == [512]
+
+
+def test_growth_per_step_is_the_mean_of_the_steps():
+    sizes = {2: 1024, 3: 2048, 4: 1024}                  # 4 KiB, 8 KiB, 4 KiB kept
+    recs = run_steps(lambda i: sizes.get(i, 0))
+    assert deltas(recs) == [4096, 8192, 4096]
+    (f,) = growth(recs)
+    assert f.measured == (4096 + 8192 + 4096) / 3        # 5461.33 bytes a step
+
+
+def test_two_steps_are_enough_for_uncleared_gradients():
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = torchledger.Ledger(model, optimizer=opt)
+    for _ in range(2):
+        with ledger.step(tokens=4):
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()                                   # never zero_grad
+    (f,) = check_leaks(ledger.records)
+    # step 1's backward accumulated into Linear(16, 16)'s grads: (256 + 16) x 4 = 1,088 bytes
+    assert (f.rule, f.measured) == ("TL-LEAK-003", 1088)
+
+
+class _LateCache(nn.Module):
+    """Caches one detached output a step, from the second step on (step 0 warms up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cache = []
+        self.calls = 0
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.calls:
+            self.cache.append(y.detach())
+        self.calls += 1
+        return y.sum()
+
+
+def test_a_module_cache_growing_after_the_warm_up_step():
+    torch.manual_seed(0)
+    model = _LateCache()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = torchledger.Ledger(model, optimizer=opt)
+    for _ in range(4):
+        with ledger.step():
+            model(torch.randn(2, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+    (f,) = [f for f in check_leaks(ledger.records) if f.rule == "TL-LEAK-004"]
+    assert "cache holds more tensors after every step (1 -> 2 -> 3)" in f.message

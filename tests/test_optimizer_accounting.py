@@ -122,3 +122,60 @@ def test_sgd_momentum_in_a_later_param_group_counts():
     rec = traced_step(model, opt)
     assert rec.optimizer["kind"] == "sgd-momentum"
     assert rec.totals["optimizer_state_bytes"] == state_bytes_by_hand(opt) == (4 * 2 + 2) * 4
+
+
+def test_mixed_dtype_model_with_fp32_masters():
+    # bf16 Linear(8, 4) (36 params) and an fp32 LayerNorm(4) (8 params): one low-precision
+    # parameter is enough for fp32 copies in the optimizer to be master weights
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4).to(torch.bfloat16), nn.LayerNorm(4))
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with torchledger.trace(model, optimizer=opt, tokens=3) as t:
+        model(x).float().sum().backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+    o = t.record.optimizer
+    assert o["master_weight_bytes"] == (36 + 8) * 4
+    assert o["precision"] == "mixed"
+
+
+def test_two_optimizers_of_different_kinds_have_no_single_kind():
+    model = model_in(torch.float32)
+    first, second = list(model.children())
+    sgd = torch.optim.SGD(first.parameters(), lr=0.1)
+    adam = torch.optim.AdamW(second.parameters())
+    x = torch.randn(3, 8)
+    with torchledger.trace(model, optimizer=sgd, tokens=3) as t:
+        model(x).sum().backward()
+        sgd.step()
+        adam.step()
+    o = t.record.optimizer
+    assert o["names"] == ["SGD", "AdamW"] and o["kind"] is None
+    assert t.record.predictions["static_bytes"] is None       # no one closed form describes both
+    # AdamW's state over Linear(4, 2)'s 10 params: 2 x 10 x 4 + 2 step scalars x 4 = 88
+    assert o["state_bytes"] == state_bytes_by_hand(adam) == 88
+
+
+def test_frozen_parameters_are_not_in_the_static_prediction():
+    model = model_in(torch.float32)
+    first, second = list(model.children())
+    first.requires_grad_(False)                                 # 36 frozen, 10 trainable
+    opt = torch.optim.AdamW(second.parameters())
+    rec = traced_step(model, opt)
+    assert (rec.totals["params"], rec.totals["trainable_params"]) == (46, 10)
+    assert rec.predictions["static_bytes"] == 16 * 10           # AdamW fp32: 16 bytes a trainable param
+
+
+def test_master_weights_count_in_the_static_bytes_check():
+    from torchledger.analyzers.compare import check_comparisons
+    model = model_in(torch.bfloat16)
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters)
+    rec = traced_step(model, opt, masters)
+    # measured 92 + 92 + 384 + 184 = 752 vs 16 x 46 = 736 predicted: 1.022x, inside 5%
+    assert [f.rule for f in check_comparisons([rec], {"tolerance": 0.05})] == []
+    (f,) = check_comparisons([rec], {"tolerance": 0.01})
+    assert (f.rule, f.measured, f.expected) == ("TL-CMP-002", 752, 736)

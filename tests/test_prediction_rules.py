@@ -69,3 +69,59 @@ def test_flops_comparison_finding_ran_and_passes(gpt2_tiny_record):
         assert f.expected == 25_952_256 and f.severity == "warning"
     finally:
         rec.totals["flops"]["total"] = 25_952_256
+
+
+def _copy(rec, **totals):
+    import copy
+    out = copy.deepcopy(rec)
+    out.totals.update(totals)
+    return out
+
+
+def test_flops_gap_is_a_share_of_the_measured_flops_either_way(gpt2_tiny_record):
+    rec = gpt2_tiny_record
+    explained = 25_952_256
+    more = _copy(rec, flops={**rec.totals["flops"], "total": int(explained * 1.1)})
+    # gap = (1.1 - 1) / 1.1 = 9.09% of the measured FLOPs (not 10% of the explained)
+    assert [f.rule for f in check_comparisons([more], {"tolerance": 0.095})] == []
+    (f,) = [f for f in check_comparisons([more], {"tolerance": 0.09}) if f.rule == "TL-CMP-001"]
+    assert f.message.startswith("+9.1% of the step's FLOPs")
+    less = _copy(rec, flops={**rec.totals["flops"], "total": int(explained * 0.9)})
+    (f,) = [f for f in check_comparisons([less], {"tolerance": 0.05}) if f.rule == "TL-CMP-001"]
+    assert f.message.startswith("-11.1% of the step's FLOPs")     # (0.9 - 1) / 0.9
+
+
+def test_flops_gap_is_only_info_without_an_exact_config(gpt2_tiny_record):
+    import copy
+    rec = copy.deepcopy(gpt2_tiny_record)
+    rec.totals["flops"]["total"] = int(25_952_256 * 1.2)
+    (f,) = [f for f in check_comparisons([rec]) if f.rule == "TL-CMP-001"]
+    assert f.severity == "warning"
+    rec.meta["config"]["partial"] = True                  # L, d, V found from the modules only
+    (f,) = [f for f in check_comparisons([rec]) if f.rule == "TL-CMP-001"]
+    assert f.severity == "info"
+    assert f.expected == 25_165_824 + 786_432             # 6ND + the measured dense attention
+
+
+def test_static_bytes_below_the_prediction_is_flagged(gpt2_tiny_record):
+    # no optimizer state at all: 4 + 4 bytes/param measured against AdamW's 16
+    rec = _copy(gpt2_tiny_record, optimizer_state_bytes=0)
+    (f,) = [f for f in check_comparisons([rec]) if f.rule == "TL-CMP-002"]
+    assert (f.measured, f.expected) == (8 * 141_056, 16 * 141_056)
+
+
+def test_checks_read_the_latest_record(gpt2_tiny_record):
+    rec = gpt2_tiny_record
+    more = _copy(rec, flops={**rec.totals["flops"], "total": int(25_952_256 * 1.5)})
+    assert "TL-CMP-001" in [f.rule for f in check_comparisons([rec, more])]
+    assert "TL-CMP-001" not in [f.rule for f in check_comparisons([more, rec])]
+
+
+def test_attention_term_runs_at_heads_times_head_dim(gpt2_tiny_record):
+    import copy
+    rec = copy.deepcopy(gpt2_tiny_record)
+    rec.meta["config"]["d_attn"] = 32                     # heads x head_dim apart from d = 64
+    p = predictions(rec)
+    # 12 L T d_attn D = 12 x 2 x 16 x 32 x 32 = 393,216; causal half 196,608
+    assert p["flops_6nd_attention"] == 25_165_824 + 393_216
+    assert p["flops_6nd_attention_causal"] == 25_165_824 + 196_608

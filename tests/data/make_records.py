@@ -103,14 +103,16 @@ def _relative(location):
 SCENARIOS = {"gpt2-tiny": gpt2_tiny, "cruncher-copy": cruncher_copy, "empty": StepRecord}
 
 
-def main(names) -> None:
+def main(names, out: str = HERE) -> None:
+    """Write ``<out>/<scenario>/record.json`` for each scenario named (all by default);
+    tests/test_goldens_current.py writes to a temporary ``out`` and compares."""
     for name in names or SCENARIOS:
         rec = normalise(SCENARIOS[name]())
-        folder = os.path.join(HERE, name)
+        folder = os.path.join(out, name)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "record.json"), "w", encoding="utf-8", newline="\n") as fh:
             fh.write(rec.to_json() + "\n")
-        print(f"wrote {os.path.relpath(folder, ROOT)}/record.json")
+        print(f"wrote {os.path.join(folder, 'record.json')}")
 
 
 if __name__ == "__main__":
