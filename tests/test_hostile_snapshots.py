@@ -358,3 +358,10 @@ def test_any_mutated_snapshot_is_read_or_refused_in_one_line(name, seed, edits, 
     import random
     snap = mutate(random.Random(seed), make.SNAPSHOTS[name](), edits)
     check_exit_0_valid_or_exit_2_one_line(pickle.dumps(snap, protocol=protocol), fmt)
+
+
+def test_a_huge_key_is_shortened_in_the_message(tmp_path):
+    f = tmp_path / "s.pickle"
+    f.write_bytes(pickle.dumps(_snap(allocator_settings={"k" * 100_000: float("inf")})))
+    line = one_line(run(str(f)), "allocator_settings['kkkk", "is a float; expected a finite number")
+    assert len(line) < 500

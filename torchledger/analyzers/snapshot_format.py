@@ -229,7 +229,7 @@ def _trace(c: _Check, t, where: str):
 # -- allocator settings ----------------------------------------------------------------------
 def _settings(c: _Check, x, where: str, depth: int):
     if isinstance(x, dict):
-        return {_str(c, k, f"{where} key"): _setting(c, v, f"{where}[{k!r}]", depth + 1)
+        return {_str(c, k, f"{where} key"): _setting(c, v, f"{where}[{k[:40]!r}]", depth + 1)
                 for k, v in x.items()}
     return [_setting(c, v, f"{where}[{k}]", depth + 1) for k, v in enumerate(x)]
 
