@@ -189,8 +189,17 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--sample-every", type=int, default=25, help="Ledger traces one step in this many")
     ap.add_argument("--backend", default="auto", help="torch.compile backend, 'auto' or 'none'")
+    ap.add_argument("--compare", action="store_true",
+                    help="also train without the Ledger and print how the two runs differ")
     args = ap.parse_args()
-    losses, ledger, _ = train(args.steps, ledger_every=args.sample_every,
-                              backend=None if args.backend == "none" else args.backend)
+    backend = None if args.backend == "none" else args.backend
+    losses, ledger, model = train(args.steps, ledger_every=args.sample_every, backend=backend)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps")
     print(ledger.report())
+    if args.compare:
+        torch._dynamo.reset()
+        plain, _, untraced = train(args.steps, backend=backend)
+        ours, theirs = model.state_dict(), untraced.state_dict()
+        print(f"against an untraced run ({backend or 'no'} compile): "
+              f"{sum(a != b for a, b in zip(losses, plain))} of {args.steps} losses differ; "
+              f"weights differ by at most {max((ours[k] - theirs[k]).abs().max().item() for k in ours):.3g}")

@@ -131,7 +131,8 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.argument("file", metavar="FILE.py")
 @click.option("--entry", default="audit_spec", show_default=True,
               help="Function in FILE.py that returns a torchledger.AuditSpec.")
-@click.option("--device", type=click.Choice(["fake", "meta", "cpu", "cuda"], case_sensitive=False), default="fake",
+@click.option("--device", type=click.Choice(["fake", "meta", "cpu", "cuda"], case_sensitive=False),
+              default="fake",
               show_default=True, help="fake: FakeTensors with CPU kernels (no memory, no GPU).")
 @click.option("--steps", type=POS_INT, default=3, show_default=True, help="Training steps to run and trace.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,

@@ -102,7 +102,7 @@ def run_notes(record) -> list:
     mfu = mfu_line(record.totals)
     if mfu:
         lines.append(mfu)
-    hidden = (record.meta or {}).get("suppressed") or {}
+    hidden = meta.get("suppressed") or {}
     if hidden.get("ignore"):
         rules = ", ".join(f"{r} x{n}" for r, n in (hidden.get("rules") or {}).items())
         lines.append(f"suppressed: {hidden.get('count', 0)} finding(s)" + (f" ({rules})" if rules else "")

@@ -10,8 +10,8 @@ from tabulate import tabulate
 
 from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
-from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, dtype_text, is_empty, module_rows,
-                     run_notes, tokens_note)
+from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, dtype_text, is_empty,
+                     module_rows, run_notes, tokens_note)
 
 __all__ = ["render_table"]
 
