@@ -29,10 +29,12 @@ COUNT = "expected a whole number from 0 to 2**63-1"
 TOTAL_KINDS = {
     "count": ["params", "matmul_params", "tokens", "flops_causal", "hardware_flops", "activation_bytes",
               "optimizer_state_bytes", "param_bytes", "grad_bytes", "buffer_bytes", "peak_bytes",
-              "bytes_read", "bytes_written", "copy_bytes", "trainable_params", "trainable_param_bytes"],
-    "counts": ["flops", "attention_flops", "elementwise_flops"],
-    "text": ["tokens_source", "peak_phase", "peak_module"],
-    "seconds": ["step_seconds", "mfu"],
+              "bytes_read", "bytes_written", "copy_bytes", "trainable_params", "trainable_param_bytes",
+              "activation_bytes_peak", "grad_bytes_end", "param_matmul_flops_forward",
+              "param_matmul_flops_grad"],
+    "counts": ["flops", "attention_flops", "elementwise_flops", "view_ops"],
+    "text": ["tokens_source", "peak_phase", "peak_module", "mfu_source"],
+    "seconds": ["step_seconds", "mfu", "hfu"],
 }
 #: Refused with: (kind, value) -> message; None: loads.
 TOTAL_OUTCOME = {

@@ -161,10 +161,11 @@ TOTALS = _Obj({
                           "hardware_flops", "activation_bytes", "activation_bytes_peak",
                           "optimizer_state_bytes", "param_bytes", "trainable_param_bytes", "grad_bytes",
                           "grad_bytes_end", "buffer_bytes", "peak_bytes", "bytes_read", "bytes_written",
-                          "copy_bytes", "param_matmul_flops_forward")},
+                          "copy_bytes", "param_matmul_flops_forward", "param_matmul_flops_grad")},
     **{k: COUNTS for k in ("flops", "attention_flops", "elementwise_flops", "view_ops")},
-    "peak_phase": OPT_STR, "peak_module": OPT_STR, "tokens_source": OPT_STR,
+    "peak_phase": OPT_STR, "peak_module": OPT_STR, "tokens_source": OPT_STR, "mfu_source": OPT_STR,
     "step_seconds": _Null(NONNEG), "step_seconds_untraced": _Null(NONNEG), "mfu": _Null(NONNEG),
+    "hfu": _Null(NONNEG),
 })
 
 COMPARISON = _Obj({"quantity": STR, "measured": _Null(REAL), "predicted": _Null(REAL),
@@ -190,10 +191,15 @@ FINDING = _Obj({"rule": STR, "severity": _Str(("error", "warning", "info")), "me
                required=("rule", "severity", "message"))
 
 AUDIT = _Obj({"file": STR, "entry": STR, "device": STR, "steps": COUNT, "seq_len": OPT_COUNT,
-              "spec_line": _Null(_Count(1, 2**31 - 1))})
+              "spec_line": _Null(_Count(1, 2**31 - 1)), "loss": OPT_STR})
+COMPILED = _Obj({"modules": _List(STR), "calls": COUNT, "traced_step": STR, "note": OPT_STR})
+AUTOCAST = _Obj({"device_type": STR, "dtype": STR})
+SUPPRESSED = _Obj({"ignore": _List(STR), "count": COUNT, "rules": COUNTS})
 META = _Obj({"model": OPT_STR, "device": OPT_STR, "dtype": OPT_STR, "torch": OPT_STR,
              "attention_kernels": _Null(_List(STR)), "step_index": OPT_COUNT, "ops": COUNT,
-             "failed": _Bool(), "phases": _List(STR), "seq_len": OPT_COUNT, "audit": AUDIT})
+             "failed": _Bool(), "phases": _List(STR), "seq_len": OPT_COUNT, "audit": AUDIT,
+             "compiled": _Null(COMPILED), "autocast": _Null(AUTOCAST),
+             "suppressed": _Null(SUPPRESSED)})
 
 TIMELINE_ROW = _Obj({"phase": STR}, other=COUNT)
 ALLOCATOR = _Obj({"available": _Bool(), "reason": OPT_STR,
