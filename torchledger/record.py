@@ -28,7 +28,8 @@ CONVENTIONS = {
     "flops_total": "matmul-class work only (mm/bmm/addmm/baddbmm/convolution/attention/scaled_mm); "
                    "element-wise, norm and softmax FLOPs are in elementwise_flops",
     "attention": "counted dense (no causal discount); causal-halved figure in attention_flops.causal; "
-                 "backward = 2 x forward",
+                 "backward = 2 x forward in model FLOPs; hardware_flops counts the flash, memory-efficient "
+                 "and cuDNN backward kernels as 2.5 x forward (they recompute Q K^T)",
     "recompute": "activation-checkpoint recomputation excluded from model FLOPs, included in hardware_flops",
     "bytes": "bytes = numel x element size; activation bytes are unique storages saved for backward, "
              "parameters excluded",
