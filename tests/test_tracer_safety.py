@@ -307,6 +307,29 @@ def test_sigint_between_any_two_lines_of_install_or_removal_is_deferred():
             break
 
 
+def test_a_mode_the_step_left_above_ours_stays_and_ours_goes():
+    """Leaving used to pop whatever mode was on top: the step's own, leaving ours installed."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Users(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    from torch.utils import _python_dispatch as pd
+    flag = pd._is_in_torch_dispatch_mode
+    model, _ = _tiny()
+    users = Users()
+    with torchledger.trace(model) as t:
+        users.__enter__()                        # entered in the step, never exited there
+        model(torch.randn(3, 4)).sum().backward()
+    try:
+        assert _get_current_dispatch_mode_stack() == [users]
+    finally:
+        users.__exit__(None, None, None)
+        pd._is_in_torch_dispatch_mode = flag     # users' exit restores what it saw: ours on
+    assert t.record.totals["flops"]["forward"] == 2 * 3 * (4 * 8 + 8 * 2)   # 2*rows*(weights)
+
+
 def test_weakref_callbacks_have_no_python_frame():
     """A Ctrl-C delivered at the entry of a Python weakref callback is swallowed ("Exception
     ignored in StorageTracker.add.<locals>.<lambda>"): the tracker's callbacks are C functions."""

@@ -40,7 +40,9 @@ _stack_len, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispat
 def in_tls(mode) -> bool:
     """``mode`` is on this thread's dispatch stack: the tracing thread, or an autograd engine
     thread running its backward (the engine hands the caller's thread-local state on)."""
-    for i in range(_stack_len()):        # NB: no generator here (see close)
+    # NB: a loop, not any(genexpr): a generator abandoned early is closed later, and an
+    # interrupt landing in that close is swallowed by the interpreter
+    for i in range(_stack_len()):
         if _stack_at(i) is mode:
             return True
     return False
@@ -104,7 +106,7 @@ class Installed:
 
     def dispatch_mode(self, mode) -> None:
         """Enter ``mode`` (last: nothing of ours then runs under it)."""
-        flags = {k: getattr(_pd, k) for k in _FLAGS}
+        flags = {k: getattr(_pd, k) for k in _FLAGS if hasattr(_pd, k)}   # torch-version private
         self.undo.append(lambda: _pop_mode(mode, flags))
         mode.__enter__()
 
@@ -167,5 +169,6 @@ def _pop_mode(mode, flags: dict) -> None:
             torch._C._push_on_torch_dispatch_stack(m)
     for k, v in flags.items():
         setattr(_pd, k, v)
-    _pd.set_is_in_mode_without_ignore_compile_internals(
-        flags["_is_in_any_mode_without_ignore_compile_internals"])
+    ignore = flags.get("_is_in_any_mode_without_ignore_compile_internals")
+    if ignore is not None and hasattr(_pd, "set_is_in_mode_without_ignore_compile_internals"):
+        _pd.set_is_in_mode_without_ignore_compile_internals(ignore)
