@@ -104,7 +104,11 @@ def test_baseline_small_absolute_growth_of_a_large_quantity_passes():
 
 
 def test_baseline_zero_before_never_divides():
-    assert compare_baseline(record(params=10), record(params=0), 0.01)[0] == []
+    # growth from nothing is growth (no division by the zero baseline); nothing to nothing passes
+    (f,) = compare_baseline(record(params=10), record(params=0), 0.01)[0]
+    assert (f.rule, f.measured, f.expected) == ("TL-BASELINE-001", 10, 0)
+    assert "grew from nothing" in f.message
+    assert compare_baseline(record(params=0), record(params=0), 0.01)[0] == []
 
 
 # -- [tool.torchledger] parsing -------------------------------------------------------------

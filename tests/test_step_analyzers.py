@@ -164,7 +164,7 @@ def test_ledger_times_untraced_steps_for_mfu():
             model(torch.randn(4, 128)).sum().backward()
             opt.step()
             opt.zero_grad()
-    assert len(ledger.records) == 2 and ledger.untraced_seconds == [1.0, 1.0]
+    assert len(ledger.records) == 2 and list(ledger.untraced_seconds) == [1.0, 1.0]
     flops = ledger.records[-1].totals["flops"]["total"]
     found = ledger.findings(peak_flops=flops * 100)              # MFU = flops / 1 s / peak = 0.01
     mfu_finding = next(f for f in found if f.rule == "TL-MFU-001")
