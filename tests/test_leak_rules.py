@@ -117,23 +117,23 @@ def test_two_steps_are_enough_for_uncleared_gradients():
 class _LateCache(nn.Module):
     """Caches one detached output a step, from the second step on (step 0 warms up)."""
 
-    def __init__(self):
+    def __init__(self, first=1, last=None):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.cache = []
         self.calls = 0
+        self.first, self.last = first, last           # the steps that cache (last: None, all)
 
     def forward(self, x):
         y = self.lin(x)
-        if self.calls:
+        if self.first <= self.calls and (self.last is None or self.calls <= self.last):
             self.cache.append(y.detach())
         self.calls += 1
         return y.sum()
 
 
-def test_a_module_cache_growing_after_the_warm_up_step():
+def cache_findings(model):
     torch.manual_seed(0)
-    model = _LateCache()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ledger = torchledger.Ledger(model, optimizer=opt)
     for _ in range(4):
@@ -141,5 +141,16 @@ def test_a_module_cache_growing_after_the_warm_up_step():
             model(torch.randn(2, 4)).backward()
             opt.step()
             opt.zero_grad()
-    (f,) = [f for f in check_leaks(ledger.records) if f.rule == "TL-LEAK-004"]
+    return [f for f in check_leaks(ledger.records) if f.rule == "TL-LEAK-004"]
+
+
+def test_a_module_cache_growing_after_the_warm_up_step():
+    (f,) = cache_findings(_LateCache())
     assert "cache holds more tensors after every step (1 -> 2 -> 3)" in f.message
+
+
+def test_a_module_cache_that_stops_growing_is_not_reported():
+    # caches in steps 0, 1 and 2 of 4: after the warm-up step it holds 2 -> 3 -> 3 tensors
+    assert cache_findings(_LateCache(first=0, last=2)) == []
+    (f,) = cache_findings(_LateCache(first=0))                  # the twin: 2 -> 3 -> 4
+    assert (f.measured, f.expected) == (4, 2)

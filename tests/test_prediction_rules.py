@@ -127,3 +127,13 @@ def test_attention_term_runs_at_heads_times_head_dim(gpt2_tiny_record):
     # 12 L T d_attn D = 12 x 2 x 16 x 32 x 32 = 393,216; causal half 196,608
     assert p["flops_6nd_attention"] == 25_165_824 + 393_216
     assert p["flops_6nd_attention_causal"] == 25_165_824 + 196_608
+
+
+def test_flops_check_uses_the_closed_form_attention_not_the_measured(gpt2_tiny_record):
+    # attention doing twice its closed-form work (2 x 786,432) is unexplained FLOPs: the check
+    # compares with 6ND + 12LTdD, not with 6ND + whatever attention was measured
+    rec = _copy(gpt2_tiny_record, attention_flops={"dense": 2 * 786_432, "causal": 786_432},
+                flops={**gpt2_tiny_record.totals["flops"], "total": 25_165_824 + 2 * 786_432})
+    (f,) = [f for f in check_comparisons([rec], {"tolerance": 0.01}) if f.rule == "TL-CMP-001"]
+    assert f.expected == 25_952_256
+    assert f.message.startswith("+2.9% of the step's FLOPs")     # 786,432 / 26,738,688
