@@ -268,3 +268,25 @@ def test_memory_timeline_rows_add_up_and_end_at_the_step_end():
                                                                              "optimizer", "other"}
     assert {c: rows[-1][c] for c in cats} == mem["end_breakdown"]
     assert max(r["total"] for r in rows) == mem["peak_bytes"]
+
+
+def test_rss_benchmark_runs_and_reports_each_mode(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cmd = [sys.executable, str(root / "benchmarks" / "ledger_rss.py"), "--steps", "6", "--warmup", "2",
+           "--repeats", "1", "--block", "3", "--json", str(tmp_path / "out.json")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [(r["mode"], r["records"], r["findings"]) for r in out["rss"]] == [
+        ("untraced", 0, []), ("Ledger(sample_every=1)", 6, []), ("Ledger(sample_every=50)", 1, [])]
+    assert out["time"]["traced_steps"] == 1          # one block of 3 steps, sample_every=3
+    assert "amortised overhead per step" in p.stdout
+    bad = subprocess.run(cmd[:2] + ["--steps", "5", "--warmup", "5"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert bad.returncode == 2 and "--warmup must be between 1 and --steps - 1 (4), got 5" in bad.stderr

@@ -133,7 +133,7 @@ class Ledger:
         self._window: deque = deque(maxlen=LEAK_WINDOW)
         self._carry: dict = {}      # weakrefs to storages kept by the last traced step (leak analysis)
         self.snapshot = None        # CUDA: the allocator snapshot of the last traced step
-        self.untraced_seconds: deque = deque(maxlen=TIMES_KEPT)   # wall time of untraced steps
+        self.untraced_seconds: list = []   # wall time of the last TIMES_KEPT untraced steps
         self._cuda = None
 
     @contextmanager
@@ -145,7 +145,7 @@ class Ledger:
         if i % self.sample_every:
             t0 = self._edge()
             yield None
-            self.untraced_seconds.append(self._edge() - t0)
+            self._note_untraced(self._edge() - t0)
             return
         tracer = StepTracer(self.model, optimizer=self.optimizer, tokens=tokens,
                             peak_flops=self.peak_flops, clock=self.clock, step_index=i,
@@ -160,6 +160,12 @@ class Ledger:
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)
                 _keep_findings(tracer.record, self.findings)
+
+    def _note_untraced(self, seconds: float) -> None:
+        times = self.untraced_seconds
+        times.append(seconds)
+        if len(times) > TIMES_KEPT:
+            del times[: len(times) - TIMES_KEPT]
 
     def _keep(self, record) -> None:
         self.records.append(record)
@@ -216,5 +222,5 @@ class _Timed:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            self.ledger.untraced_seconds.append(self.ledger._edge() - self.t0)
+            self.ledger._note_untraced(self.ledger._edge() - self.t0)
         return False
