@@ -226,7 +226,12 @@ class StepTracer:
 
     def _storages(self, t, what: str) -> list:
         """``memory.storages(t)``, or [] with a warning for a tensor kind that has none."""
-        return [x.untyped_storage() for x in self._data(t, what)]
+        try:
+            return [x.untyped_storage() for x in data_tensors(t)]
+        except Exception as e:
+            self._warn(f"{what} of type {type(t).__name__} (layout {t.layout}) not counted: "
+                       f"{type(e).__name__}: {e}")
+            return []
 
     def _data(self, t, what: str) -> list:
         """``memory.data_tensors(t)`` (those with a storage), or [] with a warning."""
@@ -272,11 +277,13 @@ class StepTracer:
         (an eval forward without no_grad) would live for the rest of the process (torch's
         ``saved_tensors_hooks`` docs: return ``x.detach()``). Autograd gives the unpacked
         tensor its history back; the detach shares storage and version counter, and is not
-        recorded (``mode.quiet``)."""
+        recorded (``mode.quiet``). A tensor with no ``grad_fn`` (a weight, an input) holds
+        no graph and closes no cycle: it is kept as it is, which spares a detach per saved
+        weight (on fake tensors each detach is a FakeTensorMode op)."""
         mode = self.mode
         mode.quiet += 1
         try:
-            return t.detach()
+            return t if t.grad_fn is None else t.detach()
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
             return t
