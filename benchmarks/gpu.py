@@ -114,7 +114,7 @@ def time_steps(name, batch, seq, n) -> float:
 
 
 def peak_flops(override):
-    from torchledger.analyzers.hardware import get_gpu
+    from torchledger.formulas.hardware import get_gpu
     if override:
         return override, "--peak-flops"
     name = torch.cuda.get_device_name()

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from torchledger.analyzers.lint import lint_source
+from torchledger.lint import lint_source
 from torchledger.cli import cli
 from torchledger.settings import known_rules
 

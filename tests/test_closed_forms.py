@@ -1,11 +1,11 @@
-"""Closed forms of torchledger.analyzers, checked by hand and against ACCOUNTING.md."""
+"""Closed forms of torchledger.formulas, checked by hand and against ACCOUNTING.md."""
 import json
 import math
 
 import pytest
 
-from torchledger import analyzers as an
-from torchledger.analyzers import activations, flops, hardware, inference, memory
+from torchledger import formulas as an
+from torchledger.formulas import activations, flops, hardware, inference, memory
 from torchledger.models.config import CruncherConfig, TransformerConfig, get_config
 from torchledger.units import GB, GiB
 

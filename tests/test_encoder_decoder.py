@@ -19,12 +19,12 @@ import textwrap
 
 import pytest
 
-from torchledger.analyzers.activations import (korthikanti_cross_attention_bytes,
+from torchledger.formulas.activations import (korthikanti_cross_attention_bytes,
                                                korthikanti_layer_bytes)
 from torchledger.analyzers.compare import (_attention_storage, check_comparisons, comparisons,
                                            predictions)
-from torchledger.analyzers.flops import encoder_decoder_attention_flops
-from torchledger.analyzers.params import params_12ld2_encoder_decoder
+from torchledger.formulas.flops import encoder_decoder_attention_flops
+from torchledger.formulas.params import params_12ld2_encoder_decoder
 from torchledger.record import StepRecord
 
 transformers = pytest.importorskip("transformers")

@@ -336,7 +336,7 @@ def test_python_m_torchledger():
 def test_estimate_does_not_import_torch():
     code = """
 import sys
-import torchledger.analyzers
+import torchledger.formulas
 from torchledger.cli import cli
 runs = [["params", "--preset", "llama3-8b"], ["train", "--params", "7B", "--tokens", "1T"],
         ["memory", "--params", "7B", "--gpu", "h100"], ["kv-cache", "--preset", "gpt2"],

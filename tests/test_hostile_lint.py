@@ -10,7 +10,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from torchledger.analyzers.lint import LintError, lint_file, lint_paths
+from torchledger.lint import LintError, lint_file, lint_paths
 from torchledger.cli import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +67,7 @@ def test_a_device_given_as_a_source_is_one_line():
 
 
 def test_an_oversized_source_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    import torchledger.analyzers.lint as engine
+    import torchledger.lint.engine as engine
     monkeypatch.setattr(engine, "SOURCE_MAX_BYTES", 100)
     big = tmp_path / "big.py"
     big.write_text("x = 1\n" * 20)                         # 120 bytes > 100
@@ -145,7 +145,7 @@ def test_a_too_deep_expression_skips_that_file_only(tmp_path, kind):
 def test_a_rule_that_recurses_too_deep_skips_the_file_not_the_rule(monkeypatch):
     # Past the parser's reach a rule may still recurse too deep; the file is then reported,
     # never passed as clean after a partial check (formerly the rule was silently skipped).
-    import torchledger.analyzers.lint as engine
+    import torchledger.lint.engine as engine
 
     def deep_rule(src):
         raise RecursionError("maximum recursion depth exceeded")
@@ -158,6 +158,6 @@ def test_a_rule_that_recurses_too_deep_skips_the_file_not_the_rule(monkeypatch):
 def test_a_long_sum_is_linted_not_refused():
     # 2,000 terms: a left-nested BinOp chain 2,000 deep, fine for the parser (about 3,000 is
     # its limit here); the rules walk it without recursing once per term.
-    from torchledger.analyzers.lint import lint_source
+    from torchledger.lint import lint_source
     src = "import torch\nx = " + " + ".join(["a"] * 2000) + "\nsd = torch.load('a.pt')\n"
     assert [(f.rule, f.location) for f in lint_source(src, "t.py")] == [("TL-LINT-003", "t.py:3")]

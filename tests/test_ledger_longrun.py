@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import torchledger
-from torchledger.tracer import LEAK_WINDOW, TIMES_KEPT
+from torchledger.ledger import LEAK_WINDOW, TIMES_KEPT
 from torchledger.models import build_model, example_inputs
 
 

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from torchledger.analyzers.lint import (RULES, LintError, findings_to_sarif, lint_paths,
-                                        lint_source, python_files)
+from torchledger.lint import RULES, LintError, lint_paths, lint_source, python_files
+from torchledger.render.sarif import findings_to_sarif
 from torchledger.cli import cli
 from torchledger.record import Finding
 
@@ -612,7 +612,7 @@ def test_directories_are_walked_skipping_hidden_and_venvs(tmp_path):
 def test_rules_table_and_docs_agree():
     with open(os.path.join(REPO, "docs", "lint-rules.md")) as f:
         docs = f.read()
-    for rule, (severity, title, doc) in RULES.items():
+    for rule, (severity, title, doc, anchor) in RULES.items():
         assert severity in ("error", "warning", "info") and title and doc
         assert f"## {rule}" in docs, f"{rule} is not documented in docs/lint-rules.md"
         assert f"torchledger: ignore[{rule}]" in docs
@@ -626,26 +626,35 @@ def test_whole_repository_lints_without_crashing():
 
 
 def test_lint_imports_no_torch():
-    code = ("import sys, torchledger.analyzers.lint, torchledger.cli.lint; "
+    code = ("import sys, torchledger.lint, torchledger.cli.lint; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ----------------------------------------------------------------------------- SARIF builder
 def test_sarif_builder_accepts_audit_findings():
+    # one writer for lint and audit: lint's rules listed first, then the rules findings name
     findings = [Finding("TL-COPY-001", "info", "copy", module="layers.0"),
                 {"rule": "TL-LINT-003", "severity": "warning", "message": "m",
                  "location": "a b/t.py:2", "hint": "h"}]
-    log = findings_to_sarif(findings, RULES)
+    log = findings_to_sarif(findings, rules=list(RULES))
     run = log["runs"][0]
-    ids = [r["id"] for r in run["tool"]["driver"]["rules"]]
+    descriptors = run["tool"]["driver"]["rules"]
+    ids = [r["id"] for r in descriptors]
     assert ids[:len(RULES)] == list(RULES) and ids[-1] == "TL-COPY-001"
-    first, second = run["results"]
-    assert ids[first["ruleIndex"]] == "TL-COPY-001" and first["level"] == "note"
-    assert first["locations"][0]["logicalLocations"][0]["fullyQualifiedName"] == "layers.0"
-    physical = second["locations"][0]["physicalLocation"]
+    lint_003 = descriptors[ids.index("TL-LINT-003")]
+    assert lint_003["shortDescription"]["text"] == RULES["TL-LINT-003"].title
+    assert lint_003["fullDescription"]["text"] == RULES["TL-LINT-003"].doc
+    assert RULES["TL-LINT-003"].anchor in lint_003["help"]["text"]
+    (located,) = run["results"]
+    assert ids[located["ruleIndex"]] == "TL-LINT-003" and located["level"] == "warning"
+    physical = located["locations"][0]["physicalLocation"]
     assert physical == {"artifactLocation": {"uri": "a%20b/t.py"}, "region": {"startLine": 2}}
-    assert second["message"]["text"].endswith("(hint: h)")
+    assert located["message"]["text"] == "m. Hint: h"          # the one message format
+    # a finding naming only a module, with no source file given, is a tool notification
+    (note,) = run["invocations"][0]["toolExecutionNotifications"]
+    assert note["associatedRule"] == {"id": "TL-COPY-001", "index": ids.index("TL-COPY-001")}
+    assert note["level"] == "note" and note["properties"]["module"] == "layers.0"
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -741,7 +750,7 @@ def test_cli_requires_a_path():
 
 
 def test_step_function_filling_a_module_level_list():
-    from torchledger.analyzers.lint import lint_source
+    from torchledger.lint import lint_source
     src = (
         "losses = []\n"
         "def step(model, x, opt):\n"

@@ -6,7 +6,7 @@ import torch
 from _optional_hypothesis import given, settings, st  # skipped without hypothesis
 from click.testing import CliRunner
 
-from torchledger.analyzers import count_params
+from torchledger.formulas import count_params
 from torchledger.cli import cli
 from torchledger.models import PRESETS, build_model, example_inputs
 from torchledger.models.config import TransformerConfig

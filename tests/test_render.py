@@ -24,7 +24,8 @@ from torchledger.render import RENDERERS, format_from_path, render, write_atomic
 from torchledger.render.common import EMPTY_SENTENCE, frontier
 from torchledger.render.data import CSV_COLUMNS
 from torchledger.render.markdown import md_table
-from torchledger.render.sarif import RULE_TITLES, SARIF_SCHEMA, artifact_uri, findings_to_sarif
+from torchledger.render.sarif import SARIF_SCHEMA, artifact_uri, findings_to_sarif
+from torchledger.rules import title as rule_title
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ["gpt2-tiny", "cruncher-copy", "empty"]
@@ -175,7 +176,7 @@ def test_sarif_levels_locations_and_rules():
     rules = [r["id"] for r in driver["rules"]]
     assert rules == ["TL-COPY-003", "TL-MEM-001", "TL-FLOP-001", "TL-LINT-001"]
     assert [r["shortDescription"]["text"] for r in driver["rules"]] == [
-        RULE_TITLES["TL-COPY-003"], RULE_TITLES["TL-MEM-001"], RULE_TITLES["TL-FLOP-001"],
+        rule_title("TL-COPY-003"), rule_title("TL-MEM-001"), rule_title("TL-FLOP-001"),
         "Loss tensor kept across iterations"]
     res = run["results"]
     assert [r["level"] for r in res] == ["warning", "error", "note", "warning", "note"]
@@ -326,7 +327,7 @@ def test_render_dispatch_and_unknown_format():
 
 def test_report_module_still_exports_render_table():
     from torchledger.render.table import render_table
-    from torchledger.report import render_table as old
+    from torchledger.render.table import render_table as old
     assert old is render_table
 
 
@@ -400,13 +401,14 @@ def test_sarif_rule_descriptions_from_a_rule_table():
     rules = {"TL-B": "plain text", "TL-C": ("warning", "from a lint tuple", "doc"), "TL-D": {"title": "dict"}}
     driver = findings_to_sarif(findings, "1", rules=rules, information_uri="https://example.org")["runs"][0][
         "tool"]["driver"]
+    # the rules given are listed first, then the others findings name
     assert [r["shortDescription"]["text"] for r in driver["rules"]] == \
-        ["TL-A", "plain text", "from a lint tuple", "dict"]          # never a run's message
+        ["plain text", "from a lint tuple", "dict", "TL-A"]          # never a run's message
     assert driver["informationUri"] == "https://example.org"
 
 
 def test_lint_sarif_uris_outside_the_working_directory_have_no_dotdot(tmp_path, monkeypatch):
-    from torchledger.analyzers.sarif import findings_to_sarif as lint_sarif
+    from torchledger.render.sarif import findings_to_sarif as lint_sarif
     (tmp_path / ".git").mkdir()
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")

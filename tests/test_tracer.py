@@ -554,7 +554,7 @@ def test_ledger_samples_one_step_in_k():
 
 def test_report_renders_and_mentions_kernel():
     _, rec = traced_gpt("cpu", "gpt2-tiny", 2, 16)
-    from torchledger.report import render_table
+    from torchledger.render.table import render_table
     text = render_table(rec)
     assert "CPU flash attention" in text and "blocks.0" in text
     assert render_table(StepRecord()).startswith("Empty record")

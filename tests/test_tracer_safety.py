@@ -354,3 +354,17 @@ def test_weakref_callbacks_have_no_python_frame():
 
 if __name__ == "__main__":                            # every point, for the record
     print("interrupt points tried %d, held %d (of %d function entries)" % interrupt_points())
+
+
+def test_a_failing_compile_probe_is_a_warning_not_an_error(monkeypatch):
+    # the probe runs first in __enter__: its warning must land in the record, not raise
+    from torchledger.tracer import compiled
+
+    def broken(info, stack):
+        raise RuntimeError("dynamo changed")
+    monkeypatch.setattr(compiled, "_force_eager", broken)
+    model = torch.nn.Linear(8, 4, bias=False)
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 8)).sum().backward()
+    assert "torch.compile/autocast probe: RuntimeError: dynamo changed" in t.record.warnings
+    assert t.record.totals["flops"]["forward"] == 2 * 2 * 8 * 4          # 128: the step was traced

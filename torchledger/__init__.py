@@ -12,8 +12,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "trace": ("torchledger.tracer", "trace"),
-    "Ledger": ("torchledger.tracer", "Ledger"),
+    "trace": ("torchledger.ledger", "trace"),
+    "Ledger": ("torchledger.ledger", "Ledger"),
     "StepTracer": ("torchledger.tracer", "StepTracer"),
     "StepRecord": ("torchledger.record", "StepRecord"),
     "Finding": ("torchledger.record", "Finding"),

@@ -341,7 +341,7 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
 def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun:
     import torch
     from .spec import as_spec
-    from .tracer import Ledger
+    from .ledger import Ledger
 
     if steps < 1:
         raise AuditError(f"--steps: expected a whole number >= 1, got {steps}")

@@ -14,7 +14,7 @@ import re
 
 __all__ = [
     "parse_count", "parse_int", "parse_bytes", "parse_flops",
-    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "GB", "GiB",
+    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "fmt_mfu", "GB", "GiB",
 ]
 
 GB = 10**9
@@ -124,3 +124,8 @@ def _scaled(n: float, base: int, units: list[str]) -> str:
 def fmt_flops(n: float) -> str:
     """``6.3e24`` -> ``'6.3e+24 FLOPs'`` (scientific: FLOP counts span 20 orders)."""
     return f"{float(n):.3g} FLOPs"
+
+
+def fmt_mfu(value) -> str:
+    """An MFU for a human: three significant digits (0.42, 0.087, 0.000123)."""
+    return f"{value:.3g}"

@@ -1,35 +1,19 @@
-"""Closed-form predictions: pure functions of hyperparameters, no torch.
+"""Analyzers: checks over step records. Each reads records (and the closed forms of
+:mod:`torchledger.formulas`) and returns findings; none prints, plots or touches torch.
 
-One topic per module:
+* :mod:`.checks` - ``run_checks(records, options)``: every check below, as ``trace``, ``Ledger``
+  and ``audit`` run them; fake-kernel gaps, uncounted ops, untraced parts.
+* :mod:`.compare` - the step against its closed forms (6ND + attention, static bytes, 12Ld²);
+  ``record_predictions`` fills ``record.predictions``. :mod:`.compare_shape` reads the shape.
+* :mod:`.leaks` - memory that grows or outlives steps (TL-LEAK-*).
+* :mod:`.copies` - needless copies (TL-COPY-*).
+* :mod:`.mfu` - the report's one MFU and its rules (TL-MFU-*).
+* :mod:`.fit` - the peak against a GPU's memory (TL-MEM-002); :mod:`.outputs` - returned caches.
+* :mod:`.snapshot` (with :mod:`.snapshot_format`, :mod:`.snapshot_history`) - CUDA allocator
+  snapshots read, validated and summarised (TL-CUDA-*).
 
-* :mod:`.params` - exact parameter counts, the 12*L*d^2 + V*d approximation, matmul N.
-* :mod:`.flops` - C = 6ND, the attention term (dense and causal-halved), training time.
-* :mod:`.memory` - static training bytes per parameter by optimizer x precision, ZeRO.
-* :mod:`.activations` - Korthikanti per-layer activation bytes, recomputation.
-* :mod:`.inference` - KV cache and the bandwidth-bound decode step.
-* :mod:`.hardware` - GPU memory, bandwidth and peak FLOP/s per dtype.
+Rule ids, titles and default severities: :mod:`torchledger.rules`.
 
-Conventions everywhere: FLOP = 2 x multiply-add; GB = 1e9 bytes, GiB = 2**30 bytes;
-counts are exact ints where the inputs are whole numbers.
-
-    >>> from torchledger.analyzers import count_params, training_flops
-    >>> training_flops(175e9, 300e9)
-    315000000000000000000000
+    >>> from torchledger.analyzers.checks import run_checks
+    >>> findings = run_checks([t.record], {"min_mfu": 0.4})
 """
-from .activations import ActivationMemory, activation_memory, korthikanti_layer_bytes
-from .flops import TrainingTime, attention_flops_per_token, training_flops, training_time
-from .hardware import GPUSpec, get_gpu, known_gpus, register_gpu
-from .inference import DecodeEstimate, KVCache, decode_step, kv_cache
-from .memory import (OPTIMIZERS, PRECISIONS, StaticMemory, bytes_per_param, max_params,
-                     static_memory, weight_bytes)
-from .params import ParamCount, count_params, params_12ld2
-
-__all__ = [
-    "ParamCount", "count_params", "params_12ld2",
-    "training_flops", "attention_flops_per_token", "TrainingTime", "training_time",
-    "OPTIMIZERS", "PRECISIONS", "StaticMemory", "bytes_per_param", "static_memory",
-    "max_params", "weight_bytes",
-    "ActivationMemory", "activation_memory", "korthikanti_layer_bytes",
-    "KVCache", "kv_cache", "DecodeEstimate", "decode_step",
-    "GPUSpec", "get_gpu", "known_gpus", "register_gpu",
-]

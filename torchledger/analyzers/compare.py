@@ -10,13 +10,13 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 from __future__ import annotations
 
 from ..record import Finding, counts_samples
-from .activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
+from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
 from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
-from .flops import encoder_decoder_attention_flops
-from .memory import OPTIMIZERS, bytes_per_param, static_memory
-from .params import count_params, params_12ld2_encoder_decoder
+from ..formulas.flops import encoder_decoder_attention_flops
+from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_memory
+from ..formulas.params import count_params, params_12ld2_encoder_decoder
 
-__all__ = ["predictions", "comparisons", "check_comparisons"]
+__all__ = ["predictions", "comparisons", "check_comparisons", "record_predictions"]
 
 DEFAULT_TOLERANCE = 0.05
 
@@ -229,6 +229,22 @@ def comparisons(record, p=None) -> list:
                          f"activations and dropout masks; {_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
+
+
+def record_predictions(record) -> dict:
+    """``record.predictions`` as a finished record stores it: :func:`predictions` with
+    INTERFACE.md's keys always present and the :func:`comparisons` rows. A prediction never costs
+    the user the measurement: an error becomes a line in ``record.warnings``."""
+    try:
+        p = predictions(record)
+        rows = comparisons(record, p)
+    except Exception as e:  # noqa: BLE001
+        record.warnings.append(f"predictions unavailable: {type(e).__name__}: {e}")
+        p, rows = {}, []
+    out = {"params_12ld2": None, "flops_6nd": None, "flops_6nd_attention": None, "static_bytes": None}
+    out.update(p)
+    out["comparisons"] = rows
+    return out
 
 
 def check_comparisons(records, options=None) -> list:

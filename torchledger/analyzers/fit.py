@@ -25,7 +25,7 @@ def check_gpu_fit(records, options=None) -> list:
     opts = options or {}
     if not records or not opts.get("gpu"):
         return []
-    from .hardware import get_gpu
+    from ..formulas.hardware import get_gpu
     try:
         gpu = get_gpu(opts["gpu"])
     except (KeyError, ValueError):

@@ -19,8 +19,9 @@ from __future__ import annotations
 import statistics
 
 from ..record import Finding
+from ..units import fmt_mfu
 
-__all__ = ["step_seconds", "mfu", "check_mfu", "mfu_totals", "fmt_mfu"]
+__all__ = ["step_seconds", "mfu", "check_mfu", "mfu_totals"]
 
 
 def step_seconds(records):
@@ -37,11 +38,6 @@ def mfu(record, peak_flops: float, seconds=None):
         return None, None
     t = record.totals
     return t["flops"]["total"] / seconds / peak_flops, t["hardware_flops"] / seconds / peak_flops
-
-
-def fmt_mfu(value) -> str:
-    """An MFU for a human: three significant digits (0.42, 0.087, 0.000123)."""
-    return f"{value:.3g}"
 
 
 def _timing(records, opts):

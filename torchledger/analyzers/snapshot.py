@@ -48,7 +48,7 @@ from .snapshot_format import NODES_BASE, NODES_PER_BYTE, validate_snapshot
 from .snapshot_history import (ALLOCATED, _figures, _frames, _group, join, module_peaks,
                                never_freed, replay)
 
-__all__ = ["SnapshotError", "load_snapshot", "validate_snapshot", "summarize_snapshot", "replay",
+__all__ = ["allocator_view", "SnapshotError", "load_snapshot", "validate_snapshot", "summarize_snapshot", "replay",
            "never_freed", "join", "module_peaks", "check_snapshot", "DEFAULT_OPTIONS"]
 
 _PLAIN = "dicts, lists, tuples, strings, numbers, booleans and None"
@@ -176,6 +176,21 @@ def summarize_snapshot(snap: dict, top: int = 10, *, device=None, steps=None) ->
     return out
 
 # -- findings ------------------------------------------------------------------------------
+def allocator_view(allocator: dict, snap, marks, device) -> dict:
+    """A traced step's ``memory["allocator"]`` with the snapshot read: its summary (top 5) and
+    the peak per module between the tracer's ``marks``; ``allocator`` unchanged when the history
+    was not recorded, and a reason instead when the snapshot cannot be read."""
+    if not allocator.get("available") or snap is None:
+        return allocator
+    try:
+        summary = summarize_snapshot(snap, top=5, device=device)
+        peaks = module_peaks(snap, marks or [], device=device)
+    except Exception as e:  # noqa: BLE001
+        return {"available": False, "reason": f"allocator snapshot failed: {type(e).__name__}: {e}"}
+    return {"available": True, "summary": summary, "module_peaks": peaks,
+            "notes": list(allocator.get("notes", []))}
+
+
 def _gib(n) -> str:
     return f"{n / 2**30:.2f} GiB"
 

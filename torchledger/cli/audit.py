@@ -36,7 +36,7 @@ def _peak(peak_flops, gpu, dtype="bf16"):
     if peak_flops:
         return peak_flops, "--peak-flops"
     if gpu:
-        from ..analyzers.hardware import get_gpu
+        from ..formulas.hardware import get_gpu
         try:
             spec = get_gpu(gpu)
         except (KeyError, ValueError) as e:
@@ -237,7 +237,7 @@ def _findings(run, settings, peak, peak_source, gpu=None) -> list:
     options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:
-        from ..analyzers.lint import lint_paths
+        from ..lint import lint_paths
     except ImportError:  # lint not part of this build
         return findings
     return findings + list(lint_paths([run.path]))

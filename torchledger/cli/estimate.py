@@ -1,7 +1,7 @@
 """``torchledger estimate``: closed-form napkin math, no torch imported.
 
 Each subcommand parses its numbers (``7B``, ``15T``, ``80GB``), calls one analyzer from
-:mod:`torchledger.analyzers` and prints either a table for people (numbers, formula,
+:mod:`torchledger.formulas` and prints either a table for people (numbers, formula,
 assumptions) or, with ``--json``, one JSON object on stdout and nothing else.
 
 ``--preset NAME`` fills in what a named reference model knows (exact N, layers, heads...).
@@ -16,11 +16,11 @@ from dataclasses import asdict
 
 import click
 
-from .. import analyzers as an
-from ..analyzers.flops import exact
-from ..analyzers.hardware import DTYPES
-from ..analyzers.inference import DTYPE_BYTES, KV_DTYPES
-from ..analyzers.memory import WEIGHT_DTYPES
+from .. import formulas as an
+from ..formulas.flops import exact
+from ..formulas.hardware import DTYPES
+from ..formulas.inference import DTYPE_BYTES, KV_DTYPES
+from ..formulas.memory import WEIGHT_DTYPES
 from ..models.config import MLP_KINDS, NORM_KINDS, TransformerConfig, get_config
 from ..units import GiB, fmt_bytes, fmt_count, fmt_flops, fmt_int
 from .types import BYTES, COUNT, FLOPS, FRACTION, POS_FLOAT, POS_INT, InputError

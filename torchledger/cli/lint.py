@@ -5,7 +5,7 @@ import json
 
 import click
 
-from ..analyzers import lint as engine
+from .. import lint as engine
 from .types import InputError
 
 __all__ = ["lint"]
@@ -55,7 +55,8 @@ def lint(ctx: click.Context, paths, fmt: str, fail_on: str) -> None:
         click.echo(json.dumps({"schema": SCHEMA, "findings": [f.to_dict() for f in findings],
                                "files": len(files), "errors": errors}, indent=2))
     elif fmt == "sarif":
-        click.echo(json.dumps(engine.findings_to_sarif(findings, engine.RULES), indent=2))
+        from ..render.sarif import findings_to_sarif
+        click.echo(json.dumps(findings_to_sarif(findings, rules=list(engine.RULES)), indent=2))
     else:
         click.echo(render_table(findings, len(files) - len(errors), len(errors)))
     if errors:

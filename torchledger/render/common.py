@@ -6,7 +6,7 @@ version, or one loaded back from JSON, renders the same as a fresh one.
 from __future__ import annotations
 
 from ..record import TOKENS_FROM_SPEC, TOKENS_GIVEN, Finding, counts_samples
-from ..units import fmt_bytes, fmt_count
+from ..units import fmt_bytes, fmt_count, fmt_mfu
 
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
@@ -113,7 +113,6 @@ def run_notes(record) -> list:
 def mfu_line(totals):
     """The report's one MFU, with the steps it comes from, or why there is none; None for a
     record that has neither (made before ``mfu_source`` existed, with no MFU)."""
-    from ..analyzers.mfu import fmt_mfu
     m, source = totals.get("mfu"), totals.get("mfu_source")
     if m is None:
         return f"MFU: {source}" if source else None

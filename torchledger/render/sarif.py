@@ -13,9 +13,10 @@ file (a ``torchledger.trace`` record) has nowhere to point such findings, so the
 tool notifications (``invocations[0].toolExecutionNotifications``, with their rule id) instead of
 results. Paths under the working directory become relative URIs; a file outside it becomes
 relative to the root of the git work tree holding the working directory, else a ``file://`` URI,
-never a ``../`` path. Each rule's ``shortDescription`` is a fixed title (:data:`RULE_TITLES`,
-lint's ``RULES``), identical from run to run; this run's numbers are only in the results.
-``lint`` can reuse :func:`findings_to_sarif` as it is.
+never a ``../`` path. Each rule's ``shortDescription`` is its fixed title and its
+``fullDescription``/``help`` its doc, from the one catalogue (:mod:`torchledger.rules`),
+identical from run to run; this run's numbers are only in the results. ``lint --format sarif``
+uses the same :func:`findings_to_sarif`.
 
 Known limitations: no ``partialFingerprints`` (code scanning computes its own); one run.
 """
@@ -24,75 +25,49 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path, PureWindowsPath
 from urllib.parse import quote
 
 from ..record import Finding
+from ..rules import RULES, title
 from .common import EMPTY_SENTENCE, as_findings, is_empty, with_hint
 
-__all__ = ["findings_to_sarif", "render_sarif", "SARIF_SCHEMA", "LEVELS", "RULE_TITLES", "artifact_uri",
-           "spec_location"]
+__all__ = ["findings_to_sarif", "render_sarif", "SARIF_SCHEMA", "LEVELS", "artifact_uri", "spec_location"]
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 LEVELS = {"error": "error", "warning": "warning", "info": "note"}
 _LOCATION = re.compile(r"^(?P<path>.+?):(?P<line>[0-9]+)(?::(?P<col>[0-9]+))?$")
 
-#: A fixed one-line title per rule of the trace analyzers (lint's rules have theirs in
-#: ``torchledger.analyzers.lint.RULES``). SARIF rule metadata must not change from run to run.
-RULE_TITLES = {
-    "TL-CMP-001": "Step FLOPs differ from the 6ND + attention prediction",
-    "TL-CMP-002": "Static memory differs from the optimizer x precision prediction",
-    "TL-COPY-001": "Dtype round trip within one module",
-    "TL-COPY-002": "Same device move repeated within a step",
-    "TL-COPY-003": "Contiguous copy of a permuted tensor that is permuted back",
-    "TL-COPY-004": "Copies move a large share of the step's bytes",
-    "TL-LEAK-001": "Live memory grows step after step",
-    "TL-LEAK-002": "Tensor kept across steps with its autograd graph",
-    "TL-LEAK-003": "Gradients not cleared after the optimizer step",
-    "TL-LEAK-004": "Module attribute holding more tensors every step",
-    "TL-MEM-001": "Key/value cache returned and kept by a training forward",
-    "TL-MEM-002": "Step peak memory against the GPU's memory",
-    "TL-MFU-001": "Model FLOPs utilization below the minimum",
-    "TL-MFU-002": "Model FLOPs utilization above 1 (miscount or wrong peak)",
-    "TL-CUDA-001": "CUDA allocator fragmentation",
-    "TL-CUDA-002": "CUDA allocations never freed across steps",
-    "TL-BUDGET-001": "Parameters over budget",
-    "TL-BUDGET-002": "Peak memory over budget",
-    "TL-BUDGET-003": "FLOPs per token over budget",
-    "TL-BASELINE-001": "Grew over the baseline",
-    "TL-FLOP-001": "Ops without a FLOP formula",
-    "TL-FAKE-001": "Fake kernel drops a workspace kept for backward",
-    "TL-TRACE-001": "Part of the step could not be traced",
-}
-
-
-def findings_to_sarif(findings, tool_version: str, *, rules=None, notifications=(),
+def findings_to_sarif(findings, tool_version=None, *, rules=None, notifications=(),
                       information_uri=None, source=None) -> dict:
-    """A SARIF 2.1.0 log (a dict) with one run holding ``findings``.
+    """A SARIF 2.1.0 log (a dict) with one run holding ``findings``: the one SARIF writer, for
+    ``audit``, ``report`` and ``lint``.
 
-    ``findings`` are :class:`Finding` objects or their dicts. ``rules`` maps a rule id to its
-    one-line description (a string, a ``(severity, title, doc)`` tuple as in lint's ``RULES``,
-    or a dict with ``title``); a rule without one gets its title from :data:`RULE_TITLES` or
-    lint's ``RULES``, else its id (never a run's message, which changes from run to run).
-    ``source`` is ``(path, line)`` (or a path: line 1), where a finding without a ``path:line``
-    points (the audited model file); without it such findings become tool notifications.
-    ``notifications`` are strings reported as tool notes (e.g. "nothing was traced").
-    ``information_uri``, if given, is the tool's home page.
+    ``findings`` are :class:`Finding` objects or their dicts. ``rules`` lists rule ids to
+    describe even when no finding names them (``lint`` lists all of its rules), or maps a rule id
+    to its one-line description (a string, a ``(severity, title, ...)`` tuple or a dict with
+    ``title``). Every rule's title, doc and default level come from the catalogue
+    (:mod:`torchledger.rules`; an id it does not know is its own title), never from a run's
+    message. ``source`` is ``(path, line)`` (or a path: line 1), where a finding without a
+    ``path:line`` points (the audited model file); without it such findings become tool
+    notifications. ``notifications`` are strings reported as tool notes (e.g. "nothing was
+    traced"). ``information_uri``, if given, is the tool's home page. ``tool_version`` defaults
+    to torchledger's.
     """
+    if tool_version is None:
+        from .. import __version__ as tool_version
     items = [f if isinstance(f, Finding) else Finding.from_dict(f) for f in findings]
-    rules = dict(rules or {})
+    listed = list(rules or ())
+    described = dict(rules) if isinstance(rules, Mapping) else {}
     if isinstance(source, (str, os.PathLike)):
         source = (os.fspath(source), 1)
     rule_ids: list = []
-    for f in items:
-        if f.rule not in rule_ids:
-            rule_ids.append(f.rule)
-    descriptors = []
-    for rid in rule_ids:
-        first = next(f for f in items if f.rule == rid)
-        text = _describe(rules.get(rid)) or _title(rid)
-        descriptors.append({"id": rid, "shortDescription": {"text": text},
-                            "defaultConfiguration": {"level": LEVELS.get(first.severity, "note")}})
+    for rid in listed + [f.rule for f in items]:
+        if rid not in rule_ids:
+            rule_ids.append(rid)
+    descriptors = [_descriptor(rid, described.get(rid), next((f for f in items if f.rule == rid), None))
+                   for rid in rule_ids]
     results, unlocated = [], []
     for f in items:
         result = _result(f, rule_ids.index(f.rule), source)
@@ -110,6 +85,20 @@ def findings_to_sarif(findings, tool_version: str, *, rules=None, notifications=
     if notes:
         run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": notes}]
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
+
+
+def _descriptor(rule_id: str, described, first) -> dict:
+    """A ``reportingDescriptor``: the catalogue's title (or ``described``), its doc as the full
+    description and help (with the docs' anchor), and the level of the first finding naming the
+    rule (else the catalogue's default severity)."""
+    rule = RULES.get(rule_id)
+    out = {"id": rule_id, "shortDescription": {"text": _describe(described) or title(rule_id)}}
+    if rule is not None and rule.doc:
+        out["fullDescription"] = {"text": rule.doc}
+        out["help"] = {"text": f"{rule.doc} (docs: {rule.anchor})"}
+    severity = first.severity if first is not None else (rule.severity if rule else "warning")
+    out["defaultConfiguration"] = {"level": LEVELS.get(severity, "note")}
+    return out
 
 
 def render_sarif(record, findings=None, *, source=None, **_options) -> str:
@@ -148,18 +137,6 @@ def spec_location(path: str, entry: str = "audit_spec") -> tuple:
         if pattern.match(line):
             return path, number
     return path, 1
-
-
-def _title(rule: str) -> str:
-    if rule in RULE_TITLES:
-        return RULE_TITLES[rule]
-    if rule.startswith("TL-LINT-"):
-        try:
-            from ..analyzers.lint import RULES
-        except ImportError:                     # lint not part of this build
-            return rule
-        return _describe(RULES.get(rule)) or rule
-    return rule
 
 
 def _result(f: Finding, rule_index: int, source=None) -> dict:

@@ -1,226 +1,24 @@
-"""Tracers: observe a real training step and hand back a plain ``StepRecord``.
+"""The tracer: hooks that observe one real training step and hand back a plain ``StepRecord``.
 
-    import torchledger
-    with torchledger.trace(model, optimizer=opt, tokens=B * T) as t:
-        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-    t.record.totals["flops"]        # forward / backward / optimizer / total
-    print(t.report())
+``StepTracer`` installs a TorchDispatchMode (FLOPs and bytes per op, module and phase),
+saved-tensor hooks (activations), module hooks and an optimizer-state walk, and on CUDA the
+allocator's history; on exit it removes all of them and builds the record. It records and
+judges nothing: predictions, comparisons and findings are the analyzers' (composed by
+:mod:`torchledger.ledger`, whose ``trace()`` and ``Ledger`` are the public API).
 
-    ledger = torchledger.Ledger(model, optimizer=opt, sample_every=100)
-    for x, y in loader:
-        with ledger.step(tokens=x.numel()):
-            ...
+* :mod:`.step` - ``StepTracer``: install, observe, remove, build.
+* :mod:`.dispatch` - the dispatch mode: per-op FLOPs, bytes, copies, phases.
+* :mod:`.flops`, :mod:`.flops_attention` - FLOP formulas per op (attention kernels apart).
+* :mod:`.memory`, :mod:`.retention` - live memory by category; what outlives the step.
+* :mod:`.modules`, :mod:`.shape`, :mod:`.outputs` - module scopes, architecture, returned caches.
+* :mod:`.build` - the record from what was observed.
+* :mod:`.lifecycle`, :mod:`.compiled` - safe install/remove (Ctrl-C, threads), torch.compile.
+* :mod:`.cuda_history`, :mod:`.peak` - the CUDA allocator's history, a measured matmul peak.
 
 Works on CPU, CUDA, meta and fake tensors. One tracer may be active at a time.
 """
 from __future__ import annotations
 
-import time
-from collections import deque
-from contextlib import contextmanager
-
-from ..analyzers.mfu import mfu_totals
-from .compiled import note_run
 from .step import StepTracer, active_tracer, check_optimizer
 
-__all__ = ["trace", "Ledger", "StepTracer", "active_tracer", "LEAK_WINDOW"]
-
-
-class _Traced(StepTracer):
-    """What ``trace()`` returns: a ``StepTracer`` with the report and findings at hand."""
-
-    def report(self, **options) -> str:
-        from ..report import render_table
-        if self.record is None:
-            raise RuntimeError("report() is available after the traced block ends")
-        return render_table(self.record, self.findings(), **options)
-
-    def _finished(self) -> None:
-        # NB: not an __exit__ override calling super(): a Ctrl-C at that call would skip
-        # StepTracer.__exit__ and leave every hook installed
-        note_run(self)                  # meta.compiled / meta.autocast
-        _keep_findings(self.record, self.findings)
-
-    def findings(self, **options) -> list:
-        """Findings of every analyzer; ``options`` as in ``[tool.torchledger]`` (and
-        ``peak_flops`` for MFU, defaulting to the one given to ``trace``). The record keeps
-        the last ones computed (``record.findings``, in ``to_dict()``), so a saved record
-        renders them offline."""
-        from ..analyzers.checks import run_checks
-        if self.record is None:
-            raise RuntimeError("findings() are available after the traced block ends")
-        options.setdefault("peak_flops", self.peak_flops)
-        found = run_checks([self.record], options)
-        self.record.findings = list(found)
-        self.record.totals.update(mfu_totals([self.record], options))   # the report's one MFU
-        return found
-
-
-def _keep_findings(record, compute) -> None:
-    """Store the default findings in a finished record; an analyzer error must not turn the
-    end of the user's step into an exception (the record notes it instead)."""
-    if record is None:
-        return
-    try:
-        compute()
-    except Exception as e:  # noqa: BLE001
-        record.warnings.append(f"findings unavailable: {type(e).__name__}: {e}")
-
-
-def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
-          clock=time.perf_counter, tokens_source=None) -> _Traced:
-    """Trace one training step of ``model``; use as ``with trace(model, opt, tokens=N) as t``.
-
-    ``tokens`` (tokens per step, for 6ND) and ``seq_len`` (for the attention term) are
-    optional. ``peak_flops`` (FLOP/s) enables MFU. ``tokens_source`` says how ``tokens`` was
-    obtained, for reports (``totals.tokens_source``; default "given").
-    """
-    return _Traced(model, optimizer=optimizer, tokens=tokens, peak_flops=peak_flops, clock=clock,
-                   seq_len=seq_len, tokens_source=tokens_source)
-
-
-#: Traced steps the leak rules compare (the new one and those before it): TL-LEAK-001 needs
-#: growth over three steps after the window's first, TL-LEAK-003 two consecutive steps.
-LEAK_WINDOW = 8
-#: Untraced step times kept (their median is the step time MFU uses).
-TIMES_KEPT = 1000
-
-
-class Ledger:
-    """Trace many steps of an existing loop; one in ``sample_every`` is traced.
-
-    ``with ledger.step(tokens=n): ...`` around each step. Untraced steps cost a counter and
-    two clock reads. A long run costs no more memory than a short one:
-
-    * ``records``: the ``StepRecord`` of the last ``keep`` traced steps (default 20; a
-      record of a small model is about 0.3 MB); older records are dropped.
-    * the leak window: the records of the last ``LEAK_WINDOW`` (8) traced steps, kept
-      whatever ``keep`` is; between traced steps, weak references to the storages the last
-      one left alive (to see them still alive at the next). No tensor is held.
-    * ``untraced_seconds``: the last ``TIMES_KEPT`` (1,000) untraced step times.
-
-    Findings: at the end of each traced step every analyzer runs once over the leak window
-    (the leak rules compare its steps, the others read the new record) and the new record
-    keeps the result (``record.findings``); the cost does not grow with the run.
-    ``findings()`` runs them over the same window: it describes the recent steps, and a
-    finding that stopped holding stays only in the records of the steps it held in.
-
-    Example::
-
-        ledger = Ledger(model, optimizer=opt, sample_every=100, keep=10)
-        for x, y in loader:
-            with ledger.step(tokens=x.numel()):
-                loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-        print(ledger.report())
-
-    Known limitations: with ``sample_every > 1`` traced steps are not consecutive, so
-    TL-LEAK-003 (gradients never cleared) needs ``sample_every=1``; growth slower than
-    ``LEAK_WINDOW`` traced steps is judged on the window only.
-    """
-
-    def __init__(self, model, optimizer=None, *, sample_every: int = 1, keep: int = 20,
-                 peak_flops=None, clock=time.perf_counter):
-        if not isinstance(sample_every, int) or sample_every < 1:
-            raise ValueError(f"sample_every must be an int >= 1, got {sample_every!r}")
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ValueError(f"keep must be an int >= 1 (traced step records kept), got {keep!r}")
-        check_optimizer(optimizer, "Ledger()")
-        self.model, self.optimizer = model, optimizer
-        self.sample_every, self.peak_flops, self.clock = sample_every, peak_flops, clock
-        self.keep = keep
-        self.records: list = []
-        self.steps = 0
-        self._window: deque = deque(maxlen=LEAK_WINDOW)
-        self._carry: dict = {}      # weakrefs to storages kept by the last traced step (leak analysis)
-        self.snapshot = None        # CUDA: the allocator snapshot of the last traced step
-        self.untraced_seconds: list = []   # wall time of the last TIMES_KEPT untraced steps
-        self._cuda = None
-
-    @contextmanager
-    def step(self, tokens=None, seq_len=None, *, tokens_source=None):
-        """Trace (or time) one step; ``tokens`` per step for 6ND, ``tokens_source`` how it was
-        obtained (``totals.tokens_source``; default "given")."""
-        i = self.steps
-        self.steps += 1
-        if i % self.sample_every:
-            t0 = self._edge()
-            yield None
-            self._note_untraced(self._edge() - t0)
-            return
-        tracer = StepTracer(self.model, optimizer=self.optimizer, tokens=tokens,
-                            peak_flops=self.peak_flops, clock=self.clock, step_index=i,
-                            seq_len=seq_len, carry=self._carry, tokens_source=tokens_source)
-        try:
-            with tracer:
-                yield tracer
-        finally:
-            if tracer.record is not None:
-                note_run(tracer)        # meta.compiled / meta.autocast
-                self._keep(tracer.record)
-                self._carry = tracer.carry_out
-                self.snapshot = getattr(tracer, "snapshot", None)
-                _keep_findings(tracer.record, self.findings)
-
-    def _note_untraced(self, seconds: float) -> None:
-        times = self.untraced_seconds
-        times.append(seconds)
-        if len(times) > TIMES_KEPT:
-            del times[: len(times) - TIMES_KEPT]
-
-    def _keep(self, record) -> None:
-        self.records.append(record)
-        if len(self.records) > self.keep:
-            del self.records[: len(self.records) - self.keep]
-        self._window.append(record)
-
-    def _edge(self) -> float:
-        """The clock at a step edge; on CUDA after a synchronize (NB: a CPU-GPU sync point)."""
-        if self._cuda is None:
-            import torch
-            p = next(self.model.parameters(), None)
-            self._cuda = bool(p is not None and p.device.type == "cuda" and torch.cuda.is_available()
-                              and type(p).__name__ != "FakeTensor")
-        if self._cuda:
-            import torch
-            torch.cuda.synchronize()
-        return self.clock()
-
-    def time_step(self):
-        """Context manager: run one untraced step and note its time (for MFU)."""
-        return _Timed(self)
-
-    def findings(self, **options) -> list:
-        """Findings over the leak window (the last ``LEAK_WINDOW`` traced steps); ``options``
-        as in ``[tool.torchledger]``. MFU uses the untraced steps' median time when there are
-        any (tracing adds its own overhead to the traced ones)."""
-        from ..analyzers.checks import run_checks
-        options.setdefault("peak_flops", self.peak_flops)
-        if self.untraced_seconds and "step_seconds" not in options:
-            options["step_seconds"] = sorted(self.untraced_seconds)[len(self.untraced_seconds) // 2]
-            options["untraced_steps"] = len(self.untraced_seconds)
-        window = list(self._window)
-        found = run_checks(window, options)
-        if window:                        # the latest record keeps them (to_dict, report)
-            window[-1].findings = list(found)
-            window[-1].totals.update(mfu_totals(window, options))  # the one MFU
-        return found
-
-    def report(self, **options) -> str:
-        from ..report import render_table
-        if not self.records:
-            return "No steps traced yet: wrap a training step in `with ledger.step(): ...`."
-        return render_table(self.records[-1], self.findings(), **options)
-
-
-class _Timed:
-    def __init__(self, ledger):
-        self.ledger = ledger
-
-    def __enter__(self):
-        self.t0 = self.ledger._edge()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.ledger._note_untraced(self.ledger._edge() - self.t0)
-        return False
+__all__ = ["StepTracer", "active_tracer", "check_optimizer"]

@@ -226,7 +226,6 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         rec.warnings.append(f"retention analysis failed: {type(e).__name__}: {e}")
     storages.release()
     rec.memory["allocator"] = _allocator(tracer)
-    rec.predictions = _predictions(rec)
     tracer._params = []          # the step is over: hold no parameter (entering again re-reads them)
     return rec
 
@@ -250,37 +249,21 @@ def _output_cache(tracer, op_phase, peak_idx: int) -> dict:
 
 
 def _allocator(tracer) -> dict:
-    """The CUDA caching allocator's view of the step, joined to modules and phases."""
+    """Whether the CUDA caching allocator's history was recorded; the snapshot itself stays on
+    the tracer (``tracer.snapshot``, with ``snapshot_marks`` and ``snapshot_device``) for the
+    layer that summarises it (:func:`torchledger.analyzers.snapshot.allocator_view`)."""
     from .cuda_history import UNAVAILABLE
     if tracer.history is None:
         reason = UNAVAILABLE if tracer.cuda is None else "allocator history was not recorded"
         return {"available": False, "reason": reason}
-    from ..analyzers.snapshot import module_peaks, summarize_snapshot
     try:
         snap = tracer.history.snapshot()
-        device = tracer.cuda.index or 0
-        summary = summarize_snapshot(snap, top=5, device=device)
-        peaks = module_peaks(snap, tracer.mode.marks or [], device=device)
     except Exception as e:
         return {"available": False, "reason": f"allocator snapshot failed: {type(e).__name__}: {e}"}
     tracer.snapshot = snap
-    return {"available": True, "summary": summary, "module_peaks": peaks,
-            "notes": list(tracer.history.notes)}
-
-
-def _predictions(rec) -> dict:
-    """Closed forms for this step (analyzers.compare), with INTERFACE.md's keys always present."""
-    from ..analyzers.compare import comparisons, predictions
-    try:
-        p = predictions(rec)
-        rows = comparisons(rec, p)
-    except Exception as e:  # a prediction must never cost the user the measurement
-        rec.warnings.append(f"predictions unavailable: {type(e).__name__}: {e}")
-        p, rows = {}, []
-    out = {"params_12ld2": None, "flops_6nd": None, "flops_6nd_attention": None, "static_bytes": None}
-    out.update(p)
-    out["comparisons"] = rows
-    return out
+    tracer.snapshot_marks = list(tracer.mode.marks or [])
+    tracer.snapshot_device = tracer.cuda.index or 0
+    return {"available": True, "notes": list(tracer.history.notes)}
 
 
 def _bytes(t) -> int:

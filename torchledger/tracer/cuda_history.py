@@ -3,7 +3,7 @@
     from torchledger.tracer.cuda_history import CudaMemoryHistory
     with CudaMemoryHistory(max_entries=100_000) as h:
         loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-    summary = h.summary()          # torchledger.analyzers.snapshot.summarize_snapshot
+    summary = summarize_snapshot(h.snapshot())   # from torchledger.analyzers.snapshot
     h.dump("step.pickle")          # opens at https://pytorch.org/memory_viz
 
 On entry, recording starts through ``torch.cuda.memory._record_memory_history`` with every
@@ -125,12 +125,6 @@ class CudaMemoryHistory:
         with open(path, "wb") as f:
             pickle.dump(snap, f)
         return path
-
-    def summary(self, top: int = 10, steps=None) -> dict:
-        """:func:`torchledger.analyzers.snapshot.summarize_snapshot` of :meth:`snapshot`."""
-        from ..analyzers.snapshot import summarize_snapshot
-        dev = getattr(self.device, "index", self.device)
-        return summarize_snapshot(self.snapshot(), top=top, device=dev, steps=steps)
 
 
 def _is_recording(torch):

@@ -118,6 +118,7 @@ class StepTracer:
         undo = life.undo.append          # C: nothing can interrupt between register and undo
         compiled = ExitStack()
         undo(compiled.close)
+        self._warnings: list[str] = []   # before the probe below, which may warn
         model = self._model = observe_run(self, model, compiled, undo)   # torch.compile: eager, cache kept
         self._reset(model)
         self.scope.install(undo)
@@ -148,7 +149,6 @@ class StepTracer:
         self.scope = ModuleScope(model)
         self.scope.ours = self._ours
         self.storages = StorageTracker()
-        self._warnings: list[str] = []
         self._register_persistent(model)
         self.mode = LedgerMode(self.scope, self.storages, self._param_storages)
         self._saved: dict = {}

@@ -22,7 +22,7 @@ import ast
 import re
 from typing import Iterator
 
-from .lint_ast import (LOOPS, dotted, is_optimizer_step, pos, tail, target_names, walk,
+from .ast_tools import (LOOPS, dotted, is_optimizer_step, pos, tail, target_names, walk,
                        walk_scope)
 
 __all__ = ["check_kept_graph", "check_grads_never_cleared"]

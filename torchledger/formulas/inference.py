@@ -16,7 +16,7 @@ sequence in the batch. So per step::
     step time    = max(memory time, compute time)       (perfect overlap assumed)
 
 N_matmul is the parameters that multiply (the LM head counts, the embedding lookup does
-not; :mod:`torchledger.analyzers.params`). The batch at which compute time catches up
+not; :mod:`torchledger.formulas.params`). The batch at which compute time catches up
 with memory time is the *critical batch*: memory time / compute time at batch 1.
 Llama 3 8B, bf16, H100: 16.1 GB / 3.35 TB/s = 4.79 ms vs 15.2 us -> ~209 tokens/s at
 batch 1; critical batch 4.79 ms / 15.17 us = 316 (ACCOUNTING rounds 4.79 / 15.2 to ~315).

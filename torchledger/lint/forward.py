@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 
-from .lint_ast import SCOPES, children, dotted, kwarg, tail, target_names, walk
+from .ast_tools import SCOPES, children, dotted, kwarg, tail, target_names, walk
 
 __all__ = ["check_forward_syncs"]
 

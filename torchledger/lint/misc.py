@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ast
 
-from .lint_ast import OPTIMIZER, dotted, is_const, kwarg, model_like, tail, walk_scope
-from .lint_rules import loop_effects, step_loop
+from .ast_tools import OPTIMIZER, dotted, is_const, kwarg, model_like, tail, walk_scope
+from .loops import loop_effects, step_loop
 
 __all__ = ["check_unsafe_load", "check_non_blocking", "check_model_moves", "check_module_save",
            "check_retain_graph", "check_checkpoint"]

@@ -2,7 +2,7 @@
 
 "Static" is what lives for the whole run whatever the batch: parameters, gradients, fp32
 master weights and optimizer state (ACCOUNTING.md section 5). Activations are separate
-(:mod:`torchledger.analyzers.activations`). Units: bytes; GB = 1e9, GiB = 2**30.
+(:mod:`torchledger.formulas.activations`). Units: bytes; GB = 1e9, GiB = 2**30.
 
 Precisions:
   - ``fp32``: params 4, grads 4, no master copy, optimizer state fp32.

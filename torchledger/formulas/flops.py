@@ -4,7 +4,7 @@ Conventions (ACCOUNTING.md section 3):
   - FLOP = one multiply or one add, so a multiply-add is 2 FLOPs and a [B,D] x [D,K]
     matmul is 2*B*D*K.
   - N is the number of parameters that take part in matmuls (see
-    :mod:`torchledger.analyzers.params`: the LM head counts, embedding lookups do not);
+    :mod:`torchledger.formulas.params`: the LM head counts, embedding lookups do not);
     D is training tokens (batch x sequence length, summed over steps).
   - 6 = 2 (forward) + 4 (backward: grad wrt input and grad wrt weight) FLOPs per param
     per token.

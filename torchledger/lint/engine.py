@@ -1,7 +1,7 @@
-"""``torchledger lint``: static checks of PyTorch training code. The file is parsed with
+"""The lint engine: static checks of PyTorch training code. The file is parsed with
 :mod:`ast` and never imported or run, so linting is safe on untrusted code and needs no torch.
 
-    >>> from torchledger.analyzers.lint import lint_source
+    >>> from torchledger.lint import lint_source
     >>> [f.rule for f in lint_source("import torch\\nsd = torch.load('ckpt.pt')\\n")]
     ['TL-LINT-003']
 
@@ -10,8 +10,8 @@ silenced on its line, or from a comment-only line just above it, with
 ``# torchledger: ignore[TL-LINT-001]`` (several ids comma separated; a bare
 ``# torchledger: ignore`` silences every rule on that line).
 
-Known limitations: the rules are heuristics over names and syntax (see :mod:`.lint_rules`,
-:mod:`.lint_forward` and :mod:`.lint_misc`); nothing is type-checked, and helpers are followed
+Known limitations: the rules are heuristics over names and syntax (see :mod:`.loops`,
+:mod:`.forward` and :mod:`.misc`); nothing is type-checked, and helpers are followed
 within one file only.
 """
 from __future__ import annotations
@@ -24,51 +24,18 @@ import tokenize
 
 from ..inputs import SOURCE_MAX_BYTES, InputFileError, read_input
 from ..record import Finding
-from .lint_ast import LOOPS, SCOPES, children, dotted, is_const, tail
-from .lint_forward import check_forward_syncs
-from .lint_misc import (check_checkpoint, check_model_moves, check_module_save,
-                        check_non_blocking, check_retain_graph, check_unsafe_load)
-from .lint_rules import check_grads_never_cleared, check_kept_graph
-from .sarif import findings_to_sarif
+from ..rules import rules_in
+from .ast_tools import LOOPS, SCOPES, children, dotted, is_const, tail
+from .forward import check_forward_syncs
+from .misc import (check_checkpoint, check_model_moves, check_module_save,
+                   check_non_blocking, check_retain_graph, check_unsafe_load)
+from .loops import check_grads_never_cleared, check_kept_graph
 
-__all__ = ["RULES", "LintError", "lint_source", "lint_file", "lint_paths", "python_files",
-           "findings_to_sarif"]
+__all__ = ["RULES", "LintError", "lint_source", "lint_file", "lint_paths", "python_files"]
 
-#: rule id -> (severity, title, one-paragraph doc). Ids are stable; never reuse one.
-RULES = {
-    "TL-LINT-001": ("warning", "Loss tensor kept across iterations",
-                    "Appending or summing a tensor that carries an autograd graph (a loss, a model "
-                    "output) in a training loop keeps every step's graph alive: memory grows until "
-                    "OOM. Store loss.item() or loss.detach()."),
-    "TL-LINT-002": ("error", "Gradients never cleared",
-                    "A loop calls backward() and optimizer.step() but never zero_grad(): gradients "
-                    "add up across steps and the updates grow. Call "
-                    "optimizer.zero_grad(set_to_none=True) every step (or every k steps)."),
-    "TL-LINT-003": ("warning", "torch.load without weights_only=True",
-                    "torch.load(weights_only=False) unpickles arbitrary objects: loading an untrusted "
-                    "checkpoint can run code (warning). Without weights_only it is a portability note "
-                    "(info): torch >= 2.6 defaults to weights_only=True, older versions unpickle."),
-    "TL-LINT-004": ("warning", "Host-device sync in forward",
-                    ".item(), .cpu(), .numpy(), .tolist(), print(tensor), branching on a tensor "
-                    "value or torch.cuda.synchronize() inside forward stall the host until the "
-                    "GPU catches up, on every call."),
-    "TL-LINT-005": ("info", "non_blocking copy from pageable memory",
-                    "non_blocking=True only overlaps the copy when the source is in pinned memory; "
-                    "from pageable memory it is synchronous. Use DataLoader(pin_memory=True)."),
-    "TL-LINT-006": ("info", "Model moved to a device inside the training loop",
-                    "model.to(device) / model.cuda() in the loop walks every parameter each step; "
-                    "move the model once, before building the optimizer."),
-    "TL-LINT-007": ("warning", "Whole module pickled by torch.save",
-                    "torch.save(model) pickles the class by import path: loading needs the same "
-                    "code layout and weights_only=False. Save model.state_dict()."),
-    "TL-LINT-008": ("warning", "backward(retain_graph=True) inside a loop",
-                    "retain_graph=True keeps the graph's saved tensors alive; in a loop that "
-                    "carries a tensor across steps memory grows each iteration. Detach carried "
-                    "state."),
-    "TL-LINT-009": ("warning", "Checkpoint without optimizer state",
-                    "A checkpoint with the model's state_dict but no optimizer state resumes with "
-                    "fresh optimizer moments, so the resumed run diverges from the original."),
-}
+#: rule id -> (severity, title, doc, anchor): lint's part of the one catalogue,
+#: :data:`torchledger.rules.RULES`. Ids are stable; never reuse one.
+RULES = rules_in("TL-LINT-")
 
 
 class LintError(ValueError):
