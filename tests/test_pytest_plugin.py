@@ -62,8 +62,10 @@ def test_over(torchledger_trace):
 def test_two(torchledger_trace):
     model, opt, x = make()
     for _ in range(2):
-        with torchledger_trace(model, optimizer=opt, tokens=2):
+        traced = torchledger_trace(model, optimizer=opt, tokens=2)
+        with traced:
             step(model, opt, x)
+        assert_step(traced, max_flops=352)      # the fixture's object reads as the trace
     assert len(torchledger_trace.records) == 2
 
 def test_untraced():

@@ -144,6 +144,8 @@ class _Trace:
         return self.tracer.__exit__(*exc)
 
     def __getattr__(self, name):        # t.record, t.report(), t.findings() without `as t`
+        if name == "tracer":            # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.tracer, name)
 
 

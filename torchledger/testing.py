@@ -44,7 +44,7 @@ def as_record(obj, what: str = "record") -> StepRecord:
         return obj
     if isinstance(obj, dict):
         return StepRecord.from_dict(obj)
-    if isinstance(obj, (str, bytes, os.PathLike)):
+    if isinstance(obj, (str, os.PathLike)):
         from .inputs import RECORD_MAX_BYTES, read_input
         from .record_schema import parse_record
         return StepRecord.from_dict(parse_record(read_input(obj, what="record JSON",
