@@ -30,7 +30,7 @@ from torchledger.rules import title as rule_title
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ["gpt2-tiny", "cruncher-copy", "empty"]
 EXTENSION = {"table": "txt", "json": "json", "csv": "csv", "markdown": "md", "sarif": "sarif",
-             "html": "html"}
+             "html": "html", "trace": "trace.json"}
 HUMAN = ["table", "markdown", "html"]
 
 
@@ -318,7 +318,7 @@ def test_html_opens_in_headless_chromium_without_console_errors(scenario, tmp_pa
 
 # -- dispatch, file names, atomic writes ------------------------------------------------------
 def test_render_dispatch_and_unknown_format():
-    assert set(RENDERERS) == {"table", "json", "csv", "markdown", "sarif", "html"}
+    assert set(RENDERERS) == {"table", "json", "csv", "markdown", "sarif", "html", "trace"}
     rec = load("cruncher-copy")
     assert render(rec, None, "table", depth=1, width=100) == RENDERERS["table"](rec, None, depth=1)
     with pytest.raises(ValueError, match="unknown report format 'xml'.*table, json, csv"):
@@ -335,6 +335,7 @@ def test_report_module_still_exports_render_table():
     ("out.json", "json"), ("OUT.JSON", "json"), ("a/b/out.csv", "csv"), ("pr.md", "markdown"),
     ("pr.markdown", "markdown"), ("scan.sarif", "sarif"), ("scan.sarif.json", "sarif"),
     ("step.html", "html"), ("step.htm", "html"), ("report.txt", "table"), ("v1.2.report.md", "markdown"),
+    ("step.trace.json", "trace"), ("step.perfetto.json", "trace"),
 ])
 def test_format_from_path(path, fmt):
     assert format_from_path(path) == fmt

@@ -141,6 +141,13 @@ class StepRecord:
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
 
+    def to_trace(self, findings=None) -> dict:
+        """The step as Trace Event JSON (a dict: ``{"traceEvents": [...], ...}``) for
+        ui.perfetto.dev and chrome://tracing; ``json.dump`` it to a ``.trace.json`` file.
+        The clock is synthetic (1 op = 1 us): see :mod:`torchledger.render.trace_events`."""
+        from .render.trace_events import trace_events
+        return trace_events(self, findings)
+
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
         """A record from its ``to_dict()`` shape, validated first (:mod:`torchledger.record_schema`):

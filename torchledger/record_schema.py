@@ -202,6 +202,23 @@ META = _Obj({"model": OPT_STR, "device": OPT_STR, "dtype": OPT_STR, "torch": OPT
              "suppressed": _Null(SUPPRESSED)})
 
 TIMELINE_ROW = _Obj({"phase": STR}, other=COUNT)
+
+
+class _OpRun(_Spec):
+    describe = "an [op name, count, FLOPs] triple"
+
+    def ok(self, v):
+        return (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+                and COUNT.ok(v[1]) and COUNT.ok(v[2]))
+
+
+def _start_before_end(seg: dict, path: tuple) -> None:
+    if seg["end"] < seg["start"]:
+        refuse(path + ("end",), f"an op index >= start ({seg['start']})", repr(seg["end"]))
+
+
+SEGMENT = _Obj({"start": COUNT, "end": COUNT, "phase": STR, "module": OPT_STR, "ops": _List(_OpRun())},
+               required=("start", "end", "phase"), after=_start_before_end)
 ALLOCATOR = _Obj({"available": _Bool(), "reason": OPT_STR,
                   "summary": _Obj({k: COUNT for k in ("reserved_bytes", "allocated_bytes",
                                                       "largest_free_bytes")} | {"fragmentation": NONNEG},
@@ -212,7 +229,8 @@ MEMORY = _Obj({"timeline": _List(TIMELINE_ROW), "categories": _List(STR), "note"
                "peak_breakdown": COUNTS, "end_breakdown": COUNTS, "phase_peaks": COUNTS,
                "peak_bytes": COUNT, "peak_op_index": COUNT, "recompute_saved_bytes": COUNT,
                "retained_new": COUNTS, "grads": _Obj(other=OPT_COUNT), "allocator": ALLOCATOR,
-               "retained": _List(_Obj()), "module_caches": _List(_Obj()), "output_cache": _Obj()},
+               "retained": _List(_Obj()), "module_caches": _List(_Obj()), "output_cache": _Obj(),
+               "segments": _List(SEGMENT), "segments_merged": _Bool(), "segments_dropped": COUNT},
               after=_categories_not_phase)
 OPTIMIZER = _Obj({"names": _List(STR), "kind": OPT_STR, "precision": OPT_STR, "state": _List(_Obj()),
                   "state_bytes": COUNT, "params": COUNT, "bytes_per_param": _Null(NONNEG),

@@ -13,7 +13,7 @@ from .types import FLOPS, POS_INT, InputError, check_output
 
 __all__ = ["audit", "report"]
 
-FORMATS = ("table", "json", "csv", "markdown", "sarif", "html")
+FORMATS = ("table", "json", "csv", "markdown", "sarif", "html", "trace")
 SEVERITIES = ("error", "warning", "info", "never")
 
 

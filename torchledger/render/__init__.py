@@ -6,7 +6,8 @@
 
 Formats: ``table`` (terminal text), ``json`` (the record with findings, one object), ``csv``
 (one row per module), ``markdown`` (pull-request comments), ``sarif`` (SARIF 2.1.0 for
-code scanning) and ``html`` (one self-contained page with inline SVG charts).
+code scanning), ``html`` (one self-contained page with inline SVG charts) and ``trace``
+(Trace Event JSON for ui.perfetto.dev and chrome://tracing; files ending ``.trace.json``).
 ``findings=None`` renders the record's own ``findings``. Every renderer accepts an empty
 ``StepRecord()``: the human formats say so in a sentence, the machine formats stay parseable.
 Returned text has no trailing newline (``print`` adds one; add ``"\\n"`` when writing a file
@@ -20,9 +21,11 @@ from .markdown import render_markdown
 from .output import EXTENSIONS, format_from_path, write_atomic
 from .sarif import findings_to_sarif, render_sarif
 from .table import render_table
+from .trace_events import render_trace
 
 __all__ = ["RENDERERS", "render", "format_from_path", "write_atomic", "findings_to_sarif", "EXTENSIONS",
-           "render_table", "render_json", "render_csv", "render_markdown", "render_sarif", "render_html"]
+           "render_table", "render_json", "render_csv", "render_markdown", "render_sarif", "render_html",
+           "render_trace"]
 
 RENDERERS = {
     "table": render_table,
@@ -31,6 +34,7 @@ RENDERERS = {
     "markdown": render_markdown,
     "sarif": render_sarif,
     "html": render_html,
+    "trace": render_trace,
 }
 
 

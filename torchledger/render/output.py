@@ -13,6 +13,7 @@ __all__ = ["EXTENSIONS", "format_from_path", "check_output_path", "write_atomic"
 EXTENSIONS = {
     ".json": "json", ".csv": "csv", ".md": "markdown", ".markdown": "markdown", ".sarif": "sarif",
     ".sarif.json": "sarif", ".html": "html", ".htm": "html", ".txt": "table",
+    ".trace.json": "trace", ".perfetto.json": "trace",
 }
 
 

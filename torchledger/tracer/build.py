@@ -172,6 +172,12 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
                 "gradients and optimizer state; inputs made before the step count once saved",
     }
 
+    try:
+        from .segments import op_segments
+        rec.memory.update(op_segments(mode, scope))
+    except Exception as e:  # never cost the user the record
+        rec.warnings.append(f"op segments unavailable: {type(e).__name__}: {e}")
+
     if tracer._output_caches:
         rec.memory["output_cache"] = _output_cache(tracer, op_phase, peak_idx)
 

@@ -98,6 +98,8 @@ class LedgerMode(TorchDispatchMode):
         self.n_ops = 0
         self.op_module: list[int] = []
         self.op_phase: list[int] = []
+        self.op_func: list[int] = []     # id(func) per op, and its matmul-class FLOPs (segments.py)
+        self.op_flops: list[int] = []
         self.agg: dict = {}          # (phase, module, id(func)) -> [count, flops, causal, read, written]
         self.elementwise = [0] * len(PHASES)
         self.uncounted: dict = {}    # (id(func), phase, module) -> count
@@ -210,6 +212,9 @@ class LedgerMode(TorchDispatchMode):
         if phase == FORWARD and fc is not None and fc.kind == "matmul" and mod >= 0:
             mod = self._weight_module(args, mod)
         self.op_module.append(mod)
+        self.op_func.append(fid)
+        self.op_flops.append(fc.flops if fc is not None and (fc.kind == "matmul" or fc.kind == "attention")
+                             else 0)
         key = (phase, mod, fid)
         row = self.agg.get(key)
         if row is None:
