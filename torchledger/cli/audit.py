@@ -161,6 +161,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
     fmt = _resolve_format(fmt, output)
+    output = _rank_output(output)           # under torchrun: out.json -> out.rank{r}.json
     peak, peak_source = _peak(peak_flops, gpu)
     try:
         settings = load_settings(file if os.path.exists(file) else os.getcwd())
@@ -201,6 +202,17 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _rank_output(output):
+    """``--output`` for this rank: under torchrun each rank writes its own file (``{rank}``
+    in the name, else ``.rank{r}`` before the extension); one process keeps the name."""
+    from ..tracer.ranks import launcher_rank, rank_path
+    launched = launcher_rank()
+    if not output or (launched is None and "{rank}" not in output):
+        return output
+    rank, world = launched or (0, 1)
+    return rank_path(output, rank, world)
 
 
 def _check_folder(flag: str, path) -> None:
