@@ -256,15 +256,41 @@ def _findings(run, settings, peak, peak_source, gpu=None) -> list:
 
 
 @click.command()
-@click.argument("record_file", metavar="RECORD.json")
+@click.argument("record_files", metavar="RECORD.json...", nargs=-1, required=True)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="Output format (default: from --output's extension, else table).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="Write here (atomically).")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
-def report(record_file, fmt, output, depth):
-    """Render a saved audit or trace record (JSON) in any format, offline."""
+def report(record_files, fmt, output, depth):
+    """Render a saved audit or trace record (JSON) in any format, offline. Given the records
+    of several ranks of one run (torchrun: rank0.json rank1.json ...), merge them: a per-rank
+    table, the skew across ranks and the findings only a merge can make (TL-RANK-*)."""
     from ..render import render
     fmt = _resolve_format(fmt, output)
+    if len(record_files) > 1:
+        return _report_ranks(record_files, fmt, output)
+    (record_file,) = record_files
     rec = _load_record(record_file, record_file)
     _emit(render(rec, rec.findings, fmt, depth=depth), output)
+    return 0
+
+
+def _report_ranks(paths, fmt, output) -> int:
+    """``report rank0.json rank1.json ...``: the ranks' records merged (analyzers/ranks.py)."""
+    from ..analyzers.ranks import RanksError, merge_ranks
+    from ..render.ranks import RANK_FORMATS, render_ranks
+    if fmt not in RANK_FORMATS:
+        raise InputError(f"--format {fmt}: merged ranks render as {', '.join(RANK_FORMATS)}; "
+                         f"{fmt} is for one record's report")
+    records = [_load_record(p, p) for p in paths]
+    try:
+        merged = merge_ranks(records, names=list(paths))
+    except RanksError as e:
+        raise InputError(str(e)) from None
+    if merged["missing_ranks"]:
+        missing = merged["missing_ranks"]
+        click.echo(f"torchledger: warning: {len(missing)} of {merged['world_size']} ranks missing "
+                   f"(rank {', '.join(str(r) for r in missing[:16])}{', ...' if len(missing) > 16 else ''}); "
+                   f"the skew covers the {len(records)} given", err=True)
+    _emit(render_ranks(merged, fmt), output)
     return 0

@@ -63,6 +63,9 @@ RULE_TITLES = {
     "TL-FLOP-001": "Ops without a FLOP formula",
     "TL-FAKE-001": "Fake kernel drops a workspace kept for backward",
     "TL-TRACE-001": "Part of the step could not be traced",
+    "TL-RANK-001": "A rank's peak memory stands out from the other ranks'",    # report rank*.json
+    "TL-RANK-002": "A rank's step time stands out (a straggler)",
+    "TL-RANK-003": "FLOPs differ across ranks",
 }
 
 
