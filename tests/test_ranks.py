@@ -287,9 +287,9 @@ def torchrun_records(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun did not finish in 60 s: {(e.stderr or '')[-2000:]}")
+        pytest.fail(f"torchrun did not finish in 90 s: {(e.stderr or '')[-2000:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
