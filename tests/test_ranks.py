@@ -202,6 +202,22 @@ def test_missing_ranks_are_listed():
     assert "missing ranks: 1, 3 (2 of 4)" in render_ranks(m, "table")
 
 
+def test_a_huge_world_lists_its_first_missing_ranks_only():
+    m = merge_ranks([step_record(1, 2**62, mesh=None)])          # a record's world size is input
+    assert m["missing_count"] == 2**62 - 1 and m["missing_ranks"][:3] == [0, 2, 3]
+    assert len(m["missing_ranks"]) == 1024
+
+
+def test_rank_detection_that_fails_gives_rank_0_of_1(monkeypatch):
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1 / 0)          # a half-torn-down group
+    m = nn.Linear(3, 2)
+    with torchledger.trace(m) as t:
+        m(torch.ones(1, 3)).sum().backward()
+    assert (t.record.totals["rank"], t.record.totals["world_size"]) == (0, 1)
+
+
 @pytest.mark.parametrize("records, needle", [
     ([step_record(0, 2), step_record(1, 4)], "world sizes differ: 2 (a), 4 (b)"),
     ([step_record(1, 2), step_record(1, 2)], "rank 1 given twice: a and b"),
@@ -246,6 +262,7 @@ def test_cli_merges_and_warns_on_missing_ranks(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert [row["rank"] for row in d["ranks"]] == [0, 1, 2] and d["missing_ranks"] == [3]
+    assert d["missing_count"] == 1                                      # 4 ranks, 3 given
     assert [f["rule"] for f in d["findings"]] == ["TL-RANK-002"]      # 2.0 s: 100% over the median 1.0 s
     assert "1 of 4 ranks missing (rank 3)" in r.stderr
 

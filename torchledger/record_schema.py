@@ -168,6 +168,8 @@ def _rank_in_world(totals: dict, path: tuple) -> None:
         size = 1
         for n in mesh:
             size *= n
+            if size > world:                # no bigger numbers than needed to say no
+                break
         if not mesh or size != world:
             refuse(path + ("mesh",), f"a mesh shape whose sizes multiply to totals.world_size ({world})",
                    str(mesh) if len(mesh) <= 8 else arrived(mesh))

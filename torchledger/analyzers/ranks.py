@@ -30,6 +30,8 @@ from ..units import fmt_bytes, fmt_count
 __all__ = ["merge_ranks", "RanksError", "SCHEMA", "DEFAULTS"]
 
 SCHEMA = "torchledger.ranks/1"
+#: Missing ranks listed by number (``missing_count`` counts them all).
+MISSING_LISTED = 1024
 #: Thresholds (fractions above the median, or of the smallest for FLOPs).
 DEFAULTS = {"rank_peak_skew": 0.10, "rank_time_skew": 0.20, "rank_flops_skew": 0.05}
 #: The quantities compared across ranks: (key in a row, how it prints).
@@ -53,11 +55,22 @@ def merge_ranks(records, names=None, options=None) -> dict:
     opts = {**DEFAULTS, **{k: v for k, v in (options or {}).items() if k in DEFAULTS}}
     world = _check_one_run(records, names)
     rows = sorted((_row(r, n) for r, n in zip(records, names)), key=lambda row: row["rank"])
-    missing = sorted(set(range(world)) - {row["rank"] for row in rows})
     skew = {key: _skew(rows, key) for key, _ in SKEWED}
     return {"schema": SCHEMA, "world_size": world, "mesh": records[0].totals.get("mesh"),
-            "ranks": rows, "missing_ranks": missing, "skew": skew,
-            "findings": _findings(rows, skew, opts)}
+            "ranks": rows, "missing_ranks": _missing(rows, world), "missing_count": world - len(rows),
+            "skew": skew, "findings": _findings(rows, skew, opts)}
+
+
+def _missing(rows, world: int) -> list:
+    """The first :data:`MISSING_LISTED` ranks of ``world`` that no record has: a record's
+    world size is input, and ``range(2**62)`` is not a list to build."""
+    given = {row["rank"] for row in rows}
+    out, rank = [], 0
+    while rank < world and len(out) < MISSING_LISTED:
+        if rank not in given:
+            out.append(rank)
+        rank += 1
+    return out
 
 
 def _check_one_run(records, names) -> int:

@@ -288,9 +288,9 @@ def _report_ranks(paths, fmt, output) -> int:
     except RanksError as e:
         raise InputError(str(e)) from None
     if merged["missing_ranks"]:
-        missing = merged["missing_ranks"]
-        click.echo(f"torchledger: warning: {len(missing)} of {merged['world_size']} ranks missing "
-                   f"(rank {', '.join(str(r) for r in missing[:16])}{', ...' if len(missing) > 16 else ''}); "
+        missing, count = merged["missing_ranks"], merged["missing_count"]
+        click.echo(f"torchledger: warning: {count} of {merged['world_size']} ranks missing "
+                   f"(rank {', '.join(str(r) for r in missing[:16])}{', ...' if count > 16 else ''}); "
                    f"the skew covers the {len(records)} given", err=True)
     _emit(render_ranks(merged, fmt), output)
     return 0

@@ -71,8 +71,9 @@ def _notes(merged) -> list:
     missing = merged["missing_ranks"]
     if not missing:
         return []
-    shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if len(missing) > 16 else "")
-    return [f"missing ranks: {shown} ({len(missing)} of {merged['world_size']}); "
+    count = merged.get("missing_count", len(missing))
+    shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if count > 16 else "")
+    return [f"missing ranks: {shown} ({count} of {merged['world_size']}); "
             f"skew and findings describe the ranks given"]
 
 
