@@ -267,6 +267,21 @@ def test_cli_merges_and_warns_on_missing_ranks(tmp_path):
     assert "1 of 4 ranks missing (rank 3)" in r.stderr
 
 
+def test_cli_thresholds_and_ignore_from_pyproject(tmp_path, monkeypatch):
+    # peaks 100 and 108: median 104, 108/104 = 1.038: under the default 10%, over 3%
+    paths = save_all(tmp_path, [step_record(0, 2), step_record(1, 2, peak=108)])
+    monkeypatch.chdir(tmp_path)
+    assert json.loads(report(*paths, "--format", "json").stdout)["findings"] == []
+    (tmp_path / "pyproject.toml").write_text("[tool.torchledger]\nrank_peak_skew = 0.03\n")
+    d = json.loads(report(*paths, "--format", "json").stdout)
+    assert [f["rule"] for f in d["findings"]] == ["TL-RANK-001"]
+    (tmp_path / "pyproject.toml").write_text('[tool.torchledger]\nrank_peak_skew = 0.03\nignore = ["TL-RANK-001"]\n')
+    assert json.loads(report(*paths, "--format", "json").stdout)["findings"] == []
+    (tmp_path / "pyproject.toml").write_text("[tool.torchledger]\nrank_time_skew = 2\n")
+    r = report(*paths)
+    assert r.exit_code == 2 and "rank_time_skew: expected a fraction such as 0.2, got 2" in r.stderr
+
+
 @pytest.mark.parametrize("case, needle", [
     ("mixed", "world sizes differ"), ("duplicate", "rank 0 given twice"), ("unreadable", "no such file"),
     ("html", "merged ranks render as table, json, csv, markdown, sarif"),

@@ -282,11 +282,17 @@ def _report_ranks(paths, fmt, output) -> int:
     if fmt not in RANK_FORMATS:
         raise InputError(f"--format {fmt}: merged ranks render as {', '.join(RANK_FORMATS)}; "
                          f"{fmt} is for one record's report")
+    from ..settings import SettingsError, load_settings, suppress
+    try:
+        settings = load_settings(os.getcwd())       # rank_*_skew thresholds, ignore
+    except SettingsError as e:
+        raise InputError(str(e)) from None
     records = [_load_record(p, p) for p in paths]
     try:
-        merged = merge_ranks(records, names=list(paths))
+        merged = merge_ranks(records, names=list(paths), options=settings)
     except RanksError as e:
         raise InputError(str(e)) from None
+    merged["findings"], _ = suppress(merged["findings"], settings.get("ignore"))
     if merged["missing_ranks"]:
         missing, count = merged["missing_ranks"], merged["missing_count"]
         click.echo(f"torchledger: warning: {count} of {merged['world_size']} ranks missing "
