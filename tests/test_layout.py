@@ -25,7 +25,12 @@ LAYERS = {
     "render": 4,            # records and findings -> text
     "ledger": 5, "audit": 5,  # compose tracer, analyzers and renderers
     "cli": 6, "__main__": 6,
+    "testing": 6, "pytest_plugin": 6, "integrations": 6,   # where users already work
 }
+#: The record's own convenience methods that INTERFACE.md asks for (``record.to_trace()``,
+#: ``record.save(path)``) hand the work to the renderers, imported inside the method.
+DELEGATIONS = {("torchledger.record", "torchledger.render.trace_events"),
+               ("torchledger.record", "torchledger.render.output")}
 #: Parts that never import one another although their layers would allow it.
 SEPARATE = {("analyzers", "lint"), ("lint", "analyzers"), ("lint", "tracer"), ("analyzers", "tracer"),
             ("formulas", "tracer"), ("formulas", "models.transformer"), ("formulas", "models.cruncher")}
@@ -77,7 +82,7 @@ def _edges():
 
 def test_every_part_has_a_layer():
     parts = {_part(m) for _, m, _ in _modules()}
-    assert parts <= set(LAYERS) | {"integrations", "testing", "pytest_plugin"}, parts - set(LAYERS)
+    assert parts <= set(LAYERS), parts - set(LAYERS)
 
 
 def test_no_import_runs_back_up_the_pipeline():
@@ -86,7 +91,8 @@ def test_no_import_runs_back_up_the_pipeline():
         src, dst = _part(module), _part(target)
         if dst is None or dst not in LAYERS or src not in LAYERS:
             continue
-        if LAYERS[dst] > LAYERS[src]:
+        if LAYERS[dst] > LAYERS[src] and (module, target.rpartition(".")[0]) not in DELEGATIONS \
+                and (module, target) not in DELEGATIONS:
             wrong.append(f"{where}: {module} (layer {LAYERS[src]}) imports {target} (layer {LAYERS[dst]})")
         rest = target.split(".", 2)[2] if target.count(".") >= 2 else ""
         if (src, dst) in SEPARATE or (src, f"{dst}.{rest.split('.')[0]}") in SEPARATE:

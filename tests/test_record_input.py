@@ -35,6 +35,7 @@ TOTAL_KINDS = {
     "counts": ["flops", "attention_flops", "elementwise_flops", "view_ops"],
     "text": ["tokens_source", "peak_phase", "peak_module", "mfu_source"],
     "seconds": ["step_seconds", "mfu", "hfu"],
+    "rank": ["rank"], "world": ["world_size"], "mesh": ["mesh"],       # torch.distributed
 }
 #: Refused with: (kind, value) -> message; None: loads.
 TOTAL_OUTCOME = {
@@ -45,6 +46,11 @@ TOTAL_OUTCOME = {
     ("text", 3): "expected a string or null",
     ("seconds", "x"): "expected a number >= 0 or null", ("seconds", (1,)): "expected a number >= 0 or null",
     ("seconds", 3): None,
+    # rank 3 of a world of 1 is no rank; a world of 3 with rank 0 and no mesh is; mesh [1] has 1 rank
+    ("rank", "x"): COUNT, ("rank", (1,)): COUNT, ("rank", 3): "expected a rank below totals.world_size (1), got 3",
+    ("world", "x"): "expected a whole number from 1 to 2**63-1", ("world", (1,)): "expected a whole number from 1",
+    ("world", 3): None,
+    ("mesh", "x"): "expected a list or null", ("mesh", (1,)): None, ("mesh", 3): "expected a list or null",
 }
 SECTION_KIND = {"modules": list, "ops": list, "copies": list, "findings": list, "memory": dict,
                 "predictions": dict}

@@ -26,6 +26,7 @@ from .analyzers.compare import record_predictions
 from .analyzers.mfu import mfu_totals
 from .analyzers.snapshot import allocator_view
 from .tracer.compiled import note_run
+from .tracer.ranks import mesh_shape
 from .tracer.step import StepTracer, check_optimizer
 
 __all__ = ["trace", "Ledger", "LEAK_WINDOW"]
@@ -92,15 +93,19 @@ def _keep_findings(record, compute) -> None:
 
 
 def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
-          clock=time.perf_counter, tokens_source=None) -> _Traced:
+          clock=time.perf_counter, tokens_source=None, mesh=None) -> _Traced:
     """Trace one training step of ``model``; use as ``with trace(model, opt, tokens=N) as t``.
 
     ``tokens`` (tokens per step, for 6ND) and ``seq_len`` (for the attention term) are
     optional. ``peak_flops`` (FLOP/s) enables MFU. ``tokens_source`` says how ``tokens`` was
-    obtained, for reports (``totals.tokens_source``; default "given").
+    obtained, for reports (``totals.tokens_source``; default "given"). ``mesh`` (a
+    ``DeviceMesh`` or a shape) names the run's mesh in ``totals.mesh``; without it the mesh
+    of the model's DTensor parameters, else ``[world_size]`` under torch.distributed.
     """
-    return _Traced(model, optimizer=optimizer, tokens=tokens, peak_flops=peak_flops, clock=clock,
-                   seq_len=seq_len, tokens_source=tokens_source)
+    traced = _Traced(model, optimizer=optimizer, tokens=tokens, peak_flops=peak_flops, clock=clock,
+                     seq_len=seq_len, tokens_source=tokens_source)
+    traced.mesh = mesh_shape(mesh)      # a bad mesh= is refused here, before the step
+    return traced
 
 
 #: Traced steps the leak rules compare (the new one and those before it): TL-LEAK-001 needs
@@ -143,13 +148,14 @@ class Ledger:
     """
 
     def __init__(self, model, optimizer=None, *, sample_every: int = 1, keep: int = 20,
-                 peak_flops=None, clock=time.perf_counter):
+                 peak_flops=None, clock=time.perf_counter, mesh=None):
         if not isinstance(sample_every, int) or sample_every < 1:
             raise ValueError(f"sample_every must be an int >= 1, got {sample_every!r}")
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (traced step records kept), got {keep!r}")
         check_optimizer(optimizer, "Ledger()")
         self.model, self.optimizer = model, optimizer
+        self.mesh = mesh_shape(mesh)        # totals.mesh (tracer/ranks.py)
         self.sample_every, self.peak_flops, self.clock = sample_every, peak_flops, clock
         self.keep = keep
         self.records: list = []
@@ -174,6 +180,7 @@ class Ledger:
         tracer = StepTracer(self.model, optimizer=self.optimizer, tokens=tokens,
                             peak_flops=self.peak_flops, clock=self.clock, step_index=i,
                             seq_len=seq_len, carry=self._carry, tokens_source=tokens_source)
+        tracer.mesh = self.mesh
         try:
             with tracer:
                 yield tracer
@@ -184,6 +191,14 @@ class Ledger:
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)
                 _keep_findings(tracer.record, self.findings)
+
+    def save(self, path) -> str:
+        """Write the last traced step's record (``StepRecord.save``: under torchrun
+        ``{rank}`` in ``path``, a folder, or a ``.rank{r}`` suffix keep the ranks' files apart)
+        and return the path written."""
+        if not self.records:
+            raise RuntimeError("Ledger.save(): no step traced yet; wrap a step in `with ledger.step(): ...`")
+        return self.records[-1].save(path)
 
     def _note_untraced(self, seconds: float) -> None:
         times = self.untraced_seconds

@@ -91,6 +91,7 @@ def _empty_totals() -> dict:
         "buffer_bytes": 0, "peak_bytes": 0, "peak_phase": None, "peak_module": None,
         "bytes_read": 0, "bytes_written": 0, "copy_bytes": 0,
         "step_seconds": None, "mfu": None,
+        "rank": 0, "world_size": 1, "mesh": None,     # torch.distributed: tracer/ranks.py
     }
 
 
@@ -147,6 +148,20 @@ class StepRecord:
         The clock is synthetic (1 op = 1 us): see :mod:`torchledger.render.trace_events`."""
         from .render.trace_events import trace_events
         return trace_events(self, findings)
+
+    def save(self, path) -> str:
+        """Write the record as JSON (atomically, UTF-8) and return the path written.
+
+        Under torchrun each rank can save to the same ``path``: ``{rank}`` in it becomes
+        ``totals.rank``, a folder gets ``rank{r}.json`` in it, and a plain file name gets
+        ``.rank{r}`` before its extension when ``totals.world_size > 1``
+        (``record.save("runs/step.json")`` -> ``runs/step.rank1.json``). Merge the ranks' files
+        with ``torchledger report runs/step.rank*.json``."""
+        from .render.output import write_atomic
+        from .render.output import rank_path
+        out = rank_path(path, self.totals.get("rank", 0), self.totals.get("world_size", 1))
+        write_atomic(out, self.to_json() + "\n")
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":

@@ -156,6 +156,25 @@ def _allocator_summary(alloc: dict, path: tuple) -> None:
         refuse(path + ("summary",), "the allocator summary (available is true)", "nothing")
 
 
+def _rank_in_world(totals: dict, path: tuple) -> None:
+    """``rank`` below ``world_size``; the mesh, when given, has ``world_size`` ranks in all
+    (records made before these keys existed lack them: rank 0 of 1)."""
+    rank, world, mesh = totals.get("rank", 0), totals.get("world_size", 1), totals.get("mesh")
+    if not (isinstance(rank, int) and isinstance(world, int)):
+        return                              # their own specs have refused them already
+    if rank >= world:
+        refuse(path + ("rank",), f"a rank below totals.world_size ({world})", str(rank))
+    if isinstance(mesh, list) and all(isinstance(n, int) for n in mesh):
+        size = 1
+        for n in mesh:
+            size *= n
+            if size > world:                # no bigger numbers than needed to say no
+                break
+        if not mesh or size != world:
+            refuse(path + ("mesh",), f"a mesh shape whose sizes multiply to totals.world_size ({world})",
+                   str(mesh) if len(mesh) <= 8 else arrived(mesh))
+
+
 TOTALS = _Obj({
     **{k: COUNT for k in ("params", "matmul_params", "trainable_params", "tokens", "flops_causal",
                           "hardware_flops", "activation_bytes", "activation_bytes_peak",
@@ -166,7 +185,8 @@ TOTALS = _Obj({
     "peak_phase": OPT_STR, "peak_module": OPT_STR, "tokens_source": OPT_STR, "mfu_source": OPT_STR,
     "step_seconds": _Null(NONNEG), "step_seconds_untraced": _Null(NONNEG), "mfu": _Null(NONNEG),
     "hfu": _Null(NONNEG),
-})
+    "rank": COUNT, "world_size": _Count(1), "mesh": _Null(_List(_Count(1))),
+}, after=lambda totals, path: _rank_in_world(totals, path))
 
 COMPARISON = _Obj({"quantity": STR, "measured": _Null(REAL), "predicted": _Null(REAL),
                    "ratio": _Null(REAL), "explanation": OPT_STR, "unit": OPT_STR},

@@ -12,6 +12,9 @@
     baseline_tolerance = 0.01    # --baseline: growth that fails
     leak_min_bytes = 1024        # TL-LEAK-001 ignores slower growth than this per step
     ignore = ["TL-CMP-001"]      # audit: rules whose findings are suppressed (and counted)
+    rank_peak_skew = 0.10        # report rank*.json: TL-RANK-001/002/003 thresholds
+    rank_time_skew = 0.20
+    rank_flops_skew = 0.05
 
 Values are validated; a bad one is an error naming the key, what was expected and what
 arrived.
@@ -39,6 +42,10 @@ _PARSERS = {
     "baseline_tolerance": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "leak_min_bytes": ("a size such as 1024 or 1KiB", lambda v: _positive(units.parse_bytes(v), zero=True)),
     "ignore": ('a list of rule ids such as ["TL-CMP-001"]', lambda v: _rule_list(v)),
+    # report rank*.json (analyzers/ranks.py): how far above the median a rank may be
+    "rank_peak_skew": ("a fraction such as 0.1", lambda v: _fraction(v)),
+    "rank_time_skew": ("a fraction such as 0.2", lambda v: _fraction(v)),
+    "rank_flops_skew": ("a fraction such as 0.05", lambda v: _fraction(v)),
 }
 
 

@@ -161,6 +161,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
     fmt = _resolve_format(fmt, output)
+    output = _rank_output(output)           # under torchrun: out.json -> out.rank{r}.json
     peak, peak_source = _peak(peak_flops, gpu)
     try:
         settings = load_settings(file if os.path.exists(file) else os.getcwd())
@@ -201,6 +202,17 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _rank_output(output):
+    """``--output`` for this rank: under torchrun each rank writes its own file (``{rank}``
+    in the name, else ``.rank{r}`` before the extension); one process keeps the name."""
+    from ..render.output import launcher_rank, rank_path
+    launched = launcher_rank()
+    if not output or (launched is None and "{rank}" not in output):
+        return output
+    rank, world = launched or (0, 1)
+    return rank_path(output, rank, world)
 
 
 def _check_folder(flag: str, path) -> None:
@@ -244,15 +256,47 @@ def _findings(run, settings, peak, peak_source, gpu=None) -> list:
 
 
 @click.command()
-@click.argument("record_file", metavar="RECORD.json")
+@click.argument("record_files", metavar="RECORD.json...", nargs=-1, required=True)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="Output format (default: from --output's extension, else table).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="Write here (atomically).")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
-def report(record_file, fmt, output, depth):
-    """Render a saved audit or trace record (JSON) in any format, offline."""
+def report(record_files, fmt, output, depth):
+    """Render a saved audit or trace record (JSON) in any format, offline. Given the records
+    of several ranks of one run (torchrun: rank0.json rank1.json ...), merge them: a per-rank
+    table, the skew across ranks and the findings only a merge can make (TL-RANK-*)."""
     from ..render import render
     fmt = _resolve_format(fmt, output)
+    if len(record_files) > 1:
+        return _report_ranks(record_files, fmt, output)
+    (record_file,) = record_files
     rec = _load_record(record_file, record_file)
     _emit(render(rec, rec.findings, fmt, depth=depth), output)
+    return 0
+
+
+def _report_ranks(paths, fmt, output) -> int:
+    """``report rank0.json rank1.json ...``: the ranks' records merged (analyzers/ranks.py)."""
+    from ..analyzers.ranks import RanksError, merge_ranks
+    from ..render.ranks import RANK_FORMATS, render_ranks
+    if fmt not in RANK_FORMATS:
+        raise InputError(f"--format {fmt}: merged ranks render as {', '.join(RANK_FORMATS)}; "
+                         f"{fmt} is for one record's report")
+    from ..settings import SettingsError, load_settings, suppress
+    try:
+        settings = load_settings(os.getcwd())       # rank_*_skew thresholds, ignore
+    except SettingsError as e:
+        raise InputError(str(e)) from None
+    records = [_load_record(p, p) for p in paths]
+    try:
+        merged = merge_ranks(records, names=list(paths), options=settings)
+    except RanksError as e:
+        raise InputError(str(e)) from None
+    merged["findings"], _ = suppress(merged["findings"], settings.get("ignore"))
+    if merged["missing_ranks"]:
+        missing, count = merged["missing_ranks"], merged["missing_count"]
+        click.echo(f"torchledger: warning: {count} of {merged['world_size']} ranks missing "
+                   f"(rank {', '.join(str(r) for r in missing[:16])}{', ...' if count > 16 else ''}); "
+                   f"the skew covers the {len(records)} given", err=True)
+    _emit(render_ranks(merged, fmt), output)
     return 0

@@ -7,7 +7,7 @@ import stat
 import tempfile
 from typing import Iterable, Union
 
-__all__ = ["EXTENSIONS", "format_from_path", "check_output_path", "write_atomic"]
+__all__ = ["EXTENSIONS", "format_from_path", "check_output_path", "write_atomic", "rank_path", "launcher_rank"]
 
 #: File name endings and the format each asks for; longest endings are tried first.
 EXTENSIONS = {
@@ -172,3 +172,33 @@ def _mode_for(path: str) -> int:
         umask = os.umask(0)
         os.umask(umask)
         return 0o666 & ~umask
+
+
+def launcher_rank():
+    """``(rank, world_size)`` from the environment torchrun (``torch.distributed.run``) sets
+    for each of several ranks, else None (one process, or a simulated world in one process)."""
+    import os
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 and 0 <= rank < world else None
+
+
+def rank_path(path, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` writes its record, so that ranks never overwrite each other.
+
+    ``{rank}`` in ``path`` becomes the rank (``run/rank{rank}.json``); an existing folder
+    gets ``rank{r}.json`` in it; otherwise, with ``world_size > 1``, ``.rank{r}`` goes before
+    the extension (``step.json`` -> ``step.rank1.json``); one process keeps ``path`` as it is.
+    """
+    import os
+    path = os.fspath(path)
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if os.path.isdir(path) or path.endswith(tuple(s for s in (os.sep, os.altsep) if s)):
+        return os.path.join(path, f"rank{rank}.json")
+    if world_size <= 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"

@@ -39,6 +39,7 @@ SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 LEVELS = {"error": "error", "warning": "warning", "info": "note"}
 _LOCATION = re.compile(r"^(?P<path>.+?):(?P<line>[0-9]+)(?::(?P<col>[0-9]+))?$")
 
+
 def findings_to_sarif(findings, tool_version=None, *, rules=None, notifications=(),
                       information_uri=None, source=None) -> dict:
     """A SARIF 2.1.0 log (a dict) with one run holding ``findings``: the one SARIF writer, for

@@ -9,6 +9,7 @@ from .dispatch import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
 from .flops_attention import score_recompute_flops
 from .memory import ACT, CATEGORIES, GRAD, state_tensors, tensor_bytes
 from .modules import NO_MODULE
+from .ranks import rank_totals
 
 __all__ = ["build_record", "ATTENTION_KERNELS"]
 
@@ -217,6 +218,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
 
     # -- time, meta, warnings --------------------------------------------------------------------
     t["step_seconds"] = float(seconds)
+    t.update(rank_totals(getattr(tracer, "mesh", None), model))     # rank, world_size, mesh
     if tracer.peak_flops and seconds > 0:
         t["mfu"] = model_flops / seconds / float(tracer.peak_flops)
     rec.meta = _meta(tracer, model, mode, failed)
