@@ -52,6 +52,7 @@ RULE_TITLES = {
     "TL-LEAK-004": "Module attribute holding more tensors every step",
     "TL-MEM-001": "Key/value cache returned and kept by a training forward",
     "TL-MEM-002": "Step peak memory against the GPU's memory",
+    "TL-NET-001": "Communication time at the interconnect bandwidth against compute time",
     "TL-MFU-001": "Model FLOPs utilization below the minimum",
     "TL-MFU-002": "Model FLOPs utilization above 1 (miscount or wrong peak)",
     "TL-CUDA-001": "CUDA allocator fragmentation",

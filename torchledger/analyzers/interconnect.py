@@ -1,0 +1,164 @@
+"""TL-NET-001: how long a step's collectives take on a GPU's interconnect, beside its compute.
+
+``audit --world-size N --gpu NAME`` (or ``--link-bandwidth``): the record's
+``totals.comm_bytes.total`` (bytes this rank sends in collectives per step) over the bus
+bandwidth one rank gets, next to ``totals.flops.total`` (this rank's FLOPs) over the GPU's
+bf16 peak at an assumed MFU (``--mfu``, default 0.4).
+
+Convention: NCCL-tests' *bus bandwidth*. A ring all-reduce of S bytes over n ranks sends
+2(n-1)/n x S from each rank, an all-gather or reduce-scatter (n-1)/n x S; NCCL-tests divide
+those bytes (not S) by the time and call it busbw, and a well-tuned ring's busbw approaches
+the slowest one-direction link a rank's ring traffic crosses. So time = bytes sent / link
+bandwidth, with the link:
+
+* within one node (N <= ``gpus_per_node``, 8): NVLink, per GPU, one direction
+  (H100: 18 links x 25 GB/s = 450 GB/s; vendors quote 900 GB/s counting both directions);
+* across nodes: min(NVLink, the node's InfiniBand, all NICs, one direction): NCCL runs one
+  ring per NIC, and each node's share of the ring crosses the NICs once (DGX H100: 8 x 400
+  Gb/s ConnectX-7 = 400 GB/s per node).
+
+These are link peaks: measured NCCL-tests busbw is typically 80-95% of them, so the time is
+a lower bound. Override with ``--link-bandwidth 360GB/s`` (a figure measured with
+``all_reduce_perf`` on the target cluster is best).
+
+    >>> comm_seconds(450e9, 450e9)
+    1.0
+
+Known limitations:
+  - one bandwidth for the whole step: in a 2-D mesh (TP inside a node, FSDP across nodes)
+    the TP collectives run on NVLink, faster than the inter-node figure used for them here;
+  - no latency term (small collectives cost more than bytes / bandwidth), no in-network
+    reduction (SHARP / NVLS), no overlap model: the real step takes between
+    max(compute, comm) (perfect overlap, FSDP2's prefetch) and their sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..record import Finding
+from ..units import fmt_bytes
+
+__all__ = ["LinkSpec", "get_link", "link_bandwidth", "comm_seconds", "compute_seconds",
+           "check_comm_time", "DEFAULT_MFU"]
+
+#: MFU assumed for the compute time when ``--mfu`` is not given (large runs see 0.3-0.6).
+DEFAULT_MFU = 0.4
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A part's interconnect, in bytes/s, one direction."""
+
+    nvlink_bytes_per_s: float
+    """NVLink bandwidth per GPU, one direction (half the vendor's bidirectional figure)."""
+    node_network_bytes_per_s: float
+    """The node's scale-out network, all NICs together, one direction."""
+    gpus_per_node: int
+    source: str
+    """Where the figures come from."""
+
+
+#: Keyed by ``hardware.GPUSpec.name``. NVLink: per GPU, one direction; network: per node
+#: (8 GPUs, one NIC each in NVIDIA's DGX reference systems), one direction.
+LINKS = {
+    "V100 SXM": LinkSpec(150 * _GB, 50 * _GB, 8, "NVLink 2 (6 x 25 GB/s); DGX-1 4 x EDR 100 Gb/s"),
+    "A100 SXM": LinkSpec(300 * _GB, 200 * _GB, 8, "NVLink 3 (12 x 25 GB/s); DGX A100 8 x HDR 200 Gb/s"),
+    "H100 SXM": LinkSpec(450 * _GB, 400 * _GB, 8, "NVLink 4 (18 x 25 GB/s); DGX H100 8 x NDR 400 Gb/s"),
+    "H200 SXM": LinkSpec(450 * _GB, 400 * _GB, 8, "NVLink 4 (18 x 25 GB/s); DGX H200 8 x NDR 400 Gb/s"),
+    "B200 SXM": LinkSpec(900 * _GB, 400 * _GB, 8, "NVLink 5 (18 x 50 GB/s); DGX B200 8 x NDR 400 Gb/s"),
+}
+
+
+def get_link(gpu) -> Optional[LinkSpec]:
+    """The interconnect of a part (a name or a ``GPUSpec``), or None when the table has none."""
+    from .hardware import get_gpu
+    return LINKS.get(get_gpu(gpu).name)
+
+
+def link_bandwidth(link: LinkSpec, world_size: int) -> tuple:
+    """``(bytes/s, which)``: the bus bandwidth one rank's ring traffic gets at ``world_size``."""
+    if world_size <= link.gpus_per_node:
+        return link.nvlink_bytes_per_s, "NVLink, one node"
+    bw = min(link.nvlink_bytes_per_s, link.node_network_bytes_per_s)
+    nodes = -(-world_size // link.gpus_per_node)
+    which = "InfiniBand per node" if bw < link.nvlink_bytes_per_s else "NVLink"
+    return bw, f"{which}, ring across {nodes} nodes"
+
+
+def comm_seconds(bytes_sent: float, bandwidth_bytes_per_s: float) -> float:
+    """Seconds to send ``bytes_sent`` (bus bytes) at a bus bandwidth."""
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth_bytes_per_s}")
+    return bytes_sent / bandwidth_bytes_per_s
+
+
+def compute_seconds(flops: float, peak_flops: float, mfu: float) -> float:
+    """Seconds for ``flops`` at ``mfu`` of ``peak_flops``."""
+    if peak_flops <= 0 or not 0 < mfu <= 1:
+        raise ValueError(f"need peak_flops > 0 and 0 < mfu <= 1, got {peak_flops}, {mfu}")
+    return flops / (peak_flops * mfu)
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / _GB:,.0f} GB/s"
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def check_comm_time(records, options=None) -> list:
+    """TL-NET-001 for the last record of a distributed step (``totals.comm_bytes``), when a
+    GPU or a link bandwidth is given: info when compute outlasts communication (it can hide
+    it), warning when communication alone outlasts compute (communication-bound)."""
+    opts = options or {}
+    if not records or not (opts.get("gpu") or opts.get("link_bandwidth")):
+        return []
+    rec = records[-1]
+    comm = rec.totals.get("comm_bytes")
+    total = comm.get("total") if isinstance(comm, dict) else None
+    if not isinstance(total, (int, float)) or total <= 0:
+        return []                          # not distributed, or collectives not counted
+    world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
+    gpu = None
+    if opts.get("gpu"):
+        from .hardware import get_gpu
+        try:
+            gpu = get_gpu(opts["gpu"])
+        except (KeyError, ValueError):
+            return []                      # the CLI has already said what the names are
+    if opts.get("link_bandwidth"):
+        bw, which = float(opts["link_bandwidth"]), "--link-bandwidth"
+    else:
+        link = LINKS.get(gpu.name)
+        if link is None:
+            return [Finding("TL-NET-001", "info",
+                            f"{fmt_bytes(total)} sent in collectives per step; no interconnect figures "
+                            f"for {gpu.name} in the table, so no time",
+                            hint="give --link-bandwidth (e.g. 450GB/s, an all_reduce_perf busbw)")]
+        bw, which = link_bandwidth(link, world)
+        which = f"{gpu.name} {which}"
+    t_comm = comm_seconds(total, bw)
+    phases = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in comm.items()
+                       if k != "total" and isinstance(v, (int, float)) and v)
+    what = (f"{fmt_bytes(total)} sent per step by each of {world} ranks ({phases or 'no phase split'}) "
+            f"takes {_secs(t_comm)} at {_rate(bw)} ({which}; NCCL-tests bus bandwidth, a lower bound)")
+    flops = (rec.totals.get("flops") or {}).get("total") or 0
+    peak = gpu.peak_flops.get("bf16") if gpu is not None else None
+    mfu = float(opts.get("assumed_mfu") or DEFAULT_MFU)
+    if not flops or not peak:
+        return [Finding("TL-NET-001", "info", what, measured=t_comm)]
+    t_compute = compute_seconds(flops, peak, mfu)
+    ratio = t_comm / t_compute
+    text = (f"{what}; compute, {flops:.3g} FLOPs at MFU {mfu:.0%} of {gpu.name}'s bf16 "
+            f"{peak / 1e12:,.1f} TFLOP/s, takes {_secs(t_compute)}: communication is "
+            f"{ratio:.0%} of compute")
+    if ratio > 1:
+        return [Finding("TL-NET-001", "warning", text + " (communication-bound even with full overlap)",
+                        measured=t_comm, expected=t_compute,
+                        hint="more tokens per rank, a smaller data-parallel group (HSDP), or "
+                             "keep TP inside a node")]
+    return [Finding("TL-NET-001", "info", text + " (hideable if overlapped)", measured=t_comm,
+                    expected=t_compute)]
