@@ -220,6 +220,7 @@ def test_an_existing_process_group_is_refused_and_kept(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_peak_against_fsdp_mem_tracker():
     """The fake-world FSDP2 peak of rank 0 against torch's FSDPMemTracker on the same step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -237,7 +238,7 @@ def test_fsdp_peak_against_fsdp_mem_tracker():
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            idx = torch.randint(0, cfg.vocab_size, (4, 128))
+            idx = torch.randint(0, cfg.vocab_size, (2, 64))
             opt = torch.optim.AdamW(model.parameters())
 
             def step():
@@ -261,7 +262,10 @@ def test_fsdp_peak_against_fsdp_mem_tracker():
             return ledger.records[-1].totals["peak_bytes"]
 
     expected, measured = one("tracker"), one("ledger")
-    # Measured on torch 2.13: tracker 9,513,276 B; tracer 10,515,004 B (+10.5%).
+    # Measured on torch 2.13: tracker 2,895,676 B; tracer 3,897,404 B, +1,001,728 =
+    # 262,400 (the root's unsharded tok_emb, norm and lm_head: 65,600 x 4 B) + 4 x 184,832 (one
+    # block's all-gathered parameters, 5,776 x 8 x 4 B; 2 blocks x forward and backward): the
+    # storages FSDP2 frees with resize_(0) after use.
     if abs(measured - expected) > 0.02 * expected:
         pytest.xfail(f"tracer peak {measured:,} B vs FSDPMemTracker {expected:,} B: the tracer does not "
                      f"see FSDP2 free unsharded parameters by untyped_storage().resize_(0) (the tracer's "
