@@ -327,4 +327,12 @@ def test_gpu_fit_speaks_of_each_rank(fsdp8):
     from torchledger.record import StepRecord
     rec = StepRecord.from_dict(fsdp8[0])
     (f,) = check_gpu_fit([rec], {"gpu": "H100"})
-    assert f.rule == "TL-MEM-002" and "at world size 8 each rank's peak (rank 0's)" in f.message
+    # the tiny model's peak is a few MB: it fits at world size 8
+    assert f.rule == "TL-MEM-002" and f.severity == "info"
+    assert f.message.startswith("the step fits at world size 8: each rank's peak (rank 0's), ")
+    assert f.measured == fsdp8[0]["totals"]["peak_bytes"]
+    big = StepRecord.from_dict(fsdp8[0])
+    big.totals["peak_bytes"] = 90e9                  # 90 GB > 80 GB: an error, worded per rank
+    (f,) = check_gpu_fit([big], {"gpu": "H100"})
+    assert f.severity == "error" and f.message.startswith("the step does not fit at world size 8: each rank's peak")
+    assert "112.5% of one H100 SXM's 80.0 GB" in f.message        # 90 / 80 = 1.125

@@ -44,15 +44,15 @@ def check_gpu_fit(records, options=None) -> list:
             f"{f'{share:.1%}' if share >= 0.001 else 'under 0.1%'} of one {gpu.name}'s {fmt_bytes(memory)}")
     static = sum(rec.totals.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
     world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
+    where_not, fixes = "on one GPU", "shard them (ZeRO/FSDP), "
     if world > 1:       # a distributed step: the peak is one rank's, each rank has its own GPU
-        what = (f"at world size {world} each rank's peak (rank {rec.totals.get('rank') or 0}'s), "
-                + what[len("its peak, "):])
+        what = f"each rank's peak (rank {rec.totals.get('rank') or 0}'s), " + what[len("its peak, "):]
+        where_not, fixes = f"at world size {world}", "shard over more ranks, "
     if peak > memory:
-        where_not = f"each rank's GPU at world size {world}" if world > 1 else "one GPU"
-        return [Finding("TL-MEM-002", "error", f"the step does not fit on {where_not}: {what}", measured=peak,
+        return [Finding("TL-MEM-002", "error", f"the step does not fit {where_not}: {what}", measured=peak,
                         expected=memory,
                         hint=f"parameters, gradients and optimizer state alone are {fmt_bytes(static)}; "
-                             f"shard them (ZeRO/FSDP), use mixed precision or a smaller optimizer state, "
+                             f"{fixes}use mixed precision or a smaller optimizer state, "
                              f"checkpoint activations or shrink the batch")]
     if peak > (1 - HEADROOM) * memory:
         return [Finding("TL-MEM-002", "warning",
@@ -60,4 +60,5 @@ def check_gpu_fit(records, options=None) -> list:
                         f"context, allocator rounding and fragmentation need room on top",
                         measured=peak, expected=memory,
                         hint="leave headroom: a smaller batch or activation checkpointing")]
-    return [Finding("TL-MEM-002", "info", f"the step fits: {what}", measured=peak, expected=memory)]
+    fits = f"the step fits at world size {world}" if world > 1 else "the step fits"
+    return [Finding("TL-MEM-002", "info", f"{fits}: {what}", measured=peak, expected=memory)]
