@@ -456,9 +456,9 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
         if world is not None:        # simulated: rank 0 of n (the report says so)
             (n, shape), _ = world
             r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)
-            for key, value in (("rank", 0), ("world_size", n), ("mesh", list(shape))):
-                if r.totals.get(key) is None:
-                    r.totals[key] = value
+            # NB: set, not defaulted: a tracer that reads the process group finds the same
+            # rank and size, but no mesh unless one is current
+            r.totals.update(rank=0, world_size=n, mesh=list(shape))
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)

@@ -1,14 +1,16 @@
 """TL-NET-001: how long a step's collectives take on a GPU's interconnect, beside its compute.
 
-``audit --world-size N --gpu NAME`` (or ``--link-bandwidth``): the record's
-``totals.comm_bytes.total`` (bytes this rank sends in collectives per step) over the bus
+``audit --world-size N --gpu NAME`` (or ``--link-bandwidth``): the step's bus bytes (the
+sum of ``collectives[].bus_bytes``, what a ring moves over each rank's link) over the bus
 bandwidth one rank gets, next to ``totals.flops.total`` (this rank's FLOPs) over the GPU's
-bf16 peak at an assumed MFU (``--mfu``, default 0.4).
+bf16 peak at an assumed MFU (``--mfu``, default 0.4). A record whose collectives carry no
+bus bytes falls back to ``totals.comm_bytes.total`` (the payload this rank contributes),
+and says so: for an all-gather that is a shard, (n-1) times less than the ring moves.
 
 Convention: NCCL-tests' *bus bandwidth*. A ring all-reduce of S bytes over n ranks sends
 2(n-1)/n x S from each rank, an all-gather or reduce-scatter (n-1)/n x S; NCCL-tests divide
 those bytes (not S) by the time and call it busbw, and a well-tuned ring's busbw approaches
-the slowest one-direction link a rank's ring traffic crosses. So time = bytes sent / link
+the slowest one-direction link a rank's ring traffic crosses. So time = bus bytes / link
 bandwidth, with the link:
 
 * within one node (N <= ``gpus_per_node``, 8): NVLink, per GPU, one direction
@@ -40,7 +42,7 @@ from ..record import Finding
 from ..units import fmt_bytes
 
 __all__ = ["LinkSpec", "get_link", "link_bandwidth", "comm_seconds", "compute_seconds",
-           "check_comm_time", "DEFAULT_MFU"]
+           "step_bus_bytes", "check_comm_time", "DEFAULT_MFU"]
 
 #: MFU assumed for the compute time when ``--mfu`` is not given (large runs see 0.3-0.6).
 DEFAULT_MFU = 0.4
@@ -109,6 +111,25 @@ def _secs(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
 
 
+def step_bus_bytes(rec) -> tuple:
+    """``(bytes, {phase: bytes}, kind)`` of one record's collectives: the sum of
+    ``collectives[].bus_bytes`` (kind ``"bus bytes"``) when the rows carry it, else
+    ``totals.comm_bytes`` (kind ``"payload bytes (no bus bytes in the record)"``), else
+    ``(0, {}, "")``."""
+    rows = [c for c in (getattr(rec, "collectives", None) or []) if isinstance(c, dict)]
+    if rows and all(isinstance(c.get("bus_bytes"), (int, float)) for c in rows):
+        phases: dict = {}
+        for c in rows:
+            phases[c.get("phase") or "other"] = phases.get(c.get("phase") or "other", 0) + c["bus_bytes"]
+        return sum(phases.values()), phases, "bus bytes"
+    comm = rec.totals.get("comm_bytes")
+    total = comm.get("total") if isinstance(comm, dict) else None
+    if not isinstance(total, (int, float)) or total <= 0:
+        return 0, {}, ""
+    phases = {k: v for k, v in comm.items() if k != "total" and isinstance(v, (int, float))}
+    return total, phases, "payload bytes (no bus bytes in the record)"
+
+
 def check_comm_time(records, options=None) -> list:
     """TL-NET-001 for the last record of a distributed step (``totals.comm_bytes``), when a
     GPU or a link bandwidth is given: info when compute outlasts communication (it can hide
@@ -117,9 +138,8 @@ def check_comm_time(records, options=None) -> list:
     if not records or not (opts.get("gpu") or opts.get("link_bandwidth")):
         return []
     rec = records[-1]
-    comm = rec.totals.get("comm_bytes")
-    total = comm.get("total") if isinstance(comm, dict) else None
-    if not isinstance(total, (int, float)) or total <= 0:
+    total, phases, kind = step_bus_bytes(rec)
+    if not total:
         return []                          # not distributed, or collectives not counted
     world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
     gpu = None
@@ -135,16 +155,16 @@ def check_comm_time(records, options=None) -> list:
         link = LINKS.get(gpu.name)
         if link is None:
             return [Finding("TL-NET-001", "info",
-                            f"{fmt_bytes(total)} sent in collectives per step; no interconnect figures "
+                            f"{fmt_bytes(total)} of {kind} per step; no interconnect figures "
                             f"for {gpu.name} in the table, so no time",
                             hint="give --link-bandwidth (e.g. 450GB/s, an all_reduce_perf busbw)")]
         bw, which = link_bandwidth(link, world)
         which = f"{gpu.name} {which}"
     t_comm = comm_seconds(total, bw)
-    phases = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in comm.items()
-                       if k != "total" and isinstance(v, (int, float)) and v)
-    what = (f"{fmt_bytes(total)} sent per step by each of {world} ranks ({phases or 'no phase split'}) "
-            f"takes {_secs(t_comm)} at {_rate(bw)} ({which}; NCCL-tests bus bandwidth, a lower bound)")
+    split = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in phases.items() if v)
+    what = (f"{fmt_bytes(total)} of {kind} per step on each of {world} ranks' links "
+            f"({split or 'no phase split'}) take {_secs(t_comm)} at {_rate(bw)} ({which}; NCCL-tests bus "
+            f"bandwidth, a lower bound)")
     flops = (rec.totals.get("flops") or {}).get("total") or 0
     peak = gpu.peak_flops.get("bf16") if gpu is not None else None
     mfu = float(opts.get("assumed_mfu") or DEFAULT_MFU)
