@@ -166,7 +166,10 @@ def _exit_code(findings, fail_on: str) -> int:
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
           link_bandwidth, mfu, depth, memory_snapshot, ignore):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
-    report per layer and gate CI on findings, budgets and a baseline."""
+    report per layer and gate CI on findings, budgets and a baseline.
+
+    With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
+    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
     from ..audit import AuditError, run_audit, stdout_to_stderr
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
