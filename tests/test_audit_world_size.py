@@ -111,6 +111,8 @@ def test_fsdp_world_8_is_rank_0_of_8(fsdp8):
     assert data["meta"]["audit"]["world_size"] == 8 and data["meta"]["audit"]["mesh"] == [8]
     assert (data["totals"]["world_size"], data["totals"]["rank"], data["totals"]["mesh"]) == (8, 0, [8])
     assert data["totals"]["params"] == FULL_PARAMS        # the model's parameters, unsharded
+    # fake, though the parameters are DTensors: no MFU from a fake step's time
+    assert data["meta"]["device"] == "fake (cpu)" and data["totals"]["mfu"] is None
     assert not dist.is_initialized()                     # the fake world is gone
 
 

@@ -459,6 +459,11 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
             # NB: set, not defaulted: a tracer that reads the process group finds the same
             # rank and size, but no mesh unless one is current
             r.totals.update(rank=0, world_size=n, mesh=list(shape))
+            if not str(r.meta.get("device") or "").startswith("fake"):
+                # NB: the tracer reads the device off the first parameter, and a sharded one is
+                # a DTensor (not a FakeTensor) around its fake shard; the step was fake, so no
+                # MFU is read from its time
+                r.meta["device"] = "fake (cpu)"
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)
