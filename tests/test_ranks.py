@@ -25,7 +25,7 @@ from torchledger.analyzers.ranks import DEFAULTS, RanksError, merge_ranks
 from torchledger.cli import cli
 from torchledger.record import StepRecord
 from torchledger.render.ranks import RANK_COLUMNS, RANK_FORMATS, render_ranks
-from torchledger.render.sarif import RULE_TITLES
+from torchledger.rules import title as rule_title
 from torchledger.render.output import launcher_rank, rank_path
 from torchledger.tracer.ranks import mesh_shape, rank_totals
 
@@ -241,7 +241,7 @@ def test_every_format_renders(fmt):
         assert d["findings"][0]["rule"] == "TL-RANK-001"
     elif fmt == "sarif":
         rule = json.loads(text)["runs"][0]["tool"]["driver"]["rules"][0]
-        assert rule["shortDescription"]["text"] == RULE_TITLES["TL-RANK-001"]
+        assert rule["shortDescription"]["text"] == rule_title("TL-RANK-001")
     elif fmt == "csv":
         assert text.splitlines()[0] == ",".join(RANK_COLUMNS) and len(text.splitlines()) == 4
     else:

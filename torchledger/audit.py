@@ -328,17 +328,65 @@ def quiet_torch_logs(enabled: bool = True):
 
 
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
-              peak_flops=None, timing_steps: int = 2, torch_logs: bool = False) -> AuditRun:
+              peak_flops=None, timing_steps: int = 2, torch_logs: bool = False,
+              world_size: Optional[int] = None, mesh=None) -> AuditRun:
     """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``.
 
     torch's own error logs of a failing fake kernel are silenced meanwhile (the failure comes
     back as one ``AuditError``) unless ``torch_logs`` is true.
+
+    ``world_size`` and/or ``mesh`` (``"8x8"`` or a tuple) simulate that many ranks
+    (:mod:`torchledger.world`): the step runs as rank 0 under a fake process group, after
+    ``AuditSpec.parallelize(model, mesh)``; the process group is gone when this returns.
     """
     with quiet_torch_logs(not torch_logs):
-        return _run_audit(path, entry, device, steps, peak_flops, timing_steps)
+        world = _resolve_world(world_size, mesh, device)
+        if world is None:
+            return _run_audit(path, entry, device, steps, peak_flops, timing_steps)
+        from .world import WorldError, fake_world
+        try:
+            with fake_world(*world) as device_mesh:
+                return _run_audit(path, entry, device, steps, peak_flops, timing_steps,
+                                  world=(world, device_mesh))
+        except WorldError as e:
+            raise AuditError(str(e)) from None
 
 
-def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun:
+def _resolve_world(world_size, mesh, device):
+    if world_size is None and mesh is None:
+        return None
+    from .world import WorldError, resolve_world
+    try:
+        return resolve_world(world_size, mesh, device)
+    except WorldError as e:
+        raise AuditError(str(e)) from None
+
+
+def _parallelize(spec, model, world, path: str):
+    """``AuditSpec.parallelize(model, mesh)`` at a simulated world size; its model."""
+    import torch
+    (n, shape), device_mesh = world
+    fn = spec.parallelize
+    if fn is None:
+        if n == 1:
+            return model
+        raise AuditError(f"{path}: --world-size {n}: the AuditSpec has no parallelize, so every rank "
+                         f"would hold and step the whole model; add AuditSpec(parallelize=fn), fn(model, "
+                         f"mesh) applying fully_shard/parallelize_module and returning the model (see "
+                         f"examples/llama2_7b_fsdp.py)")
+    try:
+        out = fn(model, device_mesh)
+    except (Exception, SystemExit) as e:
+        raise AuditError(f"{_where(e, path)}: AuditSpec.parallelize(model, mesh) {_raised(e)} (mesh "
+                         f"{'x'.join(map(str, shape))}, dims {', '.join(device_mesh.mesh_dim_names or ())})"
+                         ) from None
+    if not isinstance(out, torch.nn.Module):
+        raise AuditError(f"{path}: AuditSpec.parallelize(model, mesh) returned {type(out).__name__}, "
+                         f"expected the nn.Module (fully_shard returns it: end with `return model`)")
+    return out
+
+
+def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None) -> AuditRun:
     import torch
     from .spec import as_spec
     from .ledger import Ledger
@@ -362,6 +410,8 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
         model = spec.model
         if device in ("meta", "cuda"):
             model = model.to(device)
+        if world is not None:
+            model = _parallelize(spec, model, world, path)
         inputs = _to_device(spec.inputs, device)
         count = infer_tokens(inputs)
         tokens = spec.tokens or count.tokens
@@ -403,6 +453,17 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps) -> AuditRun
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq, "spec_line": spec_line,
                            "loss": loss_source[0] if loss_source else None}
+        if world is not None:        # simulated: rank 0 of n (the report says so)
+            (n, shape), _ = world
+            r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)
+            # NB: set, not defaulted: a tracer that reads the process group finds the same
+            # rank and size, but no mesh unless one is current
+            r.totals.update(rank=0, world_size=n, mesh=list(shape))
+            if not str(r.meta.get("device") or "").startswith("fake"):
+                # NB: the tracer reads the device off the first parameter, and a sharded one is
+                # a DTensor (not a FakeTensor) around its fake shard; the step was fake, so no
+                # MFU is read from its time
+                r.meta["device"] = "fake (cpu)"
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)

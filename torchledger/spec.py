@@ -45,12 +45,19 @@ class AuditSpec:
     Reports say which (``totals.tokens_source``)."""
     seq_len: Optional[int] = None
     """Sequence length, for the attention term; default: the last dim of the token ids."""
+    parallelize: Optional[Callable] = None
+    """``(model, mesh) -> model``: shard the model for a simulated world
+    (``audit --world-size N [--mesh 8x8]``, :mod:`torchledger.world`): apply FSDP2
+    (``torch.distributed.fsdp.fully_shard``) and/or tensor parallelism
+    (``torch.distributed.tensor.parallel.parallelize_module``) over the ``DeviceMesh`` and
+    return the model. ``inputs`` are then one rank's batch. Not called in a plain
+    (single-process) audit; needed at a world size above 1."""
 
     def __post_init__(self):
         import torch
         if not isinstance(self.model, torch.nn.Module):
             raise TypeError(f"AuditSpec.model must be an nn.Module, got {type(self.model).__name__}")
-        for name in ("loss_fn", "optimizer", "step"):
+        for name in ("loss_fn", "optimizer", "step", "parallelize"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"AuditSpec.{name} must be callable or None, got {type(value).__name__}")

@@ -84,10 +84,11 @@ def _all():
     from .copies import check_copies
     from .leaks import check_leaks
     from .fit import check_gpu_fit
+    from .interconnect import check_comm_time
     from .mfu import check_mfu
     from .outputs import check_output_cache
     return [check_comparisons, check_copies, check_leaks, check_output_cache, check_gpu_fit,
-            check_mfu, check_allocator, check_uncounted_ops, check_fake_kernel_gaps,
+            check_comm_time, check_mfu, check_allocator, check_uncounted_ops, check_fake_kernel_gaps,
             check_tracer_warnings]
 
 

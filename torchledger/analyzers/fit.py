@@ -1,5 +1,8 @@
 """TL-MEM-002: does the step's peak fit in one GPU's memory (``audit --gpu NAME``)?
 
+In a distributed step (``audit --world-size N``, or a rank's own record) the peak is one
+rank's, each rank on its own GPU: the finding answers "does this fit at world size N".
+
 The peak is the tracer's: live tensor bytes (parameters, gradients, optimizer state,
 activations, temporaries) at the step's highest point. A GPU needs more than that: the CUDA
 context (a few hundred MiB), the caching allocator's rounding and fragmentation, and library
@@ -40,11 +43,16 @@ def check_gpu_fit(records, options=None) -> list:
     what = (f"its peak, {fmt_bytes(peak)}{f' in {where}' if where else ''}, is "
             f"{f'{share:.1%}' if share >= 0.001 else 'under 0.1%'} of one {gpu.name}'s {fmt_bytes(memory)}")
     static = sum(rec.totals.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
+    world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
+    where_not, fixes = "on one GPU", "shard them (ZeRO/FSDP), "
+    if world > 1:       # a distributed step: the peak is one rank's, each rank has its own GPU
+        what = f"each rank's peak (rank {rec.totals.get('rank') or 0}'s), " + what[len("its peak, "):]
+        where_not, fixes = f"at world size {world}", "shard over more ranks, "
     if peak > memory:
-        return [Finding("TL-MEM-002", "error", f"the step does not fit on one GPU: {what}", measured=peak,
+        return [Finding("TL-MEM-002", "error", f"the step does not fit {where_not}: {what}", measured=peak,
                         expected=memory,
                         hint=f"parameters, gradients and optimizer state alone are {fmt_bytes(static)}; "
-                             f"shard them (ZeRO/FSDP), use mixed precision or a smaller optimizer state, "
+                             f"{fixes}use mixed precision or a smaller optimizer state, "
                              f"checkpoint activations or shrink the batch")]
     if peak > (1 - HEADROOM) * memory:
         return [Finding("TL-MEM-002", "warning",
@@ -52,4 +60,5 @@ def check_gpu_fit(records, options=None) -> list:
                         f"context, allocator rounding and fragmentation need room on top",
                         measured=peak, expected=memory,
                         hint="leave headroom: a smaller batch or activation checkpointing")]
-    return [Finding("TL-MEM-002", "info", f"the step fits: {what}", measured=peak, expected=memory)]
+    fits = f"the step fits at world size {world}" if world > 1 else "the step fits"
+    return [Finding("TL-MEM-002", "info", f"{fits}: {what}", measured=peak, expected=memory)]

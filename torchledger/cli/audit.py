@@ -9,7 +9,7 @@ import os
 
 import click
 
-from .types import FLOPS, POS_INT, InputError, check_output
+from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output
 
 __all__ = ["audit", "report"]
 
@@ -147,16 +147,29 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--gpu", default=None,
               help="GPU (e.g. H100) whose memory the step's peak must fit (TL-MEM-002) and whose bf16 "
                    "peak MFU is measured against.")
+@click.option("--world-size", type=int, default=None,
+              help="Simulate this many ranks (fake tensors, fake process group; AuditSpec(parallelize=fn) "
+                   "shards the model); the report is rank 0's.")
+@click.option("--mesh", default=None, metavar="DxD",
+              help="Device mesh shape for the simulated world, e.g. 8x8 (dims dp, tp); implies --world-size.")
+@click.option("--link-bandwidth", type=BANDWIDTH, default=None, metavar="450GB/s",
+              help="Bus bandwidth per rank for the communication time (default: --gpu's NVLink, or its "
+                   "node's InfiniBand when the world spans nodes).")
+@click.option("--mfu", type=FRACTION, default=None,
+              help="MFU assumed for the compute time beside the communication time [default: 0.4].")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
 @click.option("--memory-snapshot", type=click.Path(dir_okay=False), default=None,
               help="CUDA only: write the allocator snapshot of the last step (opens in PyTorch's memory_viz).")
 @click.option("--ignore", "ignore", multiple=True, metavar="RULE",
               help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
                    "the report counts them and they do not fail --fail-on.")
-def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, depth,
-          memory_snapshot, ignore):
+def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
+          link_bandwidth, mfu, depth, memory_snapshot, ignore):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
-    report per layer and gate CI on findings, budgets and a baseline."""
+    report per layer and gate CI on findings, budgets and a baseline.
+
+    With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
+    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
     from ..audit import AuditError, run_audit, stdout_to_stderr
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
@@ -177,7 +190,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     try:
         with stdout_to_stderr():        # stdout is the report's alone
             run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
-                            torch_logs=_debug())
+                            torch_logs=_debug(), world_size=world_size, mesh=mesh)
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
@@ -185,7 +198,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     if device == "cpu" and peak is None:
         from ..tracer.peak import measure_matmul_peak
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
-    findings = _findings(run, settings, peak, peak_source, gpu)
+    findings = _findings(run, settings, peak, peak_source, gpu,
+                         {"link_bandwidth": link_bandwidth, "assumed_mfu": mfu})
     rec = run.record
     findings += check_budgets(rec, settings)
     if base is not None:
@@ -238,10 +252,11 @@ def _write_snapshot(run, path) -> None:
     click.echo(f"torchledger: wrote {path} (open it at https://pytorch.org/memory_viz)", err=True)
 
 
-def _findings(run, settings, peak, peak_source, gpu=None) -> list:
+def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
     from ..analyzers.checks import run_checks
     from ..audit import set_mfu
     options = {k: v for k, v in settings.items() if not k.startswith("_")}
+    options.update({k: v for k, v in (network or {}).items() if v is not None})   # TL-NET-001
     if gpu:
         options["gpu"] = gpu                    # TL-MEM-002: does the peak fit in its memory?
     if peak:

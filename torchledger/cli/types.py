@@ -5,7 +5,7 @@ import click
 
 from .. import units
 
-__all__ = ["InputError", "check_output", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION"]
+__all__ = ["InputError", "check_output", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH"]
 
 
 class InputError(click.ClickException):
@@ -65,4 +65,7 @@ FLOPS = _Number("flop/s", units.parse_flops, example="989.5T")
 #: A positive real number.
 POS_FLOAT = _Number("number", units.parse_count, example="0.5")
 #: A fraction in (0, 1] (MFU).
+#: A bandwidth in bytes/s: ``450GB/s``, ``450GB``, ``4.5e11`` (GB = 1e9, vendor units).
+BANDWIDTH = _Number("bandwidth", lambda t: units.parse_bytes(t.strip().rstrip("/sS") if isinstance(t, str) else t),
+                    example="450GB/s")
 FRACTION = _Number("fraction", units.parse_count, upper=1.0, example="0.5")

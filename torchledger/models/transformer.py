@@ -69,7 +69,7 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv_heads
             y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
                                                v.repeat_interleave(rep, 1), is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, d)                                         # (B, T, d)
+        y = y.transpose(1, 2).reshape(B, T, -1)                                        # (B, T, d)
         return self.o_proj(y)
 
 

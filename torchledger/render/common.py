@@ -88,6 +88,11 @@ def run_notes(record) -> list:
     meta = record.meta or {}
     audit = meta.get("audit") or {}
     lines = []
+    if audit.get("world_size"):              # audit --world-size N: a simulated world
+        mesh = "x".join(str(d) for d in audit.get("mesh") or [audit["world_size"]])
+        lines.append(f"simulated world: rank {audit.get('rank', 0)} of {audit['world_size']} (mesh {mesh}; "
+                     f"fake tensors, fake process group); ranks of an SPMD step are alike, so this "
+                     f"is each rank's report")
     if audit.get("loss"):
         lines.append(f"loss: {audit['loss']}")
     compiled = meta.get("compiled") or {}
