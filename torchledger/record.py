@@ -119,10 +119,12 @@ class StepRecord:
     optimizer: dict = field(default_factory=dict)
     findings: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    collectives: list = field(default_factory=list)
+    """Distributed steps only: collectives grouped by (op, group size, phase, module, location)."""
 
     # -- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        d = {
             "schema": SCHEMA,
             "conventions": dict(CONVENTIONS),
             "meta": self.meta,
@@ -137,6 +139,9 @@ class StepRecord:
             "findings": [f.to_dict() if isinstance(f, Finding) else f for f in self.findings],
             "warnings": self.warnings,
         }
+        if self.collectives:            # distributed steps only: single-process records unchanged
+            d["collectives"] = self.collectives
+        return d
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
@@ -160,7 +165,7 @@ class StepRecord:
                    uncounted_ops=d.get("uncounted_ops", []), copies=d.get("copies", []),
                    memory=d.get("memory", {}), optimizer=d.get("optimizer", {}),
                    findings=[Finding.from_dict(f) for f in d.get("findings", [])],
-                   warnings=d.get("warnings", []))
+                   warnings=d.get("warnings", []), collectives=d.get("collectives", []))
 
     @classmethod
     def from_json(cls, text) -> "StepRecord":

@@ -18,6 +18,7 @@ from bisect import bisect_right
 
 from torch._C._autograd import _get_sequence_nr
 
+from .collectives import IGNORED, describe, lookup
 from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
@@ -68,6 +69,11 @@ _SAFE_SOFTMAX = getattr(getattr(_aten, "_safe_softmax", None), "default", None) 
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _MUL_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Scalar}  # zero when times 0
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+try:                                  # a deprecation wrapper's frame is not the user's line
+    import typing_extensions as _te
+    _COLLECTIVE_SKIP = _SKIP_DIRS + (_te.__file__,)
+except ImportError:
+    _COLLECTIVE_SKIP = _SKIP_DIRS
 
 
 def _is_alias_op(func) -> bool:
@@ -131,6 +137,9 @@ class LedgerMode(TorchDispatchMode):
         self._last_mark = None
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
+        self.collectives: dict = {}  # (op, group size, phase, module, location) -> [count, sent, received, algo, bus]
+        self.on_collective = None    # callback(op, func, args, out) after a collective (memory categories)
+        self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -185,6 +194,10 @@ class LedgerMode(TorchDispatchMode):
                 self.on_phase(phase)
 
         fid = id(func)                  # ops hash in Python; their ids hash in C
+        if fid in self.collective_ids:  # never FLOPs, never uncounted, never a copy
+            self.op_module.append(mod)
+            self._collective(func, args, kwargs, out, phase, mod, idx)
+            return
         info = self._finfo.get(fid)
         if info is None:
             info = self._finfo[fid] = (_is_alias_op(func), func in _COPY_OPS,
@@ -282,6 +295,28 @@ class LedgerMode(TorchDispatchMode):
                     for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
                         st.add(s, TEMP, at=idx, op=func)
         return read, written
+
+    def _collective(self, func, args, kwargs, out, phase, mod, idx) -> None:
+        """One collective (or a wait on one): its output storages are tracked like any op's
+        (a functional all-gather makes its result); a data-moving one becomes an event."""
+        for o in _operands(out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, _Tensor):
+                for s in storages(o):
+                    self.storages.add(s, TEMP, at=idx, op=func)
+        if func in IGNORED:
+            return
+        op, n, nbytes = describe(func, args, kwargs, out)
+        key = (op, n, phase, mod, user_frame(_COLLECTIVE_SKIP))
+        row = self.collectives.get(key)
+        if row is None:
+            row = self.collectives[key] = [0, 0, 0, 0, 0]
+        row[0] += 1
+        row[1] += nbytes["bytes"]
+        row[2] += nbytes["bytes_received"]
+        row[3] += nbytes["algo_bytes"]
+        row[4] += nbytes["bus_bytes"]
+        if self.on_collective is not None:
+            self.on_collective(op, func, args, out)
 
     def _is_view(self, func, args, out) -> bool:
         """The schema says ``func`` aliases its input; the first time each op is seen, confirm
