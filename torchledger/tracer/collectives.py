@@ -88,7 +88,13 @@ for (_ns, _name), _row in list(_TABLE.items()):
 #: autograd wrapper of a functional collective's output. Not recorded at all (not uncounted).
 _IGNORED = {("_c10d_functional", "wait_tensor"), ("_c10d_functional", "_wrap_tensor_autograd"),
             ("_c10d_functional_autograd", "wait_tensor"), ("c10d", "barrier"),
-            ("c10d", "monitored_barrier_"), ("c10d", "_wait_tensor")}
+            ("c10d", "monitored_barrier_"), ("c10d", "_wait_tensor"),
+            # FSDP2's copy-in before an all-gather, copy-out after it and the padded gradient
+            # concatenation before a reduce-scatter: the collective's own staging, not copies
+            # of the user's (their buffers are tracked: see dist_memory)
+            ("fsdp", "all_gather_copy_in"), ("fsdp", "split_with_sizes_copy"), ("fsdp", "chunk_cat")}
+#: The op name under which ``LedgerMode.on_collective`` hears of FSDP's copy-out.
+FSDP_COPY_OUT = "fsdp_copy_out"
 
 
 def _resolve(table) -> dict:

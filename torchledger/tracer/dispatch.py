@@ -18,7 +18,7 @@ from bisect import bisect_right
 
 from torch._C._autograd import _get_sequence_nr
 
-from .collectives import IGNORED, describe, lookup
+from .collectives import FSDP_COPY_OUT, IGNORED, describe, lookup
 from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
@@ -35,6 +35,7 @@ _Tensor = torch.Tensor
 _current_node = torch._C._current_autograd_node
 _grad_enabled = torch.is_grad_enabled
 _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _needs_grad(args) -> bool:
@@ -138,7 +139,7 @@ class LedgerMode(TorchDispatchMode):
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
         self.collectives: dict = {}  # (op, group size, phase, module, location) -> [count, sent, received, algo, bus]
-        self.on_collective = None    # callback(op, func, args, out) after a collective (memory categories)
+        self.on_collective = None    # callback(op, func, args, kwargs, out) after a collective (dist_memory)
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -290,6 +291,12 @@ class LedgerMode(TorchDispatchMode):
         st = self.storages
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
+                if _is_wrapper(type(o)):        # a DTensor: this rank's local shard
+                    written += tensor_bytes(o)
+                    if track:
+                        for s in _storages_of(o):
+                            st.add(s, TEMP, at=idx, op=func)
+                    continue
                 written += nbytes(o)
                 if track:
                     for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
@@ -304,8 +311,12 @@ class LedgerMode(TorchDispatchMode):
                 for s in storages(o):
                     self.storages.add(s, TEMP, at=idx, op=func)
         if func in IGNORED:
+            if self.on_collective is not None and func.__name__.startswith("split_with_sizes_copy"):
+                self.on_collective(FSDP_COPY_OUT, func, args, kwargs, out)
             return
         op, n, nbytes = describe(func, args, kwargs, out)
+        if phase == OTHER and _graph_task() != -1:    # an engine's final callback (FSDP2's last
+            phase = BACKWARD                            # reduce-scatters): still the backward
         key = (op, n, phase, mod, user_frame(_COLLECTIVE_SKIP))
         row = self.collectives.get(key)
         if row is None:
@@ -316,7 +327,7 @@ class LedgerMode(TorchDispatchMode):
         row[3] += nbytes["algo_bytes"]
         row[4] += nbytes["bus_bytes"]
         if self.on_collective is not None:
-            self.on_collective(op, func, args, out)
+            self.on_collective(op, func, args, kwargs, out)
 
     def _is_view(self, func, args, out) -> bool:
         """The schema says ``func`` aliases its input; the first time each op is seen, confirm
@@ -512,6 +523,22 @@ def _operands(args):
             yield from a
         else:
             yield a
+
+
+_storages_of = storages
+_WRAPPERS: dict = {}
+
+
+def _is_wrapper(cls) -> bool:
+    """``cls`` is a wrapper subclass whose data sits in inner tensors (DTensor): its own
+    ``untyped_storage()`` and ``nbytes`` describe the global tensor, not this rank's bytes."""
+    hit = _WRAPPERS.get(cls)
+    if hit is None:
+        hit = _WRAPPERS[cls] = cls.__name__ == "DTensor" or (
+            cls not in (_Tensor, torch.nn.Parameter) and cls.__name__ != "FakeTensor"
+            and "__tensor_flatten__" in {k for c in cls.__mro__ for k in vars(c)}
+            and cls.__module__.startswith("torch.distributed"))
+    return hit
 
 
 def _dim_order(t) -> tuple:
