@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formulas.comm import bus_factor
+
 __all__ = ["COLLECTIVES", "IGNORED", "lookup", "collective_bytes", "bus_factor", "describe"]
 
 #: (namespace, op) -> (plain op name, index of the input argument(s), index of the output
@@ -125,18 +127,6 @@ def lookup() -> set:
     COLLECTIVES.update(_resolve(_TABLE))
     IGNORED.update(_resolve({k: None for k in _IGNORED}))
     return {id(op) for op in COLLECTIVES} | {id(op) for op in IGNORED}
-
-
-def bus_factor(op: str, n: int) -> tuple:
-    """NCCL-tests' bus bandwidth factor as (numerator, denominator): all-reduce 2(n-1)/n;
-    all-gather, reduce-scatter and all-to-all (n-1)/n; the rest 1."""
-    if n <= 0:
-        return 1, 1
-    if op == "all_reduce":
-        return 2 * (n - 1), n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return n - 1, n
-    return 1, 1
 
 
 def _nbytes(x) -> int:

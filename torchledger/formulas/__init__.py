@@ -1,0 +1,1 @@
+"""Closed forms: pure functions of a model's sizes (no torch)."""
