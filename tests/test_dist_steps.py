@@ -232,3 +232,44 @@ def test_traced_ddp_step_is_bitwise_untraced(fake8):
 
 def test_traced_fsdp2_step_is_bitwise_untraced(fake8):
     _bitwise(_fsdp)
+
+
+def test_reports_and_findings_of_a_sharded_step(fake8):
+    from torchledger.analyzers.comm import check_comm
+    from torchledger.render.table import render_table
+    model, opt = _fsdp()
+    x = torch.randn(4, 64)
+    _step(model, opt, x)
+    with torchledger.trace(model, optimizer=opt) as t:
+        _step(model, opt, x)
+    rec = t.record
+    text = render_table(rec, t.findings())
+    assert "collectives (rank 0 of 8;" in text and "unsharded_params" in text
+    comm = rec.totals["comm_bytes"]
+    assert f"total {comm['total'] / 1024:.1f} KiB" in text      # 86,696 B = 84.7 KiB
+    # static bytes against ZeRO-3's per-rank share, not the whole model's: within 5%, no TL-CMP-002
+    row = next(r for r in rec.predictions["comparisons"] if r["quantity"].startswith("static bytes"))
+    assert row["predicted"] == round(16 * rec.totals["params"] / WS) and "ZeRO-3" in row["explanation"]
+    rules = {f.rule for f in t.findings()}
+    assert "TL-CMP-002" not in rules and "TL-COMM-001" in rules
+    [info] = check_comm(rec)
+    padded = fsdp_padded_bytes([p.shape for p in model.parameters()], 4, WS)
+    assert info.expected == comm_per_step(padded, gpus=WS, strategy="fsdp").total
+    assert info.measured == comm["total"]
+
+
+def test_extra_all_reduce_is_flagged(fake8):
+    from torchledger.analyzers.comm import check_comm
+    model, opt = _ddp()
+    _step(model, opt, torch.randn(4, 64))
+    with torchledger.trace(model, optimizer=opt) as t:
+        _step(model, opt, torch.randn(4, 64))
+        for p in model.parameters():          # a second, needless all-reduce of every weight
+            dist.all_reduce(p.data)
+    found = {f.rule: f for f in check_comm(t.record)}
+    # DDP's second iteration also rebuilds its buckets: two small broadcasts of bucket indices
+    rebuild = sum(c["bytes"] for c in t.record.collectives if c["op"] == "broadcast")
+    assert 0 < rebuild < 1024
+    assert found["TL-COMM-001"].measured == 2 * _param_bytes(model) + rebuild
+    assert found["TL-COMM-001"].expected == _param_bytes(model)        # DDP: one all-reduce of G
+    assert "TL-COMM-002" in found and "2.00x" in found["TL-COMM-002"].message
