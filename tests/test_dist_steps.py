@@ -273,3 +273,36 @@ def test_extra_all_reduce_is_flagged(fake8):
     assert found["TL-COMM-001"].measured == 2 * _param_bytes(model) + rebuild
     assert found["TL-COMM-001"].expected == _param_bytes(model)        # DDP: one all-reduce of G
     assert "TL-COMM-002" in found and "2.00x" in found["TL-COMM-002"].message
+
+
+def test_fsdp2_fake_tensors_peak_matches_fsdp_mem_tracker(fake8):
+    """The anchor: PyTorch's FSDPMemTracker (torchtitan's memory estimation) on the same
+    FakeTensorMode step at world size 8. Its categories split differently (it names the
+    all-gather and reduce-scatter buffers apart; we count the first as unsharded_params, the
+    second as temporaries), the per-rank peak is what must agree."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    tracker_mod = pytest.importorskip("torch.distributed._tools.fsdp2_mem_tracker")
+    mesh = init_device_mesh("cpu", (WS,))
+    with FakeTensorMode():
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 1376, bias=False), torch.nn.ReLU(),
+                                                          torch.nn.Linear(1376, 512, bias=False)) for _ in range(4)])
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(16, 512)
+        _step(model, opt, x)
+        fmt = tracker_mod.FSDPMemTracker(model, opt)
+        fmt.track_inputs((x,))
+        with fmt:
+            _step(model, opt, x)
+        theirs = fmt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        with torchledger.trace(model, optimizer=opt) as t:
+            _step(model, opt, x)
+    rec = t.record
+    assert abs(rec.totals["peak_bytes"] / theirs - 1) < 0.02, (rec.totals["peak_bytes"], theirs)
+    # shards: 4 blocks x 2 x 512*1376 fp32 / 8 = 2,818,048 B of parameters on this rank
+    assert rec.totals["param_bytes"] == 4 * 2 * 512 * 1376 * 4 // WS == 2818048
+    assert rec.memory["peak_breakdown"]["parameters"] == 2818048
