@@ -306,3 +306,16 @@ def test_fsdp2_fake_tensors_peak_matches_fsdp_mem_tracker(fake8):
     # shards: 4 blocks x 2 x 512*1376 fp32 / 8 = 2,818,048 B of parameters on this rank
     assert rec.totals["param_bytes"] == 4 * 2 * 512 * 1376 * 4 // WS == 2818048
     assert rec.memory["peak_breakdown"]["parameters"] == 2818048
+
+
+@pytest.mark.parametrize("fmt", ["table", "json", "csv", "markdown", "html", "sarif"])
+def test_every_format_renders_a_distributed_record(fake8, fmt):
+    from torchledger import StepRecord
+    from torchledger.render import render
+    model, opt = _fsdp()
+    _step(model, opt, torch.randn(4, 64))
+    with torchledger.trace(model, optimizer=opt) as t:
+        _step(model, opt, torch.randn(4, 64))
+    back = StepRecord.from_json(t.record.to_json())          # what `report` reads from a file
+    out = render(back, t.findings(), fmt)
+    assert out and (fmt != "json" or '"collectives"' in out)
