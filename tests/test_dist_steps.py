@@ -319,3 +319,30 @@ def test_every_format_renders_a_distributed_record(fake8, fmt):
     back = StepRecord.from_json(t.record.to_json())          # what `report` reads from a file
     out = render(back, t.findings(), fmt)
     assert out and (fmt != "json" or '"collectives"' in out)
+
+
+def test_tensor_parallel_flops_are_the_ranks(fake8):
+    """DTensor ops reach the tracer with global shapes; it counts this rank's share. Column-
+    then row-wise parallel MLP over 8 ranks: each rank does 1/8 of every matmul."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    x = torch.randn(4, 64)
+    plain = mlp()
+    with torchledger.trace(plain) as t0:
+        plain(x).sum().backward()
+    tp = parallelize_module(mlp(), init_device_mesh("cpu", (WS,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with torchledger.trace(tp) as t1:
+        tp(x).sum().backward()
+    whole, rank = t0.record.totals["flops"], t1.record.totals["flops"]
+    # forward 2*4*(64*128 + 128*64) = 131,072 for the model, 16,384 on each of 8 ranks
+    assert whole["forward"] == 131072 and rank["forward"] == 131072 // WS
+    assert rank["backward"] == whole["backward"] // WS
+    # W1 16 of 128 rows, b1 16, W2 16 of 128 columns, b2 replicated: (1024 + 16 + 1024 + 64) * 4
+    assert t1.record.totals["param_bytes"] == 8512
+    # the row-wise layer's output is Partial: one all-reduce of the 4 x 64 fp32 output (1,024 B)
+    [c] = t1.record.collectives
+    assert (c["op"], c["bytes"], c["phase"], c["bus_bytes"]) == ("all_reduce", 1024, "forward", 1024 * 2 * 7 // 8)

@@ -209,6 +209,8 @@ class LedgerMode(TorchDispatchMode):
         alias = info[0]
 
         fc = op_flops(func, args, kwargs, out)
+        if fc is not None and fc.flops and _is_wrapper(type(out)):   # DTensor op: this rank's share
+            fc = _local_flops(fc, out)
         if fc is not None and fc.kind == "matmul":
             if phase == FORWARD and not self.sdpa_depth:
                 fc = self._unwrapped_sdpa(func, fc, mod)
@@ -539,6 +541,21 @@ def _is_wrapper(cls) -> bool:
             and "__tensor_flatten__" in {k for c in cls.__mro__ for k in vars(c)}
             and cls.__module__.startswith("torch.distributed"))
     return hit
+
+
+def _local_flops(fc, out):
+    """A DTensor op's FLOPs on this rank. ``op_flops`` saw the global shapes; the rank computes
+    its local output (a share local/global numel of it) and, when that output is Partial (a
+    row-wise parallel matmul: the reduction dimension is sharded), only 1/n of each sum."""
+    try:
+        share = out._local_tensor.numel() / max(out.numel(), 1)
+        mesh = out.device_mesh
+        for i, p in enumerate(out.placements):
+            if p.is_partial():
+                share /= mesh.size(i)
+    except Exception:           # not a DTensor after all: its FLOPs as counted
+        return fc
+    return fc._replace(flops=int(fc.flops * share), flops_causal=int(fc.flops_causal * share))
 
 
 def _dim_order(t) -> tuple:
