@@ -81,6 +81,7 @@ def test_ddp_fake_world_8(fake8):
     assert c["bus_bytes"] == closed.bus_bytes
     # replicated: every rank holds all of it
     assert rec.totals["param_bytes"] == g and rec.totals["grad_bytes"] == g
+    assert (rec.totals["rank"], rec.totals["world_size"], rec.totals["mesh"]) == (0, WS, None)   # no DeviceMesh
     assert rec.uncounted_ops == [] or all("c10d" not in u["op"] for u in rec.uncounted_ops)
     assert not any("c10d" in o["op"] for o in rec.ops)
 
@@ -137,6 +138,7 @@ def test_fsdp2_fake_world_8_per_rank_shards(fake8):
     assert _local_bytes(params) == 8676
     assert tot["param_bytes"] == 8676 and tot["trainable_param_bytes"] == 8676
     assert tot["params"] == sum(p.numel() for p in params) == 16962      # N stays the model's
+    assert (tot["rank"], tot["world_size"], tot["mesh"]) == (0, WS, [WS])
     assert rec.memory["peak_breakdown"]["parameters"] == 8676
     assert tot["grad_bytes"] == 8676          # zero_grad(set_to_none) freed them: the most alive at once
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -346,3 +348,31 @@ def test_tensor_parallel_flops_are_the_ranks(fake8):
     # the row-wise layer's output is Partial: one all-reduce of the 4 x 64 fp32 output (1,024 B)
     [c] = t1.record.collectives
     assert (c["op"], c["bytes"], c["phase"], c["bus_bytes"]) == ("all_reduce", 1024, "forward", 1024 * 2 * 7 // 8)
+
+
+def test_fsdp_plus_tp_on_a_2d_mesh(fake8):
+    """FSDP over "dp" (2) and tensor parallelism over "tp" (4): mesh [2, 4], shards of both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4, 64)
+    with pytest.warns(UserWarning, match="returned a view"):   # torch's, traced or not (RowwiseParallel's output)
+        _step(model, opt, x)
+        with torchledger.trace(model, optimizer=opt) as t:
+            _step(model, opt, x)
+    tot = t.record.totals
+    assert tot["mesh"] == [2, 4]
+    # W1: 128 rows / 4 (tp) / 2 (dp) = 16 x 64; b1 16; W2: 64 / 2 rows x 128 / 4 columns; b2 64 / 2:
+    # (1024 + 16 + 1024 + 32) * 4 = 8,384 B
+    assert tot["param_bytes"] == _local_bytes(model.parameters()) == 8384
+    assert tot["flops"]["forward"] == 2 * 4 * (64 * 128 + 128 * 64) // 4      # tp = 4 shares the matmuls
+    groups = {(c["op"], c["group_size"]) for c in t.record.collectives}
+    # FSDP's gathers and reduce-scatters run over dp (2), TP's all-reduce over tp (4); the root
+    # module stays gathered from forward to backward: no backward all-gather
+    assert groups == {("all_gather", 2), ("reduce_scatter", 2), ("all_reduce", 4)}

@@ -230,7 +230,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     from .dist_record import add_collectives, add_rank_fields, is_distributed
     if is_distributed(mode):            # a single-process record keeps the keys it had
         add_collectives(rec, mode, scope)
-        add_rank_fields(rec)
+        add_rank_fields(rec, tracer._params)
     rec.predictions = _predictions(rec)
     tracer._params = []          # the step is over: hold no parameter (entering again re-reads them)
     return rec

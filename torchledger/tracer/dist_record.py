@@ -41,21 +41,29 @@ def add_collectives(rec, mode, scope) -> None:
     rec.totals["comm_bytes"] = comm
 
 
-def add_rank_fields(rec) -> None:
+def add_rank_fields(rec, params=()) -> None:
     """``totals.rank``, ``totals.world_size`` and ``totals.mesh`` from the default process
-    group (and the mesh of the current DeviceMesh, when one was made)."""
+    group; the mesh is the shape of the DeviceMesh the parameters are DTensors on (its root
+    mesh: FSDP + TP on 8x8 gives [8, 8]), else of the current DeviceMesh, else null."""
     import torch.distributed as dist
     t = rec.totals
     if not (dist.is_available() and dist.is_initialized()):
         t["rank"], t["world_size"], t["mesh"] = 0, 1, None
         return
     t["rank"], t["world_size"] = dist.get_rank(), dist.get_world_size()
-    mesh = None
+    t["mesh"] = _mesh_shape(params)
+
+
+def _mesh_shape(params):
     try:
+        for p in params:
+            dm = getattr(p, "device_mesh", None)
+            if dm is not None:
+                root = dm._get_root_mesh() if hasattr(dm, "_get_root_mesh") else dm
+                return [int(d) for d in root.mesh.shape]
         from torch.distributed.device_mesh import _mesh_resources
-        current = _mesh_resources.get_current_mesh() if _mesh_resources.mesh_stack else None
-        if current is not None:
-            mesh = list(current.mesh.shape)
-    except Exception:
-        mesh = None
-    t["mesh"] = mesh
+        if getattr(_mesh_resources, "mesh_stack", None):
+            return [int(d) for d in _mesh_resources.get_current_mesh().mesh.shape]
+    except Exception:           # a private API moved: no mesh rather than no record
+        pass
+    return None
