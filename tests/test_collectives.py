@@ -131,10 +131,11 @@ def test_record_round_trip_and_schema(fake_pg):
     d["collectives"][0]["bytes"] = -1
     with pytest.raises(RecordError, match=r"collectives\[0\]\.bytes"):
         StepRecord.from_dict(d)
-    d = json.loads(rec.to_json())
-    d["totals"]["comm_bytes"] = 5
-    with pytest.raises(RecordError, match="totals.comm_bytes"):
-        StepRecord.from_dict(d)
+    for key, bad in (("comm_bytes", 5), ("world_size", 0), ("rank", -1), ("mesh", [8, 0])):
+        d = json.loads(rec.to_json())
+        d["totals"][key] = bad
+        with pytest.raises(RecordError, match=f"totals.{key}"):
+            StepRecord.from_dict(d)
 
 
 def test_single_process_record_has_no_distributed_keys():
