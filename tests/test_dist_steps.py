@@ -246,7 +246,7 @@ def test_reports_and_findings_of_a_sharded_step(fake8):
         _step(model, opt, x)
     rec = t.record
     text = render_table(rec, t.findings())
-    assert "collectives (rank 0 of 8;" in text and "unsharded_params" in text
+    assert "collectives (rank 0 of 8, mesh 8;" in text and "unsharded_params" in text
     comm = rec.totals["comm_bytes"]
     assert f"total {comm['total'] / 1024:.1f} KiB" in text      # 86,696 B = 84.7 KiB
     # static bytes against ZeRO-3's per-rank share, not the whole model's: within 5%, no TL-CMP-002
