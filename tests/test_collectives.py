@@ -168,3 +168,17 @@ def test_closed_forms_by_hand():
 
 def ddp_bus(g, n):
     return g * 2 * (n - 1) // n
+
+
+def test_a_raising_distributed_step_leaves_nothing_installed(fake_pg):
+    """The storage-resize patch of a distributed step goes with everything else (leak guard),
+    and the user's exception comes out as it was."""
+    original = torch.UntypedStorage.resize_
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ZeroDivisionError):
+        with torchledger.trace(model) as t:
+            assert torch.UntypedStorage.resize_ is not original      # installed: a process group is up
+            dist.all_reduce(torch.ones(8))
+            1 / 0
+    assert torch.UntypedStorage.resize_ is original
+    assert t.record.totals["comm_bytes"]["total"] == 32                # 8 fp32 all-reduced before it raised

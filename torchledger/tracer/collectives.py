@@ -9,17 +9,17 @@ and ``totals.comm_bytes``. Collectives are never FLOPs, never uncounted ops, nev
 Bytes, per event (S_in: the bytes of the tensors this rank contributes, S_out: the bytes of
 the tensors the collective fills on this rank, n: the group size):
 
-============== ===================== ================= ================ ==============
-op             ``bytes`` (sent)      ``bytes_received`` ``algo_bytes``   bus factor
-============== ===================== ================= ================ ==============
-all_reduce     S (the buffer)        S                 S                2(n-1)/n
-all_gather     S_in (the local shard) S_out = n S_in   S_out            (n-1)/n
-reduce_scatter S_in (the full input) S_out = S_in / n  S_in             (n-1)/n
-broadcast      S                     S                 S                1
-all_to_all     S_in                  S_out             S_in             (n-1)/n
-send           S                     0                 S                1
-recv           0                     S                 S                1
-============== ===================== ================= ================ ==============
+=============== ======================= =================== ============ ============
+op              ``bytes`` (sent)        ``bytes_received``  algo_bytes   bus factor
+=============== ======================= =================== ============ ============
+all_reduce      S (the buffer)          S                   S            2(n-1)/n
+all_gather      S_in (the local shard)  S_out = n S_in      S_out        (n-1)/n
+reduce_scatter  S_in (the full input)   S_out = S_in / n    S_in         (n-1)/n
+broadcast       S                       S                   S            1
+all_to_all      S_in                    S_out               S_in         (n-1)/n
+send            S                       0                   S            1
+recv            0                       S                   S            1
+=============== ======================= =================== ============ ============
 
 ``algo_bytes`` and ``bus_bytes = algo_bytes x factor`` follow NCCL-tests' PERFORMANCE.md
 (algbw = size / time, busbw = algbw x factor; the factor makes busbw comparable with the
@@ -28,10 +28,11 @@ link. ``bytes`` is the logical payload this rank contributes, the figure ``total
 adds up. Hand check: all-reduce of 1,024 fp32 at n = 4: bytes 4,096, bus 4,096 x 2 x 3 / 4 =
 6,144.
 
-Known limitations: ``reduce``, ``gather`` and ``scatter`` (rooted, rare in training) are
-recorded with the root's view (sent = input, received = output); bytes of a collective run
-asynchronously count when it is issued, not when ``wait()`` returns; the group size of a
-process group that cannot be resolved is recorded as 0 (with a warning in the record).
+Known limitations: ``reduce``, ``gather`` and ``scatter`` (rooted, rare in training) keep
+those names (beyond INTERFACE.md's seven) and are recorded with the root's view (sent =
+input, received = output); bytes of a collective run asynchronously count when it is issued,
+not when ``wait()`` returns; a collective whose process group cannot be resolved is not
+recorded (the record's warnings name it: "op not recorded: ...").
 """
 from __future__ import annotations
 
