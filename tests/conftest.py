@@ -35,6 +35,7 @@ def hook_state():
         if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else False,
         "active": active_tracer() is not None,
         "sdpa": torch.nn.functional.scaled_dot_product_attention,
+        "storage_resize": torch.UntypedStorage.resize_,      # patched while a distributed step is traced
         "sigint": signal.getsignal(signal.SIGINT),
         "lock": _lifecycle().LOCK.locked(),
         "mode_flag": _python_dispatch._is_in_torch_dispatch_mode,

@@ -32,7 +32,7 @@ TOTAL_KINDS = {
               "bytes_read", "bytes_written", "copy_bytes", "trainable_params", "trainable_param_bytes",
               "activation_bytes_peak", "grad_bytes_end", "param_matmul_flops_forward",
               "param_matmul_flops_grad"],
-    "counts": ["flops", "attention_flops", "elementwise_flops", "view_ops"],
+    "counts": ["flops", "attention_flops", "elementwise_flops", "view_ops", "comm_bytes"],
     "text": ["tokens_source", "peak_phase", "peak_module", "mfu_source"],
     "seconds": ["step_seconds", "mfu", "hfu"],
     "rank": ["rank"], "world": ["world_size"], "mesh": ["mesh"],       # torch.distributed

@@ -92,6 +92,7 @@ def _empty_totals() -> dict:
         "bytes_read": 0, "bytes_written": 0, "copy_bytes": 0,
         "step_seconds": None, "mfu": None,
         "rank": 0, "world_size": 1, "mesh": None,     # torch.distributed: tracer/ranks.py
+        "comm_bytes": {"forward": 0, "backward": 0, "optimizer": 0, "other": 0, "total": 0},
     }
 
 
@@ -120,10 +121,12 @@ class StepRecord:
     optimizer: dict = field(default_factory=dict)
     findings: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    collectives: list = field(default_factory=list)
+    """Distributed steps only: collectives grouped by (op, group size, phase, module, location)."""
 
     # -- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        d = {
             "schema": SCHEMA,
             "conventions": dict(CONVENTIONS),
             "meta": self.meta,
@@ -138,6 +141,9 @@ class StepRecord:
             "findings": [f.to_dict() if isinstance(f, Finding) else f for f in self.findings],
             "warnings": self.warnings,
         }
+        if self.collectives:            # distributed steps only: single-process records unchanged
+            d["collectives"] = self.collectives
+        return d
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
@@ -182,7 +188,7 @@ class StepRecord:
                    uncounted_ops=d.get("uncounted_ops", []), copies=d.get("copies", []),
                    memory=d.get("memory", {}), optimizer=d.get("optimizer", {}),
                    findings=[Finding.from_dict(f) for f in d.get("findings", [])],
-                   warnings=d.get("warnings", []))
+                   warnings=d.get("warnings", []), collectives=d.get("collectives", []))
 
     @classmethod
     def from_json(cls, text) -> "StepRecord":

@@ -185,6 +185,7 @@ TOTALS = _Obj({
     "peak_phase": OPT_STR, "peak_module": OPT_STR, "tokens_source": OPT_STR, "mfu_source": OPT_STR,
     "step_seconds": _Null(NONNEG), "step_seconds_untraced": _Null(NONNEG), "mfu": _Null(NONNEG),
     "hfu": _Null(NONNEG),
+    "comm_bytes": COUNTS,
     "rank": COUNT, "world_size": _Count(1), "mesh": _Null(_List(_Count(1))),
 }, after=lambda totals, path: _rank_in_world(totals, path))
 
@@ -206,6 +207,10 @@ UNCOUNTED = _Obj({"op": STR, "count": COUNT, "phases": _List(STR), "modules": _L
                  required=("op", "count"))
 COPY = _Obj({"op": STR, "module": OPT_STR, "phase": STR, "location": OPT_STR, "reason": STR,
              "count": COUNT, "bytes": COUNT})
+COLLECTIVE = _Obj({"op": STR, "phase": STR, "module": OPT_STR, "location": OPT_STR,
+                   **{k: COUNT for k in ("bytes", "group_size", "count", "bytes_received", "algo_bytes",
+                                         "bus_bytes")}},
+                  required=("op", "bytes", "count"))
 FINDING = _Obj({"rule": STR, "severity": _Str(("error", "warning", "info")), "message": STR,
                 "module": OPT_STR, "location": OPT_STR, "hint": OPT_STR},
                required=("rule", "severity", "message"))
@@ -259,7 +264,8 @@ OPTIMIZER = _Obj({"names": _List(STR), "kind": OPT_STR, "precision": OPT_STR, "s
 RECORD = _Obj({"schema": STR, "conventions": _Obj(), "meta": META, "totals": TOTALS,
                "predictions": PREDICTIONS, "modules": _List(MODULE), "ops": _List(OP),
                "uncounted_ops": _List(UNCOUNTED), "copies": _List(COPY), "memory": MEMORY,
-               "optimizer": OPTIMIZER, "findings": _List(FINDING), "warnings": _List(STR)})
+               "optimizer": OPTIMIZER, "findings": _List(FINDING), "warnings": _List(STR),
+               "collectives": _List(COLLECTIVE)})
 
 
 def check_record(data, schema: str, *, values: bool = True) -> None:

@@ -80,6 +80,7 @@ def check_allocator(records, options=None) -> list:
 
 
 def _all():
+    from .comm import check_comm_steps
     from .compare import check_comparisons
     from .copies import check_copies
     from .leaks import check_leaks
@@ -89,7 +90,7 @@ def _all():
     from .outputs import check_output_cache
     return [check_comparisons, check_copies, check_leaks, check_output_cache, check_gpu_fit,
             check_comm_time, check_mfu, check_allocator, check_uncounted_ops, check_fake_kernel_gaps,
-            check_tracer_warnings]
+            check_tracer_warnings, check_comm_steps]
 
 
 ALL_CHECKS = _all()

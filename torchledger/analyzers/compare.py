@@ -145,9 +145,15 @@ def predictions(record) -> dict:
     opt = record.optimizer or {}
     if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
         # trainable: params + grads + master + optimizer state; frozen: their weights only
-        sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"])
+        from .comm import sharding
+        gpus, zero = sharding(record)               # (1, 0) unless a distributed rank holds shards
+        sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
         frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
-        out["static_bytes"] = sm.total_bytes + frozen
+        if zero:                                    # ZeRO-3: this rank's share of everything
+            out["static_bytes"] = round(sm.per_gpu_bytes + frozen / gpus)
+            out["static_bytes_zero"] = [gpus, zero]
+        else:
+            out["static_bytes"] = sm.total_bytes + frozen
         out["static_bytes_per_param"] = sm.bytes_per_param
         if frozen:
             out["static_bytes_frozen"] = frozen
@@ -215,8 +221,11 @@ def comparisons(record, p=None) -> list:
                   f"(their weights only: no gradient, no optimizer state)" if p.get("static_bytes_frozen") else "")
         rows.append(_row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
                          f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes per "
-                         f"trainable param x {t['trainable_params']:,}{frozen} predicted "
-                         f"(per-tensor step scalars make the difference)"))
+                         f"trainable param x {t['trainable_params']:,}{frozen} predicted"
+                         + (" / {} ranks (ZeRO-3: this rank's shards; padding to a multiple of {} "
+                            "rows makes rank 0's larger)".format(p["static_bytes_zero"][0], p["static_bytes_zero"][0])
+                            if p.get("static_bytes_zero") else "")
+                         + " (per-tensor step scalars make the difference)"))
     if "activation_bytes_korthikanti_16bit" in p:
         layers = ""
         if lengths is not None:

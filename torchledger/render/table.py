@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
+from .collectives import collective_lines
 from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, dtype_text, is_empty,
                      module_rows, run_notes, tokens_note)
 
@@ -40,6 +41,7 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
                  disable_numparse=True),
     ]
     lines += _totals_lines(record)
+    lines += collective_lines(record)          # distributed records only
     lines += _comparison_lines(record)
     if findings:
         lines += ["", "findings:"]

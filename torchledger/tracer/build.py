@@ -7,7 +7,7 @@ import torch
 from ..record import TOKENS_GIVEN, StepRecord
 from .dispatch import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
 from .flops_attention import score_recompute_flops
-from .memory import ACT, CATEGORIES, GRAD, state_tensors, tensor_bytes
+from .memory import ACT, ALL_CATEGORIES, CATEGORIES, GRAD, UNSHARDED, state_tensors, tensor_bytes
 from .modules import NO_MODULE
 from .ranks import rank_totals
 
@@ -85,9 +85,9 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     # -- parameters -----------------------------------------------------------------------
     params = tracer._params
     t["params"] = sum(p.numel() for p in params)
-    t["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    t["param_bytes"] = sum(_local_bytes(p) for p in params)         # this rank's shard of a DTensor
     t["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
-    t["trainable_param_bytes"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    t["trainable_param_bytes"] = sum(_local_bytes(p) for p in params if p.requires_grad)
     t["matmul_params"] = sum(tracer._param_storages[k] for k in mode.matmul_params)
     t["param_matmul_flops_forward"] = int(mode.param_matmul_flops)
     # the backward matmuls those need: one forward's worth per operand that requires grad
@@ -138,6 +138,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     # -- live memory -------------------------------------------------------------------------
     n_ops = mode.n_ops
     tl = storages.timeline(n_ops)                       # (categories, n_ops + 1)
+    cats = ALL_CATEGORIES if tl[UNSHARDED].any() else CATEGORIES    # FSDP's gathered params: when present
     live = tl.sum(axis=0)
     peak_idx = int(live.argmax()) if live.size else 0
     op_phase = np.asarray(mode.op_phase + [FORWARD], dtype=np.int64)[: n_ops + 1]
@@ -161,14 +162,14 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     rec.memory = {
         "peak_bytes": t["peak_bytes"],
         "peak_op_index": peak_idx,
-        "peak_breakdown": {c: int(tl[i, peak_idx]) for i, c in enumerate(CATEGORIES)} if live.size else {},
-        "end_breakdown": {c: int(tl[i, -1]) for i, c in enumerate(CATEGORIES)} if live.size else {},
+        "peak_breakdown": {c: int(tl[i, peak_idx]) for i, c in enumerate(cats)} if live.size else {},
+        "end_breakdown": {c: int(tl[i, -1]) for i, c in enumerate(cats)} if live.size else {},
         "phase_peaks": {PHASES[p]: int(live[:n_ops][op_phase[:n_ops] == p].max())
                         for p in range(len(PHASES)) if n_ops and (op_phase[:n_ops] == p).any()},
         "recompute_saved_bytes": int(recompute_saved),
-        "timeline": _downsample(tl, op_phase, peak_idx),
+        "timeline": _downsample(tl, op_phase, peak_idx, cats),
         "cuda": tracer._cuda_marks,
-        "categories": list(CATEGORIES),
+        "categories": list(cats),
         "note": "live bytes of storages the step allocates plus the model's parameters, buffers, "
                 "gradients and optimizer state; inputs made before the step count once saved",
     }
@@ -234,6 +235,8 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         rec.warnings.append(f"retention analysis failed: {type(e).__name__}: {e}")
     storages.release()
     rec.memory["allocator"] = _allocator(tracer)
+    from .dist_record import add_collectives
+    add_collectives(rec, mode, scope)   # totals.comm_bytes (zeros in one process), collectives
     tracer._params = []          # the step is over: hold no parameter (entering again re-reads them)
     return rec
 
@@ -283,6 +286,12 @@ def _bytes(t) -> int:
         return t.numel() * t.element_size()
 
 
+def _local_bytes(p) -> int:
+    """Bytes of ``p`` on this rank: a DTensor's local shard (``to_local()``), else numel x size."""
+    local = getattr(p, "_local_tensor", p)
+    return local.numel() * local.element_size()
+
+
 def _op_name(func) -> str:
     return str(func)
 
@@ -293,7 +302,7 @@ def _kernel_name(func) -> str:
     return schema.name.split("::")[-1] if schema is not None else ""
 
 
-def _downsample(tl: np.ndarray, op_phase: np.ndarray, peak_idx: int) -> list:
+def _downsample(tl: np.ndarray, op_phase: np.ndarray, peak_idx: int, cats=CATEGORIES) -> list:
     n = tl.shape[1]
     if n == 0:
         return []
@@ -304,7 +313,7 @@ def _downsample(tl: np.ndarray, op_phase: np.ndarray, peak_idx: int) -> list:
     phases = op_phase[np.minimum(idx, len(op_phase) - 1)].tolist()
     for i, phase, col, total in zip(idx.tolist(), phases, cols.T.tolist(), cols.sum(axis=0).tolist()):
         row = {"op_index": i, "phase": PHASES[phase] if i < n - 1 else "end"}
-        row.update(zip(CATEGORIES, col))
+        row.update(zip(cats, col))
         row["total"] = total
         rows.append(row)
     return rows

@@ -18,6 +18,7 @@ from bisect import bisect_right
 
 from torch._C._autograd import _get_sequence_nr
 
+from .collectives import FSDP_COPY_OUT, IGNORED, describe, lookup
 from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
@@ -34,6 +35,7 @@ _Tensor = torch.Tensor
 _current_node = torch._C._current_autograd_node
 _grad_enabled = torch.is_grad_enabled
 _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _needs_grad(args) -> bool:
@@ -68,6 +70,11 @@ _SAFE_SOFTMAX = getattr(getattr(_aten, "_safe_softmax", None), "default", None) 
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _MUL_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Scalar}  # zero when times 0
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+try:                                  # a deprecation wrapper's frame is not the user's line
+    import typing_extensions as _te
+    _COLLECTIVE_SKIP = _SKIP_DIRS + (_te.__file__,)
+except ImportError:
+    _COLLECTIVE_SKIP = _SKIP_DIRS
 
 
 def _is_alias_op(func) -> bool:
@@ -133,6 +140,9 @@ class LedgerMode(TorchDispatchMode):
         self._last_mark = None
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
+        self.collectives: dict = {}  # (op, group size, phase, module, location) -> [count, sent, received, algo, bus]
+        self.on_collective = None    # callback(op, func, args, kwargs, out) after a collective (dist_memory)
+        self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -187,6 +197,10 @@ class LedgerMode(TorchDispatchMode):
                 self.on_phase(phase)
 
         fid = id(func)                  # ops hash in Python; their ids hash in C
+        if fid in self.collective_ids:  # never FLOPs, never uncounted, never a copy
+            self.op_module.append(mod)
+            self._collective(func, args, kwargs, out, phase, mod, idx)
+            return
         info = self._finfo.get(fid)
         if info is None:
             info = self._finfo[fid] = (_is_alias_op(func), func in _COPY_OPS,
@@ -197,6 +211,8 @@ class LedgerMode(TorchDispatchMode):
         alias = info[0]
 
         fc = op_flops(func, args, kwargs, out)
+        if fc is not None and fc.flops and _is_wrapper(type(out)):   # DTensor op: this rank's share
+            fc = _local_flops(fc, out)
         if fc is not None and fc.kind == "matmul":
             if phase == FORWARD and not self.sdpa_depth:
                 fc = self._unwrapped_sdpa(func, fc, mod)
@@ -282,11 +298,43 @@ class LedgerMode(TorchDispatchMode):
         st = self.storages
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
+                if _is_wrapper(type(o)):        # a DTensor: this rank's local shard
+                    written += tensor_bytes(o)
+                    if track:
+                        for s in _storages_of(o):
+                            st.add(s, TEMP, at=idx, op=func)
+                    continue
                 written += nbytes(o)
                 if track:
                     for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
                         st.add(s, TEMP, at=idx, op=func)
         return read, written
+
+    def _collective(self, func, args, kwargs, out, phase, mod, idx) -> None:
+        """One collective (or a wait on one): its output storages are tracked like any op's
+        (a functional all-gather makes its result); a data-moving one becomes an event."""
+        for o in _operands(out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, _Tensor):
+                for s in storages(o):
+                    self.storages.add(s, TEMP, at=idx, op=func)
+        if func in IGNORED:
+            if self.on_collective is not None and func.__name__.startswith("split_with_sizes_copy"):
+                self.on_collective(FSDP_COPY_OUT, func, args, kwargs, out)
+            return
+        op, n, nbytes = describe(func, args, kwargs, out)
+        if phase == OTHER and _graph_task() != -1:    # an engine's final callback (FSDP2's last
+            phase = BACKWARD                            # reduce-scatters): still the backward
+        key = (op, n, phase, mod, user_frame(_COLLECTIVE_SKIP))
+        row = self.collectives.get(key)
+        if row is None:
+            row = self.collectives[key] = [0, 0, 0, 0, 0]
+        row[0] += 1
+        row[1] += nbytes["bytes"]
+        row[2] += nbytes["bytes_received"]
+        row[3] += nbytes["algo_bytes"]
+        row[4] += nbytes["bus_bytes"]
+        if self.on_collective is not None:
+            self.on_collective(op, func, args, kwargs, out)
 
     def _is_view(self, func, args, out) -> bool:
         """The schema says ``func`` aliases its input; the first time each op is seen, confirm
@@ -482,6 +530,37 @@ def _operands(args):
             yield from a
         else:
             yield a
+
+
+_storages_of = storages
+_WRAPPERS: dict = {}
+
+
+def _is_wrapper(cls) -> bool:
+    """``cls`` is a wrapper subclass whose data sits in inner tensors (DTensor): its own
+    ``untyped_storage()`` and ``nbytes`` describe the global tensor, not this rank's bytes."""
+    hit = _WRAPPERS.get(cls)
+    if hit is None:
+        hit = _WRAPPERS[cls] = cls.__name__ == "DTensor" or (
+            cls not in (_Tensor, torch.nn.Parameter) and cls.__name__ != "FakeTensor"
+            and "__tensor_flatten__" in {k for c in cls.__mro__ for k in vars(c)}
+            and cls.__module__.startswith("torch.distributed"))
+    return hit
+
+
+def _local_flops(fc, out):
+    """A DTensor op's FLOPs on this rank. ``op_flops`` saw the global shapes; the rank computes
+    its local output (a share local/global numel of it) and, when that output is Partial (a
+    row-wise parallel matmul: the reduction dimension is sharded), only 1/n of each sum."""
+    try:
+        share = out._local_tensor.numel() / max(out.numel(), 1)
+        mesh = out.device_mesh
+        for i, p in enumerate(out.placements):
+            if p.is_partial():
+                share /= mesh.size(i)
+    except Exception:           # not a DTensor after all: its FLOPs as counted
+        return fc
+    return fc._replace(flops=int(fc.flops * share), flops_causal=int(fc.flops_causal * share))
 
 
 def _dim_order(t) -> tuple:

@@ -23,10 +23,15 @@ from collections import deque
 import numpy as np
 import torch
 
-__all__ = ["StorageTracker", "CATEGORIES", "data_tensors", "storages", "tensor_bytes", "state_tensors"]
+__all__ = ["StorageTracker", "CATEGORIES", "ALL_CATEGORIES", "data_tensors", "storages", "tensor_bytes", "state_tensors"]
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 PARAM, BUFFER, GRAD, OPT, ACT, TEMP = range(6)
+#: Distributed steps add one: the parameters FSDP all-gathers for forward and backward (the
+#: local shards stay "parameters"); a record names it only when it held bytes (build.py), so
+#: single-process records keep the six above.
+UNSHARDED = 6
+ALL_CATEGORIES = CATEGORIES + ("unsharded_params",)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -137,13 +142,27 @@ class StorageTracker:
         while dead:
             ref = dead.pop()
             key, k = self._owner.pop(id(ref), (None, None))
-            if k is None or self.closed:
+            if k is None or self.closed or self.free[k] >= 0:   # already freed by a resize to 0
                 continue
             self.free[k] = self.now
             if self.live.get(key) == k:
                 del self.live[key]
             if self._refs.get(key) is ref:
                 del self._refs[key]
+
+    def resized(self, storage, category: int) -> None:
+        """``storage.resize_()`` ran (FSDP frees and re-allocates its unsharded parameters
+        that way, keeping the storage object): the old size's lifetime ends now and, when the
+        storage still has bytes, a new one of ``category`` starts."""
+        if self.dead:
+            self.drain()
+        key = storage._cdata
+        k = self.live.pop(key, None)
+        if k is not None:
+            self.free[k] = self.now
+            self._refs.pop(key, None)
+        if storage.nbytes():
+            self.add(storage, category)
 
     def promote(self, storage, category: int, only_from: int | None = TEMP) -> int:
         """Re-categorise a tracked storage (or start tracking it now)."""
@@ -172,13 +191,13 @@ class StorageTracker:
         self.dead.clear()
 
     def timeline(self, n_ops: int) -> np.ndarray:
-        """Live bytes per category after each op: array of shape (len(CATEGORIES), n_ops + 1).
+        """Live bytes per category after each op: array of shape (len(ALL_CATEGORIES), n_ops + 1).
 
         Column i is the memory live while op i runs (its outputs included, frees that happen
         before op i starts excluded); the last column is the end of the step.
         """
         n = n_ops + 1
-        out = np.zeros((len(CATEGORIES), n + 1), dtype=np.int64)
+        out = np.zeros((len(ALL_CATEGORIES), n + 1), dtype=np.int64)
         if self.alloc:
             alloc = np.minimum(np.asarray(self.alloc, dtype=np.int64), n - 1)
             free = np.asarray(self.free, dtype=np.int64)

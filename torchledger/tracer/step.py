@@ -22,6 +22,7 @@ from ..record import StepRecord
 from .build import build_record
 from .compiled import observe_run
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
+from .dist_memory import install_distributed
 from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
@@ -132,6 +133,7 @@ class StepTracer:
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                 undo(p.register_post_accumulate_grad_hook(self._grad_ready).remove)
         attention_hook(self.mode, life, self._ours)
+        install_distributed(self, life)      # a distributed step only: FSDP's gathered parameters
         if self.cuda is not None and self.memory_history:
             from .cuda_history import CudaMemoryHistory
             entries = self.memory_history if type(self.memory_history) is int else 100_000

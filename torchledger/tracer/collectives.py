@@ -1,0 +1,183 @@
+"""Collectives seen by the dispatch mode: which ops they are and how many bytes they move.
+
+``torch.distributed`` collectives are dispatcher ops (``c10d.allreduce_`` from DDP's reducer,
+``c10d._allgather_base_`` and ``c10d._reduce_scatter_base_`` from FSDP2, ``_c10d_functional.*``
+from DTensor and compiled code), so ``dispatch.LedgerMode`` sees every one. Each becomes one
+event, aggregated by (op, group size, phase, module, source line) into ``record.collectives``
+and ``totals.comm_bytes``. Collectives are never FLOPs, never uncounted ops, never copies.
+
+Bytes, per event (S_in: the bytes of the tensors this rank contributes, S_out: the bytes of
+the tensors the collective fills on this rank, n: the group size):
+
+=============== ======================= =================== ============ ============
+op              ``bytes`` (sent)        ``bytes_received``  algo_bytes   bus factor
+=============== ======================= =================== ============ ============
+all_reduce      S (the buffer)          S                   S            2(n-1)/n
+all_gather      S_in (the local shard)  S_out = n S_in      S_out        (n-1)/n
+reduce_scatter  S_in (the full input)   S_out = S_in / n    S_in         (n-1)/n
+broadcast       S                       S                   S            1
+all_to_all      S_in                    S_out               S_in         (n-1)/n
+send            S                       0                   S            1
+recv            0                       S                   S            1
+=============== ======================= =================== ============ ============
+
+``algo_bytes`` and ``bus_bytes = algo_bytes x factor`` follow NCCL-tests' PERFORMANCE.md
+(algbw = size / time, busbw = algbw x factor; the factor makes busbw comparable with the
+link's bandwidth whatever n is): bus bytes are what a ring algorithm moves over each rank's
+link. ``bytes`` is the logical payload this rank contributes, the figure ``totals.comm_bytes``
+adds up. Hand check: all-reduce of 1,024 fp32 at n = 4: bytes 4,096, bus 4,096 x 2 x 3 / 4 =
+6,144.
+
+Known limitations: ``reduce``, ``gather`` and ``scatter`` (rooted, rare in training) keep
+those names (beyond INTERFACE.md's seven) and are recorded with the root's view (sent =
+input, received = output); bytes of a collective run asynchronously count when it is issued,
+not when ``wait()`` returns; a collective whose process group cannot be resolved is not
+recorded (the record's warnings name it: "op not recorded: ...").
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formulas.comm import bus_factor
+
+__all__ = ["COLLECTIVES", "IGNORED", "lookup", "collective_bytes", "bus_factor", "describe"]
+
+#: (namespace, op) -> (plain op name, index of the input argument(s), index of the output
+#: argument(s) or None for the op's return value, index of the group argument, kind of group
+#: argument: "pg" a boxed ProcessGroup, "name" a group name, "size" a group-size int before
+#: the name). In-place c10d ops write into their input (all_reduce, broadcast) or into an
+#: output argument.
+_TABLE = {
+    ("c10d", "allreduce_"): ("all_reduce", 0, 0, 1, "pg"),
+    ("c10d", "allreduce_coalesced_"): ("all_reduce", 0, 0, 1, "pg"),
+    ("c10d", "_allgather_base_"): ("all_gather", 1, 0, 2, "pg"),
+    ("c10d", "allgather_"): ("all_gather", 1, 0, 2, "pg"),
+    ("c10d", "allgather_coalesced_"): ("all_gather", 1, 0, 2, "pg"),
+    ("c10d", "allgather_into_tensor_coalesced_"): ("all_gather", 1, 0, 2, "pg"),
+    ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", 1, 0, 2, "pg"),
+    ("c10d", "reduce_scatter_"): ("reduce_scatter", 1, 0, 2, "pg"),
+    ("c10d", "reduce_scatter_tensor_coalesced_"): ("reduce_scatter", 1, 0, 2, "pg"),
+    ("c10d", "broadcast_"): ("broadcast", 0, 0, 1, "pg"),
+    ("c10d", "alltoall_base_"): ("all_to_all", 1, 0, 2, "pg"),
+    ("c10d", "alltoall_"): ("all_to_all", 1, 0, 2, "pg"),
+    ("c10d", "send"): ("send", 0, None, 1, "pg"),
+    ("c10d", "recv_"): ("recv", None, 0, 1, "pg"),
+    ("c10d", "recv_any_source_"): ("recv", None, 0, 1, "pg"),
+    ("c10d", "reduce_"): ("reduce", 0, 0, 1, "pg"),
+    ("c10d", "gather_"): ("gather", 1, 0, 2, "pg"),
+    ("c10d", "scatter_"): ("scatter", 1, 0, 2, "pg"),
+    ("_c10d_functional", "all_reduce"): ("all_reduce", 0, None, 2, "name"),
+    ("_c10d_functional", "all_reduce_"): ("all_reduce", 0, None, 2, "name"),
+    ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", 0, None, 2, "name"),
+    ("_c10d_functional", "all_reduce_coalesced_"): ("all_reduce", 0, None, 2, "name"),
+    ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 0, None, 1, "size"),
+    ("_c10d_functional", "all_gather_into_tensor_out"): ("all_gather", 0, None, 1, "size"),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", 0, None, 1, "size"),
+    ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 0, None, 2, "size"),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 0, None, 2, "size"),
+    ("_c10d_functional", "all_to_all_single"): ("all_to_all", 0, None, 3, "name"),
+    ("_c10d_functional", "broadcast"): ("broadcast", 0, None, 2, "name"),
+    ("_c10d_functional", "broadcast_"): ("broadcast", 0, None, 2, "name"),
+    ("_c10d_functional", "isend"): ("send", 0, "none", 3, "name"),
+    ("_c10d_functional", "irecv"): ("recv", None, None, 3, "name"),
+}
+#: The autograd-aware functional collectives (DTensor's redistribute in backward) take the
+#: same arguments as their ``_c10d_functional`` namesakes.
+for (_ns, _name), _row in list(_TABLE.items()):
+    if _ns == "_c10d_functional":
+        _TABLE[("_c10d_functional_autograd", _name)] = _row
+
+#: Ops of the collective machinery that move no data of their own: waits, barriers, the
+#: autograd wrapper of a functional collective's output. Not recorded at all (not uncounted).
+_IGNORED = {("_c10d_functional", "wait_tensor"), ("_c10d_functional", "_wrap_tensor_autograd"),
+            ("_c10d_functional_autograd", "wait_tensor"), ("c10d", "barrier"),
+            ("c10d", "monitored_barrier_"), ("c10d", "_wait_tensor"),
+            # FSDP2's copy-in before an all-gather, copy-out after it and the padded gradient
+            # concatenation before a reduce-scatter: the collective's own staging, not copies
+            # of the user's (their buffers are tracked: see dist_memory)
+            ("fsdp", "all_gather_copy_in"), ("fsdp", "split_with_sizes_copy"), ("fsdp", "chunk_cat")}
+#: The op name under which ``LedgerMode.on_collective`` hears of FSDP's copy-out.
+FSDP_COPY_OUT = "fsdp_copy_out"
+
+
+def _resolve(table) -> dict:
+    out = {}
+    for (ns, name), row in table.items():
+        packet = getattr(getattr(torch.ops, ns, None), name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            out[getattr(packet, overload)] = row
+    return out
+
+
+COLLECTIVES: dict = {}
+"""func -> table row (see ``lookup``)."""
+IGNORED: set = set()
+"""The ops of ``_IGNORED`` that exist now."""
+
+
+def lookup() -> set:
+    """Resolve the table against the ops registered now (some, like ``_wrap_tensor_autograd``,
+    are registered when ``torch.distributed._functional_collectives`` is first imported, so
+    each trace looks again) and return the ids of every collective-machinery op."""
+    try:
+        import torch.distributed  # noqa: F401  registers the c10d ops
+    except Exception:       # a torch built without distributed: no collective can run either
+        pass
+    COLLECTIVES.update(_resolve(_TABLE))
+    IGNORED.update(_resolve({k: None for k in _IGNORED}))
+    return {id(op) for op in COLLECTIVES} | {id(op) for op in IGNORED}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def collective_bytes(op: str, sent_in: int, filled: int, n: int) -> dict:
+    """The four byte counts of one event (see the module's table). ``sent_in``: bytes of the
+    input tensors, ``filled``: bytes of the tensors the collective fills on this rank."""
+    if op == "all_reduce" or op == "broadcast":
+        sent, received, algo = sent_in, sent_in, sent_in
+    elif op == "all_gather" or op == "gather":
+        sent, received, algo = sent_in, filled, filled
+    elif op in ("reduce_scatter", "all_to_all", "scatter", "reduce"):
+        sent, received, algo = sent_in, filled, sent_in
+    elif op == "send":
+        sent, received, algo = sent_in, 0, sent_in
+    else:                               # recv
+        sent, received, algo = 0, filled, filled
+    num, den = bus_factor(op, n)
+    return {"bytes": sent, "bytes_received": received, "algo_bytes": algo, "bus_bytes": algo * num // den}
+
+
+def _group_size(arg, kind: str) -> int:
+    """The size of the process group a collective runs on (0 when it cannot be found)."""
+    if kind == "pg":
+        from torch.distributed import ProcessGroup
+        return int(ProcessGroup.unbox(arg).size())
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return int(_resolve_process_group(arg).size())
+
+
+def describe(func, args, kwargs, out) -> tuple:
+    """(op, group size, byte counts) of one collective call."""
+    op, i_in, i_out, i_group, kind = COLLECTIVES[func]
+    if kind == "size":                  # the group size sits before the group name
+        n = int(args[i_group])
+    else:
+        n = _group_size(args[i_group] if i_group < len(args) else kwargs.get("group_name"), kind)
+    sent_in = _nbytes(args[i_in]) if i_in is not None else 0
+    if i_out is None:                   # functional: the result is the op's return value
+        filled = _nbytes(out) if op != "send" else 0
+    elif i_out == "none":
+        filled = 0
+    else:
+        filled = _nbytes(args[i_out])
+    if op == "recv" and i_out is None:  # functional irecv fills (and returns) its argument
+        filled = _nbytes(args[0])
+    return op, n, collective_bytes(op, sent_in, filled, n)

@@ -1,0 +1,78 @@
+"""Live memory of a sharded step: FSDP2's gathered parameters get their own category.
+
+Under FSDP2 (``fully_shard``) a rank holds its parameters' local shards (DTensors: the
+tracer counts ``to_local()``, see ``memory.data_tensors``). Before a module's forward and
+again before its backward FSDP all-gathers them into one flat buffer (made by
+``fsdp.all_gather_copy_in``), copies them out into per-parameter unsharded buffers
+(``fsdp.split_with_sizes_copy``), and frees those after use by ``storage.resize_(0)`` and
+re-allocates them by ``storage.resize_(n)``: the storage object lives on, so its lifetime
+is not a weakref's. This module makes both buffers the category ``unsharded_params`` and
+follows ``UntypedStorage.resize_`` while the step is traced.
+
+Installed only when a process group is initialised (single-process steps are untouched).
+
+Known limitations: any storage grown by ``resize_`` during a distributed step is counted as
+unsharded parameters (FSDP is the one user of that idiom in PyTorch); the padded unsharded
+gradients FSDP builds for the reduce-scatter (``fsdp.chunk_cat``) are temporaries.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from .memory import TEMP, UNSHARDED, storages
+
+__all__ = ["install_distributed"]
+
+
+def install_distributed(tracer, life) -> None:
+    """Follow ``resize_`` and mark FSDP's gathered buffers, for a distributed step only."""
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+    except Exception:
+        return
+    mode, tracker = tracer.mode, tracer.storages
+    original = torch.UntypedStorage.resize_
+
+    def resize_(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        try:
+            if tracer._ours() and not tracker.closed:
+                tracker.resized(self, UNSHARDED)
+        except Exception as e:              # never raise into the user's step
+            tracer._warn(f"storage resize: {type(e).__name__}: {e}")
+        return out
+
+    resize_.__wrapped__ = original
+    life.patch(torch.UntypedStorage, "resize_", resize_)
+
+    def on_collective(op, func, args, kwargs, out) -> None:
+        if op == "all_gather" and _from_fsdp():    # FSDP's flat buffer of gathered parameters
+            target = args[0] if args and isinstance(args[0], torch.Tensor) else out
+            if isinstance(target, torch.Tensor):
+                for s in storages(target):
+                    tracker.promote(s, UNSHARDED, only_from=TEMP)
+        elif op == "fsdp_copy_out":         # the per-parameter unsharded buffers
+            for t in kwargs.get("out") or ():
+                for s in storages(t):
+                    tracker.promote(s, UNSHARDED, only_from=TEMP)
+
+    mode.on_collective = on_collective
+
+
+_FSDP_DIR = os.path.join("distributed", "fsdp", "")
+
+
+def _from_fsdp(depth: int = 40) -> bool:
+    """The collective was issued by ``torch.distributed.fsdp`` code (some caller frame is
+    FSDP's): its all-gathers gather parameters (DTensor's all-gather activations too)."""
+    f = sys._getframe(2)
+    while f is not None and depth > 0:
+        if _FSDP_DIR in f.f_code.co_filename:
+            return True
+        f, depth = f.f_back, depth - 1
+    return False
