@@ -328,6 +328,7 @@ class StepTracer:
             self.mode.in_optimizer += 1
             if all(o is not opt for o in self._optimizers):
                 self._optimizers.append(opt)
+            return _closure_outside(self.mode, args, kwargs)
         except Exception as e:
             self._warn(f"optimizer hook: {type(e).__name__}: {e}")
 
@@ -381,6 +382,26 @@ _current_node = torch._C._current_autograd_node
 
 def _unpack(t):
     return t
+
+
+def _closure_outside(mode, args, kwargs):
+    """``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization) runs the step's
+    forward and backward inside the optimizer step: the closure is wrapped so that its work is
+    recorded in its own phases, not as optimizer work. None (arguments unchanged) without one.
+    ``args`` holds the optimizer first (torch's pre-hook convention)."""
+    def outside(closure):
+        def run_closure():
+            depth, mode.in_optimizer = mode.in_optimizer, 0
+            try:
+                return closure()
+            finally:
+                mode.in_optimizer = depth
+        return run_closure
+    if callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": outside(kwargs["closure"])}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], outside(args[1]), *args[2:]), kwargs
+    return None
 
 
 #: Code during which a SIGINT is deferred (``lifecycle.Installed.watch_sigint``).
