@@ -126,9 +126,9 @@ def test_traced_step_matches_a_hand_trace(tmp_path, case):
         assert got["hardware_flops"] > got["flops"]["total"]    # the recomputed forward
 
 
-def test_files_logs_and_nothing_left_installed(tmp_path):
+def test_files_logs_mfu_and_nothing_left_installed(tmp_path):
     before = hook_state()
-    cb = LedgerCallback(sample_every=2)
+    cb = LedgerCallback(sample_every=2, peak_flops=1e12)
     trainer, model, _ = _train(tmp_path, cb, steps=3)
     assert hook_state() == before
     assert not model._forward_pre_hooks and not model._forward_hooks
@@ -146,30 +146,22 @@ def test_files_logs_and_nothing_left_installed(tmp_path):
         t = record.totals
         assert h["torchledger/flops_per_token"] == t["flops"]["total"] / 32
         assert h["torchledger/peak_bytes"] == t["peak_bytes"] > 0
-        assert "torchledger/mfu" not in h              # no peak_flops given
-
-
-def test_mfu_logged_with_peak_flops(tmp_path):
-    cb = LedgerCallback(sample_every=2, peak_flops=1e12, write=False)
-    trainer, _, _ = _train(tmp_path, cb, steps=3)
-    assert not (tmp_path / "torchledger").exists()
-    logged = [h for h in trainer.state.log_history if "torchledger/mfu" in h]
-    assert [h["step"] for h in logged] == [1, 3]
-    t = cb.ledger.records[-1].totals
+        assert h["torchledger/mfu"] == t["mfu"]
     # step 3's MFU uses the untraced step 2's time: flops / seconds / peak
-    seconds = cb.ledger.untraced_seconds[0]
+    t, seconds = cb.ledger.records[-1].totals, cb.ledger.untraced_seconds[0]
     assert logged[-1]["torchledger/mfu"] == pytest.approx(t["flops"]["total"] / seconds / 1e12)
 
 
 def test_training_unchanged_by_the_callback(tmp_path):
     runs = []
-    for cb in (None, LedgerCallback(sample_every=1)):
+    for cb in (None, LedgerCallback(sample_every=1, write=False)):
         trainer, model, _ = _train(tmp_path / str(cb is None), cb, steps=2)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
     (l0, p0), (l1, p1) = runs
     assert len(l0) == 2 and l0 == l1
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))      # bitwise
+    assert not (tmp_path / "False" / "torchledger").exists()   # write=False
 
 
 @pytest.mark.parametrize("where", ["open", "_tokens_of_step"])

@@ -15,6 +15,10 @@ from torch import nn
 from torch.nn import functional as F
 
 L = pytest.importorskip("lightning")
+try:    # imported first, so the callback is a pytorch_lightning Callback too
+    import pytorch_lightning as PL
+except ImportError:  # pragma: no cover - comes with lightning
+    PL = None
 
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
@@ -125,9 +129,9 @@ def test_traced_step_matches_a_hand_trace(tmp_path, case):
         assert got["hardware_flops"] == got["flops"]["total"] + 262_144
 
 
-def test_files_logs_and_nothing_left_installed(tmp_path):
+def test_files_logs_mfu_and_nothing_left_installed(tmp_path):
     before = hook_state()
-    cb = LedgerCallback(sample_every=2)
+    cb = LedgerCallback(sample_every=2, peak_flops=1e12)
     trainer, module = _fit(tmp_path, cb, steps=3)
     assert hook_state() == before
     assert not module._forward_pre_hooks and not module._forward_hooks
@@ -149,30 +153,21 @@ def test_files_logs_and_nothing_left_installed(tmp_path):
         t = record.totals
         assert float(row["torchledger/flops_per_token"]) == pytest.approx(t["flops"]["total"] / 32)
         assert float(row["torchledger/peak_bytes"]) == t["peak_bytes"] > 0
-        assert not row.get("torchledger/mfu")          # no peak_flops given
-
-
-def test_mfu_logged_with_peak_flops(tmp_path):
-    cb = LedgerCallback(sample_every=2, peak_flops=1e12, write=False)
-    trainer, _ = _fit(tmp_path, cb, steps=3)
-    assert not os.path.exists(os.path.join(trainer.log_dir, "torchledger"))
-    t = cb.ledger.records[-1].totals
+        assert float(row["torchledger/mfu"]) == pytest.approx(t["mfu"])
     # step 3's MFU uses the untraced step 2's time: flops / seconds / peak
-    seconds = cb.ledger.untraced_seconds[0]
+    t, seconds = cb.ledger.records[-1].totals, cb.ledger.untraced_seconds[0]
     assert t["mfu"] == pytest.approx(t["flops"]["total"] / seconds / 1e12)
-    with open(os.path.join(trainer.log_dir, "metrics.csv")) as f:
-        logged = [float(r["torchledger/mfu"]) for r in csv.DictReader(f) if r.get("torchledger/mfu")]
-    assert logged[-1] == pytest.approx(t["mfu"])
 
 
 def test_training_unchanged_by_the_callback(tmp_path):
     runs = []
-    for cb in (None, LedgerCallback(sample_every=1)):
-        _, module = _fit(tmp_path / str(cb is None), cb, steps=2)
+    for cb in (None, LedgerCallback(sample_every=1, write=False)):
+        trainer, module = _fit(tmp_path / str(cb is None), cb, steps=2)
         runs.append((module.losses, [p.detach().clone() for p in module.parameters()]))
     (l0, p0), (l1, p1) = runs
     assert len(l0) == 4 and all(torch.equal(a, b) for a, b in zip(l0, l1))   # bitwise
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert not os.path.exists(os.path.join(trainer.log_dir, "torchledger"))     # write=False
 
 
 @pytest.mark.parametrize("where", ["open", "_tokens_of_step"])
@@ -212,3 +207,29 @@ def test_an_exception_out_of_fit_closes_the_step(tmp_path):
     assert hook_state() == before
     assert "partial step: training raised ValueError" in cb.ledger.records[-1].warnings
     assert cb.written == []
+
+
+@pytest.mark.skipif(PL is None, reason="pytorch_lightning not installed")
+def test_pytorch_lightning_trainer(tmp_path):
+    """The same callback in a ``pytorch_lightning.Trainer`` (the package's older name)."""
+    class Legacy(PL.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V, bias=False)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+    cb = LedgerCallback(sample_every=1)
+    trainer = PL.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[cb])
+    trainer.fit(Legacy(), _loader())
+    # one micro-batch of 2 x 8 tokens; the head only multiplies: forward 2*(32*128)*16 = 131,072
+    assert cb.ledger.records[0].totals["flops"]["forward"] == 131_072
+    assert cb.ledger.records[0].totals["tokens"] == 16
+    assert sorted(os.listdir(tmp_path / "torchledger")) == ["report.txt", "step_000001.json"]

@@ -22,7 +22,8 @@ the batch itself when it is an integer tensor, or of its first element when that
 record's warnings. The figures go to the trainer's loggers (``logger.log_metrics``) at the
 step Lightning logs that optimizer step's own metrics at.
 
-Works with ``lightning`` (``lightning.pytorch``) or the older ``pytorch_lightning`` package.
+Works with ``lightning`` (``lightning.pytorch``) and with the older ``pytorch_lightning``
+package (when it is the only one installed, or is imported before this module).
 
 Known limitations: the learning-rate scheduler steps after ``on_train_batch_end``, outside
 the traced step; files are written on global rank zero only (each process traces its own
@@ -30,14 +31,29 @@ steps).
 """
 from __future__ import annotations
 
-try:
-    from lightning.pytorch import Callback
-except ImportError:  # pragma: no cover - depends on the environment
+import sys
+
+
+def _callback_bases() -> tuple:
+    """``lightning.pytorch.Callback``, and ``pytorch_lightning.Callback`` when that package is
+    the only one installed or was imported first: each ``Trainer`` checks for its own class."""
+    bases = []
     try:
-        from pytorch_lightning import Callback
-    except ImportError as e:
+        from lightning.pytorch import Callback
+        bases.append(Callback)
+    except ImportError:
+        pass
+    if not bases or "pytorch_lightning" in sys.modules:
+        try:
+            from pytorch_lightning import Callback as LegacyCallback
+            bases.append(LegacyCallback)
+        except ImportError:
+            pass
+    if not bases:
         raise ImportError("torchledger.integrations.lightning needs lightning: pip install "
-                          "'torchledger[integrations]' or pip install lightning") from e
+                          "'torchledger[integrations]' or pip install lightning")
+    return tuple(bases)
+
 
 from ._common import LedgerRun, guarded
 
@@ -46,7 +62,7 @@ __all__ = ["LedgerCallback"]
 FRAMEWORK = "Lightning"
 
 
-class LedgerCallback(Callback):
+class LedgerCallback(*_callback_bases()):
     """Trace one optimizer step in ``sample_every`` of a Lightning ``fit``.
 
     ``keep``: records kept in memory (``callback.ledger.records``); ``peak_flops``: the
