@@ -46,10 +46,15 @@ def _model(freeze=False):
     return model
 
 
+#: transformers 5 renamed gradient_checkpointing (the old name warns)
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                 else "gradient_checkpointing")
+
+
 def _args(out, *, ga=2, steps=2, bf16=False, checkpointing=False):
     return TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], save_strategy="no",
                              logging_steps=1, max_steps=steps, per_device_train_batch_size=B,
-                             gradient_accumulation_steps=ga, bf16=bf16, gradient_checkpointing=checkpointing,
+                             gradient_accumulation_steps=ga, bf16=bf16, **{CHECKPOINTING: checkpointing},
                              disable_tqdm=True, seed=0, dataloader_num_workers=0)
 
 
@@ -72,8 +77,9 @@ def _hand_trace(args, micro_batches, *, freeze=False):
     """The Trainer's step written out: forward + backward per micro-batch (loss / micro-batches),
     clip to max_grad_norm, optimizer step, zero_grad; same weights, batches and optimizer."""
     model = _model(freeze)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    if getattr(args, CHECKPOINTING):
+        enable = getattr(model, CHECKPOINTING + "_enable")
+        enable(**{CHECKPOINTING + "_kwargs": getattr(args, CHECKPOINTING + "_kwargs")})
     model.train()
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     opt = cls([p for p in model.parameters() if p.requires_grad], **kwargs)

@@ -54,12 +54,14 @@ class LedgerRun:
 
     # -- the step ------------------------------------------------------------------------
     def begin(self, model, optimizer) -> None:
-        """Make the ledger (once): ``model`` and the framework's optimizer (wrappers unwrapped)."""
-        if self.ledger is None:
-            from ..tracer import Ledger     # NB: moves to torchledger.ledger (issue 13); public name kept
-            self.ledger = Ledger(model, optimizer=unwrap_optimizer(optimizer),
-                                 sample_every=self.sample_every, keep=self.keep,
-                                 peak_flops=self.peak_flops)
+        """Make the ledger for ``model`` and the framework's optimizer (wrappers unwrapped);
+        a new one when either changed (a second ``fit``/``train`` with the same callback)."""
+        optimizer = unwrap_optimizer(optimizer)
+        ledger = self.ledger
+        if ledger is None or ledger.model is not model or ledger.optimizer is not optimizer:
+            import torchledger              # the public name (its module moves in issue 13)
+            self.ledger = torchledger.Ledger(model, optimizer=optimizer, sample_every=self.sample_every,
+                                             keep=self.keep, peak_flops=self.peak_flops)
 
     @property
     def is_open(self) -> bool:
