@@ -30,3 +30,30 @@ def test_missing_framework_says_what_to_install(monkeypatch, module, missing, sa
     with pytest.raises(ImportError, match=says):
         importlib.import_module(name)
     monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_batch_tokens_reads_token_ids_only():
+    import torch
+    from torchledger.integrations._common import batch_tokens
+    ids = torch.zeros(2, 8, dtype=torch.long)           # 2 x 8 = 16 token ids
+
+    class Encoding:
+        input_ids = ids
+    assert batch_tokens({"input_ids": ids, "labels": ids}) == (16, "input_ids.numel()")
+    assert batch_tokens(Encoding()) == (16, "batch.input_ids.numel()")
+    assert batch_tokens(ids) == (16, "batch.numel()")
+    assert batch_tokens((ids, ids[:, :4])) == (16, "batch[0].numel()")
+    assert batch_tokens({"pixel_values": torch.zeros(2, 3)}) == (None, "the batch has no tensor 'input_ids'")
+    assert batch_tokens(torch.zeros(2, 3)) == (None, "the batch is a torch.float32 tensor, not token ids")
+    assert batch_tokens([torch.zeros(2, 3), ids]) == (None, "batch[0] is a torch.float32 tensor, not token ids")
+    assert batch_tokens(None) == (None, "no token ids found in a batch of type NoneType")
+
+
+def test_bad_options_say_which_and_why():
+    from torchledger.integrations._common import LedgerRun
+    with pytest.raises(ValueError, match=r"sample_every must be an int >= 1 .* got 0"):
+        LedgerRun("x", sample_every=0)
+    with pytest.raises(ValueError, match=r"keep must be an int >= 1"):
+        LedgerRun("x", keep=True)
+    with pytest.raises(ValueError, match=r"peak_flops must be a positive number .* got -1"):
+        LedgerRun("x", peak_flops=-1)

@@ -115,8 +115,9 @@ class LedgerRun:
             return None
         if note:
             record.warnings.append(note)
-        elif self._token_missing:
-            record.warnings.append(f"tokens unknown: {self._token_missing}")
+        if not record.totals.get("tokens"):
+            why = self._token_missing or "no micro-batch with token ids reached the model"
+            record.warnings.append(f"tokens unknown: {why}")
         if self.write and main and out_dir:
             self._write(out_dir, f"step_{label:06d}.json", record.to_json())
         self.figures = headline(record)
