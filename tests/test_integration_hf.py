@@ -170,7 +170,7 @@ def test_training_unchanged_by_the_callback(tmp_path):
     assert not (tmp_path / "False" / "torchledger").exists()   # write=False
 
 
-@pytest.mark.parametrize("where", ["open", "_tokens_of_step"])
+@pytest.mark.parametrize("where", ["open", "add_micro_batch", "_tokens_of_step"])
 def test_an_error_disables_the_callback_and_training_goes_on(tmp_path, monkeypatch, where):
     """An error with the step's tracer installed (after ``open``) or while closing it: one
     warning, the tracer removed, training completes, nothing more traced or written."""
@@ -189,6 +189,10 @@ def test_an_error_disables_the_callback_and_training_goes_on(tmp_path, monkeypat
     assert trainer.state.global_step == 2
     assert hook_state() == before and not model._forward_pre_hooks
     said = [str(w.message) for w in caught if "torchledger" in str(w.message)]
+    if where == "add_micro_batch":      # in the token hook: the tokens are unknown, no more
+        assert not said and not cb._run.disabled and len(cb.ledger.records) == 2
+        assert "tokens unknown: counting them raised RuntimeError: boom" in cb.ledger.records[0].warnings
+        return
     event = "on_step_begin" if where == "open" else "on_step_end"
     assert len(said) == 1 and f"LedgerCallback.{event} raised RuntimeError: boom" in said[0]
     assert cb._run.disabled and len(cb.ledger.records) == 1      # step 1 closed, then nothing

@@ -163,8 +163,9 @@ class LedgerRun:
 
 
 def guarded(method):
-    """A callback method that never raises into training: an error disables the callback
-    (``LedgerRun.disable``) and the method returns None. A disabled callback does nothing."""
+    """A callback method that never raises into training: an error removes the callback's own
+    hooks (its ``_remove_hook()``), disables it (``LedgerRun.disable``: the open step is
+    closed) and the method returns None. A disabled callback does nothing."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         state = self._run
@@ -173,6 +174,10 @@ def guarded(method):
         try:
             return method(self, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 (never into the user's training)
+            try:
+                self._remove_hook()         # the callback's own hooks, if it has any
+            except Exception:  # noqa: BLE001 (disable() below still warns and closes the step)
+                pass
             state.disable(f"{type(self).__name__}.{method.__name__}", e)
         return None
     return run

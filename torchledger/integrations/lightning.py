@@ -123,6 +123,10 @@ class LedgerCallback(*_callback_bases()):
         self._run.close(None, main=False, note=f"partial step: training raised "
                                                  f"{type(exception).__name__}")
 
+    def _remove_hook(self) -> None:
+        """Nothing to remove: this callback installs no hook of its own (the tracer's go with
+        the step)."""
+
     def close(self) -> None:
         """Close a step left open (no file written); ``on_exception`` already does."""
         self._run.close(None, main=False, note="partial step: closed by close()")
