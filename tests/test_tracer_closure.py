@@ -77,3 +77,38 @@ def test_lbfgs_closure_calls_counted_per_call():
     # weight grad only (x needs none) = 192
     assert t.record.totals["flops"]["forward"] == 192
     assert t.record.totals["flops"]["backward"] == 192
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """The shape of accelerate's AcceleratedOptimizer: an Optimizer subclass that delegates to
+    ``.optimizer`` and shares its state."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+def test_a_wrapped_optimizer_state_is_counted_once():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4, bias=False)
+    inner = torch.optim.Adam(model.parameters())
+    opt = _Wrapper(inner)
+    with torchledger.trace(model, opt) as t:
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+    # Adam: exp_avg + exp_avg_sq, 32 fp32 each, + one fp32 step scalar: 2*32*4 + 4 = 260
+    assert t.record.totals["optimizer_state_bytes"] == 260
+    assert t.record.optimizer["names"] == ["Adam"]

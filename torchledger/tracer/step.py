@@ -66,7 +66,7 @@ class StepTracer:
         self._model = model          # strong until the step ends, then only a weakref
         self._model_ref = weakref.ref(model)
         check_optimizer(optimizer, "trace()")
-        self._optimizers = [optimizer] if optimizer is not None else []
+        self._optimizers = [_inner_optimizer(optimizer)] if optimizer is not None else []
         if tokens_source is not None and not isinstance(tokens_source, str):
             raise ValueError(f"tokens_source must be a string (how tokens was obtained), "
                              f"got {tokens_source!r}")
@@ -382,6 +382,19 @@ _current_node = torch._C._current_autograd_node
 
 def _unpack(t):
     return t
+
+
+def _inner_optimizer(optimizer):
+    """The optimizer a wrapper delegates to (accelerate's ``AcceleratedOptimizer``, which the HF
+    Trainer holds: a ``torch.optim.Optimizer`` subclass sharing its ``.optimizer``'s state).
+    The step hooks see the inner one step, so tracing the wrapper too would count the state
+    twice."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
 
 
 def _closure_outside(mode, args, kwargs):
