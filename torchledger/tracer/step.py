@@ -67,7 +67,7 @@ class StepTracer:
         self._model = model          # strong until the step ends, then only a weakref
         self._model_ref = weakref.ref(model)
         check_optimizer(optimizer, "trace()")
-        self._optimizers = [optimizer] if optimizer is not None else []
+        self._optimizers = [_inner_optimizer(optimizer)] if optimizer is not None else []
         if tokens_source is not None and not isinstance(tokens_source, str):
             raise ValueError(f"tokens_source must be a string (how tokens was obtained), "
                              f"got {tokens_source!r}")
@@ -330,6 +330,7 @@ class StepTracer:
             self.mode.in_optimizer += 1
             if all(o is not opt for o in self._optimizers):
                 self._optimizers.append(opt)
+            return _closure_outside(self.mode, args, kwargs)
         except Exception as e:
             self._warn(f"optimizer hook: {type(e).__name__}: {e}")
 
@@ -383,6 +384,39 @@ _current_node = torch._C._current_autograd_node
 
 def _unpack(t):
     return t
+
+
+def _inner_optimizer(optimizer):
+    """The optimizer a wrapper delegates to (accelerate's ``AcceleratedOptimizer``, which the HF
+    Trainer holds: a ``torch.optim.Optimizer`` subclass sharing its ``.optimizer``'s state).
+    The step hooks see the inner one step, so tracing the wrapper too would count the state
+    twice."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def _closure_outside(mode, args, kwargs):
+    """``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization) runs the step's
+    forward and backward inside the optimizer step: the closure is wrapped so that its work is
+    recorded in its own phases, not as optimizer work. None (arguments unchanged) without one.
+    ``args`` holds the optimizer first (torch's pre-hook convention)."""
+    def outside(closure):
+        def run_closure():
+            depth, mode.in_optimizer = mode.in_optimizer, 0
+            try:
+                return closure()
+            finally:
+                mode.in_optimizer = depth
+        return run_closure
+    if callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": outside(kwargs["closure"])}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], outside(args[1]), *args[2:]), kwargs
+    return None
 
 
 #: Code during which a SIGINT is deferred (``lifecycle.Installed.watch_sigint``).
