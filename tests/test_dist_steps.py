@@ -138,6 +138,8 @@ def test_fsdp2_fake_world_8_per_rank_shards(fake8):
     assert _local_bytes(params) == 8676
     assert tot["param_bytes"] == 8676 and tot["trainable_param_bytes"] == 8676
     assert tot["params"] == sum(p.numel() for p in params) == 16962      # N stays the model's
+    # N of 6ND: the weights the matmuls multiply, read off FSDP2's unsharded (unpadded) views
+    assert tot["matmul_params"] == 64 * 130 + 130 * 64 == 16640
     assert (tot["rank"], tot["world_size"], tot["mesh"]) == (0, WS, [WS])
     assert rec.memory["peak_breakdown"]["parameters"] == 8676
     assert tot["grad_bytes"] == 8676          # zero_grad(set_to_none) freed them: the most alive at once

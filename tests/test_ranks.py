@@ -362,6 +362,24 @@ def test_torchrun_ranks_merge(torchrun_records, kind):
     assert d["skew"]["flops"]["max_over_min"] == 1.0
     table = report(*paths)
     assert table.exit_code == 0 and "2 of 2 ranks (world size 2, mesh [2])" in table.stdout
+    # per-rank static bytes and comm by hand: 212 parameters (8*16 + 16 + 16*4 + 4), fp32
+    full = 212 * 4                                                   # 848 B
+    for path in paths:
+        rec = json.loads(path.read_text())
+        t = rec["totals"]
+        shard = full if kind == "ddp" else full // 2                # FSDP2: 8+8 / 2+2 rows each
+        assert (t["param_bytes"], t["grad_bytes"]) == (shard, shard)
+        assert t["optimizer_state_bytes"] == 2 * shard + 4 * 4       # AdamW m, v + 4 step scalars
+        assert t["matmul_params"] == 8 * 16 + 16 * 4                 # N of 6ND: the unsharded weights
+        sent = {}
+        for c in rec["collectives"]:
+            sent[(c["op"], c["phase"])] = sent.get((c["op"], c["phase"]), 0) + c["bytes"]
+        if kind == "ddp":                                            # one all-reduce of the gradients
+            assert sent == {("all_reduce", "backward"): full}
+        else:            # all-gather the shards in forward and backward, reduce-scatter the grads
+            assert sent == {("all_gather", "forward"): full // 2, ("all_gather", "backward"): full // 2,
+                            ("reduce_scatter", "backward"): full}
+        assert t["comm_bytes"]["total"] == sum(sent.values())
     for rank, row in enumerate(rows):
         rec = StepRecord.from_json((torchrun_records / kind / f"rank{rank}.json").read_text())
         assert (rec.totals["rank"], rec.totals["world_size"]) == (rank, 2)

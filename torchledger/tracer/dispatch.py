@@ -82,13 +82,24 @@ def _is_alias_op(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
 
+_OURS = os.path.dirname(os.path.dirname(__file__))
+
+
 def user_frame(skip=_SKIP_DIRS) -> str | None:
-    """``path:line`` of the first frame outside torch and torchledger (the user's line)."""
+    """``path:line`` of the first frame outside torch and torchledger (the user's line), or
+    None when the op was reached from torchledger's own runner (``audit``'s default step:
+    the frames past it are its callers, click and runpy, never the user's line)."""
     f = sys._getframe(2)
+    left_ours = False
     while f is not None:
         fn = f.f_code.co_filename
-        if not fn.startswith(skip) and not fn.startswith("<frozen"):
-            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+        if fn.startswith(_OURS):
+            if left_ours:               # torch code called from torchledger: no user line
+                return None
+        else:
+            left_ours = True
+            if not fn.startswith(skip) and not fn.startswith("<frozen"):
+                return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
         f = f.f_back
     return None
 
@@ -139,6 +150,7 @@ class LedgerMode(TorchDispatchMode):
         self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
         self._last_mark = None
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
+        self.gathered_params: dict = {}  # FSDP2: storage of a parameter's unsharded buffer -> numel
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
         self.collectives: dict = {}  # (op, group size, phase, module, location) -> [count, sent, received, algo, bus]
         self.on_collective = None    # callback(op, func, args, kwargs, out) after a collective (dist_memory)
@@ -390,6 +402,10 @@ class LedgerMode(TorchDispatchMode):
                     found = True
                 elif key in self.derived_params:          # autocast's bf16 copy of a weight
                     self.matmul_params.add(self.derived_params[key])
+                    found = True
+                elif key in self.gathered_params:         # FSDP2's all-gathered weight
+                    self.matmul_params.add(key)     # its numel: the parameter's view, unpadded
+                    self.gathered_params[key] = max(a.numel(), self.gathered_params[key] or 0)
                     found = True
         return found
 

@@ -60,6 +60,10 @@ def install_distributed(tracer, life) -> None:
             for t in kwargs.get("out") or ():
                 for s in storages(t):
                     tracker.promote(s, UNSHARDED, only_from=TEMP)
+                    # the unsharded parameter a matmul multiplies (N of 6ND): FSDP2 keeps one
+                    # storage per parameter, resized to 0 and back, so a parameter counts once;
+                    # its numel is read at the matmul (this buffer is padded to the world size)
+                    mode.gathered_params.setdefault(s._cdata, 0)
 
     mode.on_collective = on_collective
 
