@@ -29,7 +29,8 @@ t0 = time.perf_counter()
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 sys.path.insert(0, sys.argv[2])
-from torchledger.audit import load_entry, default_loss
+from torchledger.audit import load_entry
+from torchledger.spec import default_loss
 t1 = time.perf_counter()
 fn = load_entry(sys.argv[1])
 with FakeTensorMode(allow_non_fake_inputs=True):

@@ -30,7 +30,8 @@ def main():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchledger.audit import _call, default_loss, load_entry
+    from torchledger.audit import load_entry
+    from torchledger.spec import _call, default_loss
     from torchledger.spec import as_spec
     from torchledger.tracer.step import StepTracer
 

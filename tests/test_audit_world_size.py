@@ -14,7 +14,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch built without torch.distributed", allow_module_level=True)
 
-from torchledger.audit import AuditError, run_audit  # noqa: E402
+from torchledger.audit import run_audit  # noqa: E402
+from torchledger.spec import AuditError  # noqa: E402
 from torchledger.cli import cli  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

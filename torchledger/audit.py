@@ -14,19 +14,14 @@ import os
 import sys
 import traceback
 import types
-from typing import NamedTuple, Optional
+from typing import Optional
 
-from .record import SAMPLES_NOT_TOKENS, TOKENS_FROM_SPEC
+from .record import TOKENS_FROM_SPEC
+from .spec import AuditError, _call, infer_tokens, pick_loss
 
-__all__ = ["AuditError", "AuditRun", "load_entry", "run_audit", "infer_tokens", "default_tokens",
-           "pick_loss", "default_loss",
-           "TokenCount", "DEVICES", "stdout_to_stderr"]
+__all__ = ["AuditRun", "load_entry", "run_audit", "DEVICES", "stdout_to_stderr"]
 
 DEVICES = ("fake", "meta", "cpu", "cuda")
-
-
-class AuditError(Exception):
-    """Bad input for an audit: the message is one line for the user."""
 
 
 class AuditRun:
@@ -151,154 +146,6 @@ def _to_device(x, device: str):
     if isinstance(x, (list, tuple)):
         return type(x)(_to_device(v, device) for v in x)
     return x
-
-
-# -- the step ------------------------------------------------------------------------------------
-def default_loss(output, inputs=None):
-    """The loss :func:`pick_loss` picks from the model's output (without where it came from)."""
-    return pick_loss(output)[0]
-
-
-def pick_loss(output):
-    """``(loss, source)``: the scalar a default audit step backpropagates, and where it came
-    from (``meta.audit.loss``, printed as ``loss: output[1]`` in every report).
-
-    In order: the output itself if it is a scalar tensor (``output``); ``output.loss`` (a
-    Hugging Face ModelOutput) or ``output["loss"]`` (a dict); the first 0-dim floating tensor
-    of a tuple or list (``output[1]`` of nanoGPT's ``(logits, loss)``, ``output[0]`` of
-    Hugging Face's ``return_dict=False``); else the mean of the logits
-    (``output.logits``, ``output["logits"]``, ``output[0]``, or the output tensor itself), which
-    runs the model's FLOPs but is no real loss, and the source says so.
-    """
-    import torch
-    if isinstance(output, torch.Tensor):
-        if output.dim() == 0:
-            return output, "output"
-        return output.float().mean(), "output.float().mean() (no loss in the output)"
-    for source, get in (("output.loss", lambda o: getattr(o, "loss", None)),
-                        ('output["loss"]', lambda o: o.get("loss") if isinstance(o, dict) else None)):
-        loss = get(output)
-        if isinstance(loss, torch.Tensor):
-            return loss, source
-    if isinstance(output, (tuple, list)):
-        for i, v in enumerate(output):
-            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
-                return v, f"output[{i}]"
-    for source, get in (("output.logits", lambda o: getattr(o, "logits", None)),
-                        ('output["logits"]', lambda o: o.get("logits") if isinstance(o, dict) else None),
-                        ("output[0]", lambda o: o[0] if isinstance(o, (tuple, list)) and o else None)):
-        logits = get(output)
-        if isinstance(logits, torch.Tensor):
-            return logits.float().mean(), f"{source}.float().mean() (no loss in the output)"
-    raise AuditError(f"cannot make a loss from the model's output ({type(output).__name__}); "
-                     f"give AuditSpec(loss_fn=...)")
-
-
-def _call(model, inputs):
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
-class TokenCount(NamedTuple):
-    """D for an audit and where it came from (``source`` goes to ``totals.tokens_source``)."""
-
-    tokens: Optional[int]
-    seq_len: Optional[int]
-    source: str
-
-
-def infer_tokens(inputs) -> TokenCount:
-    """Tokens per step (D of 6ND) read off the step's ``inputs``, with where it came from.
-
-    The tensors of ``inputs`` (a tensor, a tuple/list, a dict such as Hugging Face's
-    ``input_ids``/``attention_mask``/``labels``/``pixel_values``, nested up to 4 levels) are
-    ranked; the first tensor of the best rank wins:
-
-    1. an integer tensor of 2 dims, token ids ``[B, T]``: its numel (``seq_len`` = T);
-    2. a float tensor of 2-3 dims, ``[B, d]`` or ``[B, T, d]``: its rows (numel / last dim);
-    3. a float tensor of 4+ dims or an integer one of 3+ (images, video, uint8 pixels,
-       segmentation maps, ``[B, C, H, W, ...]``): its batch B. D then counts **samples, not
-       tokens**, and the source says so;
-    4. a 1-D integer tensor (class labels, or a packed token stream): its numel, used only
-       when nothing above exists (a vision batch's ``labels [B]`` never wins over its pixels);
-    5. a 1-D float tensor: its numel.
-
-    Among tensors of the same rank, one whose dict key contains ``ids`` (``input_ids``,
-    ``decoder_input_ids``) comes first and one whose key contains ``mask``
-    (``attention_mask``) last; otherwise the first in order wins. So an integer
-    ``attention_mask [4, 7]`` listed before ``input_ids [4, 10]`` does not set D.
-
-    Bool tensors (masks), 0-dim and empty tensors are skipped; with nothing left ``tokens`` is
-    None and the source says why. ``AuditSpec(tokens=...)`` overrides all of this.
-    """
-    found = list(_tensors(inputs, "inputs"))
-    best = None
-    for position, (path, key, t) in enumerate(found):
-        ranked = _rank(path, t)
-        order = None if ranked is None else (ranked[0], _name_order(key), position)
-        if order is not None and (best is None or order < best[0]):
-            best = (order, ranked[1:])
-    if best is None:
-        why = ("no countable tensor in inputs (bool, 0-dim and empty tensors are skipped)" if found
-               else "no tensor in inputs")
-        return TokenCount(None, None, why)
-    return TokenCount(*best[1])
-
-
-def default_tokens(inputs):
-    """``(tokens, seq_len)`` of :func:`infer_tokens` (its rule; without the source)."""
-    count = infer_tokens(inputs)
-    return count.tokens, count.seq_len
-
-
-def _tensors(x, path: str, depth: int = 0, key=None):
-    """``(path, key, tensor)`` for each tensor in ``x``, in order: ``inputs['input_ids']``,
-    ``inputs[0]``; ``key`` is the innermost dict key above the tensor (None if there is none)."""
-    import collections.abc
-
-    import torch
-    if isinstance(x, torch.Tensor):
-        yield path, key, x
-    elif depth >= 4:
-        return
-    elif isinstance(x, collections.abc.Mapping):
-        for k, v in x.items():
-            yield from _tensors(v, f"{path}[{k!r}]", depth + 1, k)
-    elif isinstance(x, (tuple, list)):
-        for i, v in enumerate(x):
-            yield from _tensors(v, f"{path}[{i}]", depth + 1, key)
-
-
-def _name_order(key) -> int:
-    """Tie-break among tensors of one rank by the innermost dict key above them: 0 for a key
-    with ``ids`` in it (``input_ids``), 2 for one with ``mask`` (``attention_mask``), else 1."""
-    key = "" if key is None else str(key).lower()
-    if "mask" in key:
-        return 2
-    return 0 if "ids" in key else 1
-
-
-def _rank(path: str, t):
-    """``(rank, tokens, seq_len, source)`` of one tensor under :func:`infer_tokens`'s rule, or
-    None when it is skipped."""
-    import torch
-    if t.dtype == torch.bool or t.dim() == 0 or t.numel() == 0:
-        return None
-    shape = list(t.shape)
-    where = f"{path} {shape}"
-    integer = not (t.is_floating_point() or t.is_complex())
-    if integer and t.dim() == 2:
-        return 1, int(t.numel()), int(shape[1]), f"numel of {where}"
-    if not integer and t.dim() in (2, 3):
-        return 2, int(t.numel() // shape[-1]), None, f"rows of {where}"
-    if t.dim() >= (3 if integer else 4):
-        return 3, int(shape[0]), None, f"batch of {where}: {SAMPLES_NOT_TOKENS}"
-    if integer:
-        return 4, int(t.numel()), None, f"numel of {where}: 1-D, no 2-D token ids"
-    return 5, int(t.numel()), None, f"numel of {where}: 1-D"
 
 
 #: torch loggers that print their own traceback (``log.exception``) for an error the audit

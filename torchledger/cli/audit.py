@@ -170,7 +170,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
 
     With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
     tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
-    from ..audit import AuditError, run_audit, stdout_to_stderr
+    from ..audit import run_audit, stdout_to_stderr
+    from ..spec import AuditError
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
     fmt = _resolve_format(fmt, output)
