@@ -18,11 +18,25 @@ import os
 import warnings
 from collections.abc import Mapping
 
-__all__ = ["LedgerRun", "guarded", "batch_tokens", "RECORDS_DIR", "REPORT_NAME"]
+__all__ = ["LedgerRun", "RunView", "guarded", "batch_tokens", "RECORDS_DIR", "REPORT_NAME"]
 
 #: Subdirectory of the run's output directory that gets the records and the report.
 RECORDS_DIR = "torchledger"
 REPORT_NAME = "report.txt"
+
+
+class RunView:
+    """What a callback shows of its ``LedgerRun`` (``self._run``)."""
+
+    @property
+    def ledger(self):
+        """The ``torchledger.Ledger`` of the run (None before the first step)."""
+        return self._run.ledger
+
+    @property
+    def written(self) -> list:
+        """Paths of the files written so far."""
+        return list(self._run.written)
 
 
 class LedgerRun:

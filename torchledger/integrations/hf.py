@@ -39,14 +39,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "Trainer uses): pip install 'torchledger[integrations]' "
                       "or pip install transformers accelerate") from e
 
-from ._common import LedgerRun, guarded
+from ._common import LedgerRun, RunView, guarded
 
 __all__ = ["LedgerCallback"]
 
 FRAMEWORK = "Hugging Face Trainer"
 
 
-class LedgerCallback(TrainerCallback):
+class LedgerCallback(RunView, TrainerCallback):
     """Trace one optimizer step in ``sample_every`` of a ``Trainer`` run.
 
     ``keep``: records kept in memory (``callback.ledger.records``); ``peak_flops``: the
@@ -61,16 +61,6 @@ class LedgerCallback(TrainerCallback):
         self._run = LedgerRun(FRAMEWORK, sample_every=sample_every, keep=keep,
                               peak_flops=peak_flops, write=write, log=log)
         self._token_hook = None
-
-    @property
-    def ledger(self):
-        """The ``torchledger.Ledger`` of the run (None before the first step)."""
-        return self._run.ledger
-
-    @property
-    def written(self) -> list:
-        """Paths of the files written so far."""
-        return list(self._run.written)
 
     @guarded
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

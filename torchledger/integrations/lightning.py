@@ -55,14 +55,14 @@ def _callback_bases() -> tuple:
     return tuple(bases)
 
 
-from ._common import LedgerRun, guarded
+from ._common import LedgerRun, RunView, guarded
 
 __all__ = ["LedgerCallback"]
 
 FRAMEWORK = "Lightning"
 
 
-class LedgerCallback(*_callback_bases()):
+class LedgerCallback(RunView, *_callback_bases()):
     """Trace one optimizer step in ``sample_every`` of a Lightning ``fit``.
 
     ``keep``: records kept in memory (``callback.ledger.records``); ``peak_flops``: the
@@ -77,16 +77,6 @@ class LedgerCallback(*_callback_bases()):
         self._run = LedgerRun(FRAMEWORK, sample_every=sample_every, keep=keep,
                               peak_flops=peak_flops, write=write, log=log)
         self._global_step = None         # trainer.global_step when the open step began
-
-    @property
-    def ledger(self):
-        """The ``torchledger.Ledger`` of the run (None before the first step)."""
-        return self._run.ledger
-
-    @property
-    def written(self) -> list:
-        """Paths of the files written so far."""
-        return list(self._run.written)
 
     @guarded
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
