@@ -157,6 +157,18 @@ def test_tp_fsdp_mesh_2x4(tmp_path):
     assert totals["grad_bytes"] == TP_FSDP_LOCAL * 4                    # 181,888
     assert totals["optimizer_state_bytes"] == 2 * TP_FSDP_LOCAL * 4 + TENSORS * 4
     assert not dist.is_initialized()
+    # TP 4 splits each block weight at its matmul: N of 6ND is this rank's part (2 blocks x
+    # (16,384 + 33,792) / 4 = 25,088) plus the whole head (32,768); attention gets 1/4 of the heads
+    assert totals["tensor_parallel"] == 4
+    assert totals["matmul_params"] == 2 * (16_384 + 33_792) // 4 + 32_768
+    rows = {r["quantity"]: r for r in data["predictions"]["comparisons"]}
+    assert rows["training FLOPs vs 6ND + 12LTd"]["ratio"] == 1.0
+    assert "tensor parallel 4" in rows["training FLOPs vs 6ND + 12LTd"]["explanation"]
+    # static bytes: between every weight split 8 ways and TP-whole weights split 2 ways; no finding
+    static = rows["static bytes (params+grads+optimizer)"]
+    assert static["predicted"] < static["measured"] < data["predictions"]["static_bytes_upper"]
+    rules = {f["rule"] for f in data["findings"]}
+    assert not rules & {"TL-CMP-001", "TL-CMP-002", "TL-COMM-001", "TL-COMM-002"}, rules
 
 
 def test_plain_audit_does_not_call_parallelize(tmp_path):

@@ -35,7 +35,7 @@ TOTAL_KINDS = {
     "counts": ["flops", "attention_flops", "elementwise_flops", "view_ops", "comm_bytes"],
     "text": ["tokens_source", "peak_phase", "peak_module", "mfu_source"],
     "seconds": ["step_seconds", "mfu", "hfu"],
-    "rank": ["rank"], "world": ["world_size"], "mesh": ["mesh"],       # torch.distributed
+    "rank": ["rank"], "world": ["world_size", "tensor_parallel"], "mesh": ["mesh"],   # torch.distributed
 }
 #: Refused with: (kind, value) -> message; None: loads.
 TOTAL_OUTCOME = {

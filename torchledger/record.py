@@ -92,6 +92,7 @@ def _empty_totals() -> dict:
         "bytes_read": 0, "bytes_written": 0, "copy_bytes": 0,
         "step_seconds": None, "mfu": None,
         "rank": 0, "world_size": 1, "mesh": None,     # torch.distributed: tracer/ranks.py
+        "tensor_parallel": 1,
         "comm_bytes": {"forward": 0, "backward": 0, "optimizer": 0, "other": 0, "total": 0},
     }
 

@@ -187,6 +187,7 @@ TOTALS = _Obj({
     "hfu": _Null(NONNEG),
     "comm_bytes": COUNTS,
     "rank": COUNT, "world_size": _Count(1), "mesh": _Null(_List(_Count(1))),
+    "tensor_parallel": _Count(1),
 }, after=lambda totals, path: _rank_in_world(totals, path))
 
 COMPARISON = _Obj({"quantity": STR, "measured": _Null(REAL), "predicted": _Null(REAL),

@@ -87,6 +87,11 @@ def _base(t, p) -> str:
     return "per_weight" if _uneven(p) else "6nd"
 
 
+def _tp(totals) -> int:
+    """The tensor-parallel degree a record saw (weights split at their matmuls), 1 without."""
+    return max(int(totals.get("tensor_parallel") or 1), 1)
+
+
 def predictions(record) -> dict:
     """Closed-form predictions for what ``record`` measured (keys absent when not computable)."""
     t = record.totals
@@ -125,8 +130,9 @@ def predictions(record) -> dict:
         out["params_12ld2"] = (params_12ld2_encoder_decoder(d, shape.n_enc, shape.n_dec, V)
                                if shape.n_enc is not None else 12 * L * d * d + V * d)
         if D and T:
-            # per token and layer: Q K^T 2*T*d_qk + x V 2*T*d_v forward, 3x for training
-            attn = 6 * L * T * (shape.attn_width or 2 * d_attn) * D
+            # per token and layer: Q K^T 2*T*d_qk + x V 2*T*d_v forward, 3x for training;
+            # tensor parallelism splits the heads over its ranks (Megatron's plan)
+            attn = 6 * L * T * (shape.attn_width or 2 * d_attn) * D // _tp(t)
             base = _base_value(out, _base(t, out))
             out["flops_6nd_attention"] = base + attn
             out["flops_6nd_attention_causal"] = base + attn // 2
@@ -149,7 +155,16 @@ def predictions(record) -> dict:
         gpus, zero = sharding(record)               # (1, 0) unless a distributed rank holds shards
         sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
         frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
-        if zero:                                    # ZeRO-3: this rank's share of everything
+        if zero and _tp(t) > 1:
+            # FSDP x TP: a tensor-parallel weight is split over every rank, a replicated one
+            # (norms, embeddings, the head in most plans) over the data-parallel ranks only:
+            # this rank's share lies between the two
+            dp = max(gpus // _tp(t), 1)
+            out["static_bytes"] = round(sm.per_gpu_bytes + frozen / gpus)
+            out["static_bytes_upper"] = round(sm.total_bytes / dp + frozen / dp)
+            out["static_bytes_zero"] = [gpus, zero]
+            out["static_bytes_tp"] = [dp, _tp(t)]
+        elif zero:                                  # ZeRO-3: this rank's share of everything
             out["static_bytes"] = round(sm.per_gpu_bytes + frozen / gpus)
             out["static_bytes_zero"] = [gpus, zero]
         else:
@@ -207,6 +222,9 @@ def comparisons(record, p=None) -> list:
                          f"saw {lengths.d_enc:,} rows, the decoder's {lengths.d_dec:,}")
         else:
             text = f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
+            if _tp(t) > 1:
+                text += (f"; tensor parallel {_tp(t)}: N is this rank's part of the split weights, "
+                         f"the attention term its {_tp(t)}th of the heads")
         if base != "6nd" and lengths is None:
             text += f"; the weights' term is {_BASES[base].split(' vs ')[1]} = {_base_value(p, base):,}, not 6ND"
         elif base == "grads":
@@ -224,7 +242,12 @@ def comparisons(record, p=None) -> list:
                          f"trainable param x {t['trainable_params']:,}{frozen} predicted"
                          + (" / {} ranks (ZeRO-3: this rank's shards; padding to a multiple of {} "
                             "rows makes rank 0's larger)".format(p["static_bytes_zero"][0], p["static_bytes_zero"][0])
-                            if p.get("static_bytes_zero") else "")
+                            if p.get("static_bytes_zero") and not p.get("static_bytes_tp") else "")
+                         + (" / {} ranks if every weight were split both ways; up to {:,} (/ {} data-parallel "
+                            "ranks) for weights tensor parallelism ({}) leaves whole (norms, embeddings, "
+                            "head)".format(p["static_bytes_zero"][0], p["static_bytes_upper"],
+                                           p["static_bytes_tp"][0], p["static_bytes_tp"][1])
+                            if p.get("static_bytes_tp") else "")
                          + " (per-tensor step scalars make the difference)"))
     if "activation_bytes_korthikanti_16bit" in p:
         layers = ""
@@ -288,6 +311,9 @@ def check_comparisons(records, options=None) -> list:
         measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
                     + (rec.optimizer or {}).get("master_weight_bytes", 0))
         ratio = measured / p["static_bytes"] if p["static_bytes"] else None
+        upper = p.get("static_bytes_upper")
+        if ratio is not None and upper and 1 - tol <= ratio and measured <= upper * (1 + tol):
+            ratio = None                            # FSDP x TP: within the range its plan allows
         if ratio is not None and abs(ratio - 1) > tol:
             out.append(Finding("TL-CMP-002", "warning",
                                f"static bytes ({measured:,}) are {ratio:.3f}x, {abs(ratio - 1):.1%} "

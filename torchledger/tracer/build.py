@@ -90,6 +90,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["trainable_param_bytes"] = sum(_local_bytes(p) for p in params if p.requires_grad)
     t["matmul_params"] = sum(tracer._param_storages[k] if k in tracer._param_storages
                              else mode.gathered_params[k] for k in mode.matmul_params)
+    t["tensor_parallel"] = int(mode.tensor_parallel)     # 1 unless weights were split at their matmuls
     t["param_matmul_flops_forward"] = int(mode.param_matmul_flops)
     # the backward matmuls those need: one forward's worth per operand that requires grad
     # (2 x forward when weight and input both train: 6 x sum(P x rows) in all; frozen weights less)

@@ -151,6 +151,7 @@ class LedgerMode(TorchDispatchMode):
         self._last_mark = None
         self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
         self.gathered_params: dict = {}  # FSDP2: storage of a parameter's unsharded buffer -> numel
+        self.tensor_parallel = 1         # the largest global/local split of a weight at a matmul
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
         self.collectives: dict = {}  # (op, group size, phase, module, location) -> [count, sent, received, algo, bus]
         self.on_collective = None    # callback(op, func, args, kwargs, out) after a collective (dist_memory)
@@ -393,6 +394,11 @@ class LedgerMode(TorchDispatchMode):
         found = False
         for a in _operands(args[:3]):
             if isinstance(a, _Tensor) and a.dim() >= 2:     # operands, not biases
+                local = getattr(a, "_local_tensor", None)   # a DTensor: this rank's part of it
+                if local is not None:
+                    if 0 < local.numel() < a.numel():        # split across ranks at the matmul:
+                        self.tensor_parallel = max(self.tensor_parallel, round(a.numel() / local.numel()))
+                    a = local                                # tensor parallelism (FSDP gathers first)
                 try:
                     key = a.untyped_storage()._cdata
                 except Exception:
