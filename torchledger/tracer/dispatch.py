@@ -82,24 +82,20 @@ def _is_alias_op(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
 
-_OURS = os.path.dirname(os.path.dirname(__file__))
+#: ``audit``'s runner: the frames past it are its callers (click, runpy), never the user's line
+_RUNNER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "audit.py")
 
 
 def user_frame(skip=_SKIP_DIRS) -> str | None:
     """``path:line`` of the first frame outside torch and torchledger (the user's line), or
-    None when the op was reached from torchledger's own runner (``audit``'s default step:
-    the frames past it are its callers, click and runpy, never the user's line)."""
+    None when the op was reached from ``audit``'s own default step (no user line above it)."""
     f = sys._getframe(2)
-    left_ours = False
     while f is not None:
         fn = f.f_code.co_filename
-        if fn.startswith(_OURS):
-            if left_ours:               # torch code called from torchledger: no user line
-                return None
-        else:
-            left_ours = True
-            if not fn.startswith(skip) and not fn.startswith("<frozen"):
-                return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+        if fn == _RUNNER:
+            return None
+        if not fn.startswith(skip) and not fn.startswith("<frozen"):
+            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
         f = f.f_back
     return None
 
