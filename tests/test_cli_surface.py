@@ -15,7 +15,7 @@ SURFACE = {
     'estimate params': ['--bias', '--ffn', '--heads', '--hidden', '--json', '--kv-heads', '--layers', '--mlp', '--no-bias', '--no-tie-embeddings', '--norm', '--positions', '--preset', '--tie-embeddings', '--vocab'],
     'estimate train': ['--dtype', '--gpu', '--gpus', '--json', '--mfu', '--params', '--peak-flops', '--preset', '--price', '--seq-len', '--tokens'],
     'lint': ['--fail-on', '--format'],
-    'report': ['--depth', '--format', '--output'],
+    'report': ['--depth', '--fail-on', '--format', '--output'],
     'snapshot': ['--format', '--output', '--top', '-o'],
 }
 

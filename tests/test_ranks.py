@@ -384,3 +384,16 @@ def test_torchrun_ranks_merge(torchrun_records, kind):
         rec = StepRecord.from_json((torchrun_records / kind / f"rank{rank}.json").read_text())
         assert (rec.totals["rank"], rec.totals["world_size"]) == (rank, 2)
         assert row["step_seconds"] == rec.totals["step_seconds"] > 0
+
+
+def test_report_fail_on_gates_a_merge_and_a_record(tmp_path):
+    # rank 2's step takes 2.0 s against a median of 1.0 s: TL-RANK-002 (warning)
+    paths = save_all(tmp_path, [step_record(0), step_record(1), step_record(2, secs=2.0), step_record(3)])
+    assert report(*paths).exit_code == 0                                  # default: never
+    assert report(*paths, "--fail-on", "warning").exit_code == 1
+    assert report(*paths, "--fail-on", "error").exit_code == 0
+    # one record: its stored findings gate the same way (cruncher-copy has TL-COPY-003, a warning)
+    one = os.path.join(os.path.dirname(__file__), "data", "cruncher-copy", "record.json")
+    assert report(one, "--fail-on", "warning").exit_code == 1
+    assert report(one, "--fail-on", "error").exit_code == 0
+    assert report(one).exit_code == 0

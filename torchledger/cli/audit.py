@@ -277,22 +277,25 @@ def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
               help="Output format (default: from --output's extension, else table).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="Write here (atomically).")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
-def report(record_files, fmt, output, depth):
+@click.option("--fail-on", type=click.Choice(SEVERITIES), default="never", show_default=True,
+              help="Exit 1 on findings (the record's, or the merge's TL-RANK-*) at or above this severity.")
+def report(record_files, fmt, output, depth, fail_on):
     """Render a saved audit or trace record (JSON) in any format, offline. Given the records
     of several ranks of one run (torchrun: rank0.json rank1.json ...), merge them: a per-rank
     table, the skew across ranks and the findings only a merge can make (TL-RANK-*)."""
     from ..render import render
     fmt = _resolve_format(fmt, output)
     if len(record_files) > 1:
-        return _report_ranks(record_files, fmt, output)
+        return _exit_code(_report_ranks(record_files, fmt, output), fail_on)
     (record_file,) = record_files
     rec = _load_record(record_file, record_file)
     _emit(render(rec, rec.findings, fmt, depth=depth), output)
-    return 0
+    return _exit_code(rec.findings, fail_on)
 
 
-def _report_ranks(paths, fmt, output) -> int:
-    """``report rank0.json rank1.json ...``: the ranks' records merged (analyzers/ranks.py)."""
+def _report_ranks(paths, fmt, output) -> list:
+    """``report rank0.json rank1.json ...``: the ranks' records merged (analyzers/ranks.py),
+    written; returns the merge's findings (for ``--fail-on``)."""
     from ..analyzers.ranks import RanksError, merge_ranks
     from ..render.ranks import RANK_FORMATS, render_ranks
     if fmt not in RANK_FORMATS:
@@ -315,4 +318,4 @@ def _report_ranks(paths, fmt, output) -> int:
                    f"(rank {', '.join(str(r) for r in missing[:16])}{', ...' if count > 16 else ''}); "
                    f"the skew covers the {len(records)} given", err=True)
     _emit(render_ranks(merged, fmt), output)
-    return 0
+    return merged["findings"]
