@@ -169,6 +169,11 @@ def test_tp_fsdp_mesh_2x4(tmp_path):
     assert static["predicted"] < static["measured"] < data["predictions"]["static_bytes_upper"]
     rules = {f["rule"] for f in data["findings"]}
     assert not rules & {"TL-CMP-001", "TL-CMP-002", "TL-COMM-001", "TL-COMM-002"}, rules
+    # mesh 2x4, ranks placed row by row: rank 0's TP group is ranks 0-3 (span 4), its FSDP
+    # group ranks 0 and 4 (span 5)
+    spans = {(c["op"], c["group_size"]): c["group_span"] for c in data["collectives"]}
+    assert set(spans.values()) == {4, 5}
+    assert spans[("reduce_scatter", 2)] == 5 and spans[("all_reduce", 4)] == 4
 
 
 def test_plain_audit_does_not_call_parallelize(tmp_path):
@@ -330,6 +335,29 @@ def _comm_record(bus_forward, bus_backward, flops, world, bus=True):
                       comm_bytes={"forward": rows[0]["bytes"], "backward": rows[1]["bytes"], "optimizer": 0,
                                   "other": 0, "total": payload})
     return rec
+
+
+def test_net_time_splits_groups_inside_and_across_nodes():
+    from torchledger.analyzers.interconnect import check_comm_time
+    from torchledger.record import StepRecord
+    rec = StepRecord()
+    rec.totals.update(world_size=64, flops={"forward": 0, "backward": 0, "optimizer": 0, "total": 10**12})
+    # a TP group inside a node (span 8) and an FSDP group strided across 8 nodes (span 57)
+    rec.collectives = [
+        {"op": "all_reduce", "bytes": 1, "group_size": 8, "group_span": 8, "phase": "forward",
+         "module": None, "location": None, "count": 1, "bus_bytes": 450 * 10**9},
+        {"op": "all_gather", "bytes": 1, "group_size": 8, "group_span": 57, "phase": "forward",
+         "module": None, "location": None, "count": 1, "bus_bytes": 400 * 10**9}]
+    (f,) = check_comm_time([rec], {"gpu": "h100"})
+    # 450 GB at H100 NVLink 450 GB/s + 400 GB at DGX H100 InfiniBand 400 GB/s = 1 s + 1 s
+    assert f.measured == pytest.approx(2.0)
+    assert "at 450 GB/s (H100 SXM NVLink, groups within a node)" in f.message
+    assert "at 400 GB/s (H100 SXM InfiniBand per node, groups across nodes)" in f.message
+    # the same bytes all inside a node: NVLink alone, whatever the world size
+    for c in rec.collectives:
+        c["group_span"] = 8
+    (f,) = check_comm_time([rec], {"gpu": "h100"})
+    assert f.measured == pytest.approx(850 / 450) and "NVLink, groups within a node" in f.message
 
 
 def test_step_bus_bytes_prefers_the_rows_bus_bytes():

@@ -210,7 +210,7 @@ COPY = _Obj({"op": STR, "module": OPT_STR, "phase": STR, "location": OPT_STR, "r
              "count": COUNT, "bytes": COUNT})
 COLLECTIVE = _Obj({"op": STR, "phase": STR, "module": OPT_STR, "location": OPT_STR,
                    **{k: COUNT for k in ("bytes", "group_size", "count", "bytes_received", "algo_bytes",
-                                         "bus_bytes")}},
+                                         "bus_bytes", "group_span")}},
                   required=("op", "bytes", "count"))
 FINDING = _Obj({"rule": STR, "severity": _Str(("error", "warning", "info")), "message": STR,
                 "module": OPT_STR, "location": OPT_STR, "hint": OPT_STR},

@@ -100,11 +100,49 @@ def check_comm_time(records, options=None) -> list:
                             hint="give --link-bandwidth (e.g. 450GB/s, an all_reduce_perf busbw)")]
         bw, which = link_bandwidth(link, world)
         which = f"{gpu.name} {which}"
+        parts = _by_link(rec, link, world) if kind == "bus bytes" else None
+        if parts and len(parts) > 1:       # a 2-D mesh: groups inside a node and across nodes
+            return _verdict(rec, opts, gpu, world, total, kind, phases, parts)
+        if parts and parts[0][1] != bw:    # one kind of group, on another link than the world's
+            bw, which = parts[0][1], f"{gpu.name} {parts[0][2]}"
     t_comm = comm_seconds(total, bw)
     split = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in phases.items() if v)
     what = (f"{fmt_bytes(total)} of {kind} per step on each of {world} ranks' links "
             f"({split or 'no phase split'}) take {_secs(t_comm)} at {_rate(bw)} ({which}; NCCL-tests bus "
             f"bandwidth, a lower bound)")
+    return _against_compute(rec, opts, gpu, what, t_comm)
+
+
+def _by_link(rec, link, world) -> list:
+    """``[(bus bytes, bandwidth, which)]`` per kind of link the step's groups cross: a group
+    whose ranks span no more than one node (``group_span``, ranks placed node by node as
+    torchrun places them) runs over NVLink, a wider one across nodes; rows without a span take
+    the world's link."""
+    out: dict = {}
+    for c in rec.collectives or []:
+        span = c.get("group_span")
+        if span is not None and span <= link.gpus_per_node:
+            key = (link.nvlink_bytes_per_s, "NVLink, groups within a node")
+        elif span is not None:
+            bw, which = link_bandwidth(link, max(span, link.gpus_per_node + 1))
+            key = (bw, f"{which.split(',')[0]}, groups across nodes")
+        else:
+            key = link_bandwidth(link, world)
+        out[key] = out.get(key, 0) + c["bus_bytes"]
+    return [(b, bw, which) for (bw, which), b in sorted(out.items(), key=lambda kv: -kv[1])]
+
+
+def _verdict(rec, opts, gpu, world, total, kind, phases, parts) -> list:
+    t_comm = sum(comm_seconds(b, bw) for b, bw, _ in parts)
+    split = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in phases.items() if v)
+    links = "; ".join(f"{fmt_bytes(b)} at {_rate(bw)} ({gpu.name} {which})" for b, bw, which in parts)
+    what = (f"{fmt_bytes(total)} of {kind} per step on each of {world} ranks' links "
+            f"({split or 'no phase split'}) take {_secs(t_comm)}: {links} (NCCL-tests bus bandwidth, "
+            f"a lower bound)")
+    return _against_compute(rec, opts, gpu, what, t_comm)
+
+
+def _against_compute(rec, opts, gpu, what, t_comm) -> list:
     flops = (rec.totals.get("flops") or {}).get("total") or 0
     peak = gpu.peak_flops.get("bf16") if gpu is not None else None
     mfu = float(opts.get("assumed_mfu") or DEFAULT_MFU)

@@ -155,22 +155,41 @@ def collective_bytes(op: str, sent_in: int, filled: int, n: int) -> dict:
     return {"bytes": sent, "bytes_received": received, "algo_bytes": algo, "bus_bytes": algo * num // den}
 
 
-def _group_size(arg, kind: str) -> int:
-    """The size of the process group a collective runs on (0 when it cannot be found)."""
+def _group(arg, kind: str):
+    """The process group a collective runs on."""
     if kind == "pg":
         from torch.distributed import ProcessGroup
-        return int(ProcessGroup.unbox(arg).size())
+        return ProcessGroup.unbox(arg)
     from torch.distributed.distributed_c10d import _resolve_process_group
-    return int(_resolve_process_group(arg).size())
+    return _resolve_process_group(arg)
+
+
+def group_span(group):
+    """``max - min + 1`` of the global ranks in ``group``: ranks placed node by node (torchrun's
+    order), a group whose span fits one node talks over NVLink, else across nodes. None when
+    the ranks cannot be read."""
+    try:
+        from torch.distributed import get_process_group_ranks
+        ranks = get_process_group_ranks(group)
+        return int(max(ranks) - min(ranks) + 1) if ranks else None
+    except Exception:  # noqa: BLE001  (a group this build cannot describe)
+        return None
 
 
 def describe(func, args, kwargs, out) -> tuple:
-    """(op, group size, byte counts) of one collective call."""
+    """(op, group size, group span, byte counts) of one collective call."""
     op, i_in, i_out, i_group, kind = COLLECTIVES[func]
+    span = None
     if kind == "size":                  # the group size sits before the group name
         n = int(args[i_group])
+        if i_group + 1 < len(args):
+            try:
+                span = group_span(_group(args[i_group + 1], "name"))
+            except Exception:  # noqa: BLE001
+                span = None
     else:
-        n = _group_size(args[i_group] if i_group < len(args) else kwargs.get("group_name"), kind)
+        group = _group(args[i_group] if i_group < len(args) else kwargs.get("group_name"), kind)
+        n, span = int(group.size()), group_span(group)
     sent_in = _nbytes(args[i_in]) if i_in is not None else 0
     if i_out is None:                   # functional: the result is the op's return value
         filled = _nbytes(out) if op != "send" else 0
@@ -180,4 +199,4 @@ def describe(func, args, kwargs, out) -> tuple:
         filled = _nbytes(args[i_out])
     if op == "recv" and i_out is None:  # functional irecv fills (and returns) its argument
         filled = _nbytes(args[0])
-    return op, n, collective_bytes(op, sent_in, filled, n)
+    return op, n, span, collective_bytes(op, sent_in, filled, n)

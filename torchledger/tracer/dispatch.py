@@ -149,7 +149,7 @@ class LedgerMode(TorchDispatchMode):
         self.gathered_params: dict = {}  # FSDP2: storage of a parameter's unsharded buffer -> numel
         self.tensor_parallel = 1         # the largest global/local split of a weight at a matmul
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
-        self.collectives: dict = {}  # (op, group size, phase, module, location) -> [count, sent, received, algo, bus]
+        self.collectives: dict = {}  # (op, group size, group span, phase, module, location) -> [count, sent, received, algo, bus]
         self.on_collective = None    # callback(op, func, args, kwargs, out) after a collective (dist_memory)
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
 
@@ -330,10 +330,10 @@ class LedgerMode(TorchDispatchMode):
             if self.on_collective is not None and func.__name__.startswith("split_with_sizes_copy"):
                 self.on_collective(FSDP_COPY_OUT, func, args, kwargs, out)
             return
-        op, n, nbytes = describe(func, args, kwargs, out)
+        op, n, span, nbytes = describe(func, args, kwargs, out)
         if phase == OTHER and _graph_task() != -1:    # an engine's final callback (FSDP2's last
             phase = BACKWARD                            # reduce-scatters): still the backward
-        key = (op, n, phase, mod, user_frame(_COLLECTIVE_SKIP))
+        key = (op, n, span, phase, mod, user_frame(_COLLECTIVE_SKIP))
         row = self.collectives.get(key)
         if row is None:
             row = self.collectives[key] = [0, 0, 0, 0, 0]

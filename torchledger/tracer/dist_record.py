@@ -18,12 +18,15 @@ def add_collectives(rec, mode, scope) -> None:
     largest first) and ``totals.comm_bytes`` (bytes this rank sends, per phase)."""
     comm = {"forward": 0, "backward": 0, "optimizer": 0, "other": 0, "total": 0}
     rows = []
-    for (op, n, phase, mod, loc), (count, sent, received, algo, bus) in mode.collectives.items():
+    for (op, n, span, phase, mod, loc), (count, sent, received, algo, bus) in mode.collectives.items():
         comm[_COMM_PHASE[phase]] += sent
         comm["total"] += sent
-        rows.append({"op": op, "bytes": sent, "group_size": n, "phase": PHASES[phase],
-                     "module": scope.name(mod), "location": loc, "count": count,
-                     "bytes_received": received, "algo_bytes": algo, "bus_bytes": bus})
+        row = {"op": op, "bytes": sent, "group_size": n, "phase": PHASES[phase],
+               "module": scope.name(mod), "location": loc, "count": count,
+               "bytes_received": received, "algo_bytes": algo, "bus_bytes": bus}
+        if span is not None:            # global ranks from the group's lowest to its highest
+            row["group_span"] = span
+        rows.append(row)
     rows.sort(key=lambda r: (-r["bytes"], r["op"], r["phase"], r["module"] or "", r["location"] or ""))
     rec.collectives = rows
     rec.totals["comm_bytes"] = comm
