@@ -17,22 +17,13 @@ if not dist.is_available():
 from torchledger.audit import run_audit  # noqa: E402
 from torchledger.spec import AuditError  # noqa: E402
 from torchledger.cli import cli  # noqa: E402
+from test_audit_cli import one_line_error  # noqa: E402  (the one-line-error check all CLI tests share)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def one_line_error(result, *needles):
-    assert result.exit_code == 2, result.output
-    err = result.stderr.strip()
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in result.output
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 def write(tmp_path, body, name="model.py"):
