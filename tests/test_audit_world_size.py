@@ -395,3 +395,16 @@ def test_gpu_fit_speaks_of_each_rank(fsdp8):
     (f,) = check_gpu_fit([big], {"gpu": "H100"})
     assert f.severity == "error" and f.message.startswith("the step does not fit at world size 8: each rank's peak")
     assert "112.5% of one H100 SXM's 80.0 GB" in f.message        # 90 / 80 = 1.125
+
+
+def test_mfu_option_reaches_the_net_finding(tmp_path):
+    """``--mfu`` end to end: TL-NET-001's compute time is the step's FLOPs at the user's MFU of
+    the part's bf16 peak, not at the 0.4 default."""
+    from torchledger.formulas.hardware import get_gpu
+    path = write(tmp_path, TINY)
+    data = audit_json(path, "--world-size", "8", "--gpu", "h100", "--mfu", "0.25")
+    (f,) = [f for f in data["findings"] if f["rule"] == "TL-NET-001"]
+    flops = data["totals"]["flops"]["total"]
+    peak = get_gpu("h100").peak_flops["bf16"]
+    assert f["expected"] == pytest.approx(flops / (0.25 * peak))        # 0.4 would give 0.625x this
+    assert "MFU 25%" in f["message"]

@@ -9,6 +9,7 @@ import sys
 import threading
 import weakref
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -158,6 +159,18 @@ def test_two_threads_entering_at_once_one_gets_in():
 
 
 # -- Ctrl-C inside __enter__ / __exit__ -------------------------------------------------------
+@pytest.fixture
+def sigint_raises():
+    """The real-SIGINT tests need Python's own handler (KeyboardInterrupt): a process started
+    with SIGINT ignored (a background job, some CI wrappers) inherits SIG_IGN, under which a
+    Ctrl-C is rightly dropped. Set the handler the test needs and put the inherited one back."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 _TARGETS = {StepTracer.__enter__.__code__, StepTracer.__exit__.__code__}
 
 
@@ -240,7 +253,7 @@ def interrupt_points(every_after_build: int = 1) -> tuple:
     return len(points), held, count.calls
 
 
-def test_interrupt_at_every_entry_point_leaves_nothing_installed():
+def test_interrupt_at_every_entry_point_leaves_nothing_installed(sigint_raises):
     """A Ctrl-C at any function entry inside __enter__ or __exit__ (the issue found state left
     behind at 25 of 29 points): nothing stays installed and the interrupt reaches the caller.
     Every point until the record starts being built runs; past it (nothing is installed any
@@ -249,7 +262,7 @@ def test_interrupt_at_every_entry_point_leaves_nothing_installed():
     assert held == tried and tried > 100
 
 
-def test_real_sigint_inside_enter_or_exit_is_delivered_once_all_is_removed():
+def test_real_sigint_inside_enter_or_exit_is_delivered_once_all_is_removed(sigint_raises):
     """SIGINT itself (not a raised exception) sent at function entries inside __enter__ and
     __exit__: deferred while the tracer goes in or out, then raised as KeyboardInterrupt,
     with nothing left installed (one point in 5 until the record is built)."""
@@ -285,7 +298,7 @@ class _LineSignaller:
         return self._line
 
 
-def test_sigint_between_any_two_lines_of_install_or_removal_is_deferred():
+def test_sigint_between_any_two_lines_of_install_or_removal_is_deferred(sigint_raises):
     """Without the deferral a SIGINT after ``LOCK.acquire`` but before ``self.locked = True``
     left the lock taken for good (every later trace: "already active")."""
     from conftest import hook_state

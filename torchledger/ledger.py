@@ -149,7 +149,7 @@ class Ledger:
 
     def __init__(self, model, optimizer=None, *, sample_every: int = 1, keep: int = 20,
                  peak_flops=None, clock=time.perf_counter, mesh=None):
-        if not isinstance(sample_every, int) or sample_every < 1:
+        if not isinstance(sample_every, int) or isinstance(sample_every, bool) or sample_every < 1:
             raise ValueError(f"sample_every must be an int >= 1, got {sample_every!r}")
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (traced step records kept), got {keep!r}")
