@@ -142,12 +142,15 @@ def _rules(merged):
 
 
 def test_rank_peak_at_exactly_the_threshold_is_not_a_finding():
-    # median 100; 10% above = 110 exactly: not above the threshold, no finding; 111 is
-    at = merge_ranks([_rank(0), _rank(1), _rank(2, peak=110)])
+    # median 100 and a skew of 0.5: 150 is exactly at the threshold (100 x 1.5 is exact in
+    # binary, 100 x 1.1 is not), no finding; 151 is above it
+    opts = {"rank_peak_skew": 0.5}
+    at = merge_ranks([_rank(0), _rank(1), _rank(2, peak=150)], options=opts)
     assert "TL-RANK-001" not in _rules(at)
-    over = merge_ranks([_rank(0), _rank(1), _rank(2, peak=111)])
+    over = merge_ranks([_rank(0), _rank(1), _rank(2, peak=151)], options=opts)
     assert _rules(over) == ["TL-RANK-001"]
     assert DEFAULTS["rank_peak_skew"] == 0.10
+    assert _rules(merge_ranks([_rank(0), _rank(1), _rank(2, peak=111)])) == ["TL-RANK-001"]
 
 
 def test_skew_figures_are_max_over_median_and_max_over_min():
@@ -188,7 +191,7 @@ def test_a_zero_sized_mesh_dim_is_refused():
 def test_report_file_stems_are_capped_at_120_characters():
     from torchledger.pytest_plugin import _Report
     rep = _Report("unused")
-    long_id = "tests/test_x.py::test_case[" + "p" * 300 + "]"
+    long_id = "tests/test_x.py::test_case[" + "p" * 160 + "]"      # 188 characters: under 255
     stem = rep.stem(long_id)
     assert len(stem) == 111 and stem.startswith("tests_test_x.py_test_case_p")   # 100 + "-" + 10 hex
     assert rep.stem(long_id) == stem                                              # stable
