@@ -2,6 +2,7 @@
 a test (pyinstrument's check_sampler_state)."""
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -53,6 +54,13 @@ def leak_guard():
     yield
     after = hook_state()
     assert after == before, f"torchledger left global state behind: {before} -> {after}"
+
+
+def pytest_configure(config):
+    # Under pytest-xdist (README's command: one worker a core) each worker computes on one
+    # thread: two workers of two intra-op threads each would fight over the two cores.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

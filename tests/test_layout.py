@@ -4,6 +4,7 @@ functions included), so a lazy import cannot hide a wrong-way dependency."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -74,10 +75,12 @@ def _part(dotted: str):
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _edges():
-    for path, module, is_package in _modules():
-        for target, line in _imports(path, module, is_package):
-            yield module, target, f"{os.path.relpath(path, REPO)}:{line}"
+@functools.lru_cache(maxsize=1)
+def _edges() -> tuple:
+    """Every import of the package once per session (each test reads the same edges)."""
+    return tuple((module, target, f"{os.path.relpath(path, REPO)}:{line}")
+                 for path, module, is_package in _modules()
+                 for target, line in _imports(path, module, is_package))
 
 
 def test_every_part_has_a_layer():
