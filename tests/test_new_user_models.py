@@ -149,10 +149,15 @@ def test_clones_n_by_hand(record):
 
 
 def test_deepcopy_under_audit_mode_keeps_the_mode():
+    import warnings
     from torchledger.tracer.fake import fake_mode
-    with fake_mode() as mode:
+    with warnings.catch_warnings(record=True) as caught, fake_mode() as mode:
+        warnings.simplefilter("always")
         layer = nn.Linear(4, 4)
         twin = copy.deepcopy(layer)
+    # torch's own deepcopy asks a fake tensor for its data pointer and warns "almost
+    # definitely a bug in your code": not the user's, not shown
+    assert not [w for w in caught if "data pointer of FakeTensor" in str(w.message)]
     assert twin.weight.fake_mode is mode is layer.weight.fake_mode
     assert twin.weight.untyped_storage()._cdata != layer.weight.untyped_storage()._cdata
     assert twin.weight.requires_grad
@@ -230,6 +235,28 @@ def test_nn_transformer_is_encoder_decoder(record):
     assert "L = 2 encoder + 3 decoder layers" in r["parameters (12*L*d^2 + V*d)"]["explanation"]
     text = r["training FLOPs vs 6ND + 12LTd"]["explanation"]
     assert "L = 2 encoder + 3 decoder layers" in text and "T_dec = 4 read off the decoder" in text
+
+
+def test_nn_transformer_no_flops_finding(record):
+    from torchledger.analyzers.compare import check_comparisons
+    assert check_comparisons([record("seq2seq")]) == []       # was TL-CMP-001 "1348.8% above"
+
+
+def test_unet_is_no_encoder_decoder_transformer():
+    # a U-Net's `encoder` and `decoder` lists of conv blocks, attention in the middle: no
+    # token embedding, no attention in the stacks' layers, so no transformer config
+    from torchledger.tracer.shape import model_config
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.ModuleList([nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()) for _ in range(2)])
+            self.mid = nn.MultiheadAttention(4, 1)
+            self.decoder = nn.ModuleList([nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()) for _ in range(2)])
+    assert model_config(UNet()) is None
+    bare = nn.Transformer(16, 2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=32)
+    cfg = model_config(bare)
+    assert (cfg["d_model"], cfg["n_encoder_layers"], cfg["n_decoder_layers"]) == (16, 1, 2)
 
 
 def test_bare_nn_transformer(record):

@@ -17,6 +17,7 @@ them (a model built under a plain ``FakeTensorMode`` the user made), for a warni
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 __all__ = ["fake_mode", "foreign_fake_params"]
 
@@ -31,12 +32,17 @@ def _same_mode(mode):
 
 @contextlib.contextmanager
 def fake_mode(**kwargs):
-    """A ``FakeTensorMode(**kwargs)``, entered, whose deep copy is itself."""
+    """A ``FakeTensorMode(**kwargs)``, entered, whose deep copy is itself. Meanwhile torch's
+    "Accessing the data pointer of FakeTensor is deprecated" warning, which every deep copy
+    of a fake tensor raises from torch's own ``Tensor.__deepcopy__`` ("almost definitely a
+    bug in your code": it is not the user's), is not shown."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(**kwargs)
     mode.__deepcopy__ = _same_mode(mode)
-    with mode:
-        yield mode
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor is deprecated")
+        with mode:
+            yield mode
 
 
 def foreign_fake_params(params) -> int:

@@ -241,6 +241,19 @@ def _from_modules(model):
 
 
 def _attention_width(model):
-    """``embed_dim`` of the model's first ``nn.MultiheadAttention`` (d of nn.Transformer), or None."""
+    """d of an encoder-decoder stack of attention layers with no embedding (a bare
+    ``nn.Transformer``): the ``embed_dim`` of the ``nn.MultiheadAttention`` in the first layer
+    of the encoder stack and of the decoder stack (the stacks :func:`_encoder_decoder_layers`
+    counts), when both have one and they agree; None otherwise (a U-Net's ``encoder`` and
+    ``decoder`` lists of conv blocks are no transformer)."""
     import torch.nn as nn
-    return next((m.embed_dim for m in model.modules() if isinstance(m, nn.MultiheadAttention)), None)
+    widths = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last not in ("encoder", "decoder") or last in widths or not _layer_count(module):
+            continue
+        layers = max((c for c in module.children() if isinstance(c, nn.ModuleList)), key=len)
+        widths[last] = next((m.embed_dim for m in layers[0].modules()
+                             if isinstance(m, nn.MultiheadAttention)), None)
+    values = set(widths.values())
+    return values.pop() if len(widths) == 2 and len(values) == 1 and None not in values else None
