@@ -46,8 +46,9 @@ class AuditSpec:
     """``(model, inputs, optimizer) -> None``: the user's own step, replacing the default."""
     tokens: Optional[int] = None
     """Tokens per step (D of 6ND); default read off ``inputs`` (:func:`infer_tokens`): the
-    numel of 2-D integer token ids ``[B, T]``, else the rows of a 2-3 dim float ``[B, (T,) d]``,
-    else the batch of an image-like tensor (float 4+ dims, integer 3+: D then counts samples,
+    numel of 2-D integer token ids ``[B, T]``, else the count of a list of ``[C, H, W]``
+    images (detection), else the rows of a 2-3 dim float ``[B, (T,) d]``, else the batch of
+    an image-like tensor (float 4+ dims, integer 3+; with a list of images, D counts samples,
     not tokens), else the numel of a 1-D tensor (labels); among tensors of one kind a key
     with ``ids`` in it (``input_ids``) first, one with ``mask`` (``attention_mask``) last.
     Reports say which (``totals.tokens_source``)."""
