@@ -167,7 +167,8 @@ def test_audit_cnn_counts_samples(tmp_path):
     assert t["tokens"] == 8 and t["tokens_source"] == source
     table = audit(tmp_path, CNN.format(extra=""))
     assert f"tokens: 8 ({source}{HINT}); FLOPs/sample " in table
-    assert "D = 8 samples" in table                          # the 6ND comparison says so too
+    assert "D = 8 counts samples, not tokens: 6ND is no reference" in table   # so is the FLOPs row
+    assert "6ND (N =" not in table and "6ND =" not in table
     md = audit(tmp_path, CNN.format(extra=""), "--format", "markdown")
     assert f"| tokens per step | 8 ({source}{HINT}) |" in md.replace("\\_", "_")
     assert "| FLOPs per sample |" in md

@@ -116,8 +116,8 @@ def device_context(device: str):
     """The context the spec is built and the steps run in."""
     import torch
     if device == "fake":
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        from .tracer.fake import fake_mode     # a deep-copied layer keeps the mode (and its weights)
+        with fake_mode(allow_non_fake_inputs=True):
             yield
     elif device == "meta":
         with torch.device("meta"):

@@ -46,8 +46,9 @@ class AuditSpec:
     """``(model, inputs, optimizer) -> None``: the user's own step, replacing the default."""
     tokens: Optional[int] = None
     """Tokens per step (D of 6ND); default read off ``inputs`` (:func:`infer_tokens`): the
-    numel of 2-D integer token ids ``[B, T]``, else the rows of a 2-3 dim float ``[B, (T,) d]``,
-    else the batch of an image-like tensor (float 4+ dims, integer 3+: D then counts samples,
+    numel of 2-D integer token ids ``[B, T]``, else the count of a list of ``[C, H, W]``
+    images (detection), else the rows of a 2-3 dim float ``[B, (T,) d]``, else the batch of
+    an image-like tensor (float 4+ dims, integer 3+; with a list of images, D counts samples,
     not tokens), else the numel of a 1-D tensor (labels); among tensors of one kind a key
     with ``ids`` in it (``input_ids``) first, one with ``mask`` (``attention_mask``) last.
     Reports say which (``totals.tokens_source``)."""
@@ -157,10 +158,13 @@ def infer_tokens(inputs) -> TokenCount:
     ranked; the first tensor of the best rank wins:
 
     1. an integer tensor of 2 dims, token ids ``[B, T]``: its numel (``seq_len`` = T);
-    2. a float tensor of 2-3 dims, ``[B, d]`` or ``[B, T, d]``: its rows (numel / last dim);
+    2. a list of ``[C, H, W]`` float images (C of 1, 3 or 4) inside the inputs (torchvision
+       detection's ``(images, targets)``): their count, samples (ahead of the targets' float
+       boxes); else a float tensor of 2-3 dims, ``[B, d]`` or ``[B, T, d]``: its rows (numel /
+       last dim);
     3. a float tensor of 4+ dims or an integer one of 3+ (images, video, uint8 pixels,
        segmentation maps, ``[B, C, H, W, ...]``): its batch B. D then counts **samples, not
-       tokens**, and the source says so;
+       tokens** (here and for a list of images), and the source says so;
     4. a 1-D integer tensor (class labels, or a packed token stream): its numel, used only
        when nothing above exists (a vision batch's ``labels [B]`` never wins over its pixels);
     5. a 1-D float tensor: its numel.
@@ -178,6 +182,12 @@ def infer_tokens(inputs) -> TokenCount:
     for position, (path, key, t) in enumerate(found):
         ranked = _rank(path, t)
         order = None if ranked is None else (ranked[0], _name_order(key), position)
+        if isinstance(key, _Image):         # one image of a detection-style list: the list counts,
+            if key.index:                   # ahead of its targets' float boxes [n, 4]
+                continue
+            ranked = (2, key.count, None, f"count of {key.path}, a list of {key.count} images "
+                                          f"{list(t.shape)}, ...: {SAMPLES_NOT_TOKENS}")
+            order = (2, -1, position)
         if order is not None and (best is None or order < best[0]):
             best = (order, ranked[1:])
     if best is None:
@@ -207,8 +217,26 @@ def _tensors(x, path: str, depth: int = 0, key=None):
         for k, v in x.items():
             yield from _tensors(v, f"{path}[{k!r}]", depth + 1, k)
     elif isinstance(x, (tuple, list)):
+        images = depth > 0 and isinstance(x, list) and _is_image_list(x)
         for i, v in enumerate(x):
-            yield from _tensors(v, f"{path}[{i}]", depth + 1, key)
+            yield from _tensors(v, f"{path}[{i}]", depth + 1,
+                                _Image(path, i, len(x)) if images else key)
+
+
+class _Image(NamedTuple):
+    """The key :func:`_tensors` gives an image of a list of images (``path``: the list's)."""
+    path: str
+    index: int
+    count: int
+
+
+def _is_image_list(x: list) -> bool:
+    """A list of ``[C, H, W]`` float images, C in 1, 3, 4 (grey, RGB, RGBA): what torchvision's
+    detection and segmentation models take (``model(images, targets)``), each image its own
+    size. Only a list inside the inputs: the inputs' own tuple is the positional arguments."""
+    import torch
+    return bool(x) and all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 3
+                           and t.shape[0] in (1, 3, 4) and t.numel() for t in x)
 
 
 def _name_order(key) -> int:

@@ -84,7 +84,9 @@ def _base(t, p) -> str:
     6 x sum(weight x rows); else 6ND."""
     if "flops_per_weight_grads" in p and _frozen_params(t):
         return "grads"
-    return "per_weight" if _uneven(p) else "6nd"
+    # D counting samples (images): 6 x samples x N is no reference, even where each weight
+    # happens to multiply one row per sample
+    return "per_weight" if _uneven(p) or (counts_samples(t) and "flops_6nd_per_weight" in p) else "6nd"
 
 
 def _tp(totals) -> int:
@@ -194,8 +196,8 @@ def comparisons(record, p=None) -> list:
                        f"counted: 12d^2 per encoder layer, 16d^2 per decoder layer (self 4d^2 + "
                        f"cross 4d^2 + MLP 8d^2), 12*{shape.n_enc}*d^2 + 16*{shape.n_dec}*d^2 + V*d; ")
         rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
-                         enc_dec + _explain_12ld2(cfg) if cfg is not None else
-                         "L, d and V found from the modules (no config): " + _explain_partial(record)))
+                         enc_dec + (_explain_12ld2(cfg, record.meta.get("config")) if cfg is not None else
+                                    "L, d and V found from the modules (no config): " + _explain_partial(record))))
     base = _base(t, p)
     if base == "6nd" and "flops_6nd" in p:
         f = t["flops"]["total"]
@@ -375,21 +377,22 @@ def _weights_row(record, p, base) -> dict:
     name, ref = _BASES[base], _base_value(p, base)
     f, attn = t["flops"]["total"], t["attention_flops"]["dense"]
     six = (f"6ND = {p['flops_6nd']:,} (N = {t['matmul_params']:,} matmul params, D = "
-           f"{t['tokens']:,} {_unit(t)})" if "flops_6nd" in p else "")
+           f"{t['tokens']:,} {_unit(t)})" if "flops_6nd" in p and not counts_samples(t) else "")
     if base == "grads":
         text = (f"{_frozen_params(t):,} of {t['params']:,} params are frozen: a frozen weight's "
                 f"matmul costs its forward (2 x weight x rows), plus 2 x that when its input needs "
                 f"grad, never a weight gradient; a trainable one 6 x weight x rows, 4 when its input "
-                f"needs none" + (f"; {six} would count every weight as trained" if "flops_6nd" in p else ""))
+                f"needs none" + (f"; {six} would count every weight as trained" if six else ""))
     else:
         skipped = p["flops_6nd_per_weight"] - ref
-        why = (f"weights do not all see D {_unit(t)} (convolutions at every output position, "
-               f"experts, encoder/decoder lengths, heads on a few rows)" if "flops_6nd" in p
-               else "no D (tokens) given")
+        why = ("no D (tokens) given" if "flops_6nd" not in p else
+               f"D = {t['tokens']:,} counts samples, not tokens: 6ND is no reference" if counts_samples(t)
+               else f"weights do not all see D {_unit(t)} (convolutions at every output position, "
+                    f"experts, encoder/decoder lengths, heads on a few rows)")
         text = (f"{why}: each weight x the rows "
                 f"it multiplied, 6 x sum(weight x rows) = {p['flops_6nd_per_weight']:,}"
                 + (f" less {skipped:,} of input gradients nothing needed (the first layer's, of "
-                   f"inputs without grad)" if skipped > 0 else "") + (f"; {six}" if "flops_6nd" in p else ""))
+                   f"inputs without grad)" if skipped > 0 else "") + (f"; {six}" if six else ""))
     if "flops_6nd_attention" in p or not attn:   # the 12LTd row predicts attention; none here
         return _row(name, f, ref, text + (f"; attention adds {_pct(attn, ref)}" if attn else "")
                     + _other(f - ref - attn, ref))
@@ -422,8 +425,32 @@ def _explain_partial(record) -> str:
             f"GELU MLP, full K/V heads, a tied head and no norms or biases")
 
 
-def _explain_12ld2(cfg) -> str:
-    parts = ["ignores norms and biases"]
+def _experts_text(cfg, meta_cfg):
+    """(text, main): what a mixture of experts adds to the parameters beyond the formula's one
+    MLP per layer, and whether that is the largest of the gaps the formula leaves (None, False
+    for a dense model). The other gaps, in parameters: the untied head V*d, the position table,
+    the MLP's own shape (one expert, or the dense MLP, against 8d^2) and K/V heads."""
+    meta_cfg = meta_cfg or {}
+    E, experts, layers = (meta_cfg.get(k) for k in ("n_experts", "expert_params", "moe_layers"))
+    if not (isinstance(E, int) and E > 1 and experts and layers):
+        return None, False
+    d, L = cfg.d_model, cfg.n_layers
+    extra = experts * (E - 1) // E                      # every expert but one per MoE layer
+    one = 3 * d * cfg.d_ff if cfg.mlp == "swiglu" else 2 * d * cfg.d_ff
+    d_attn = int(meta_cfg.get("d_attn") or d)
+    head = d_attn // cfg.n_heads if cfg.n_heads else 0
+    others = [0 if cfg.tie_embeddings else cfg.vocab_size * d, cfg.n_positions * d,
+              experts // E + (L - layers) * one - 8 * L * d * d,
+              L * (2 * d * d_attn + 2 * d * cfg.n_kv_heads * head - 4 * d * d)]
+    text = (f"{E} experts in each of {layers} layers hold {experts:,} params where the formula counts "
+            f"one 4d MLP per layer: every expert but one adds {extra:,}")
+    return text, extra >= max(abs(x) for x in others)
+
+
+def _explain_12ld2(cfg, meta_cfg=None) -> str:
+    experts, main = _experts_text(cfg, meta_cfg)
+    parts = [f"main cause: {experts}"] if main else []
+    parts.append("ignores norms and biases")
     if cfg.n_positions:
         parts.append(f"leaves out the {cfg.n_positions}x{cfg.d_model} position table")
     if cfg.mlp == "swiglu" or cfg.d_ff != 4 * cfg.d_model:
@@ -432,6 +459,8 @@ def _explain_12ld2(cfg) -> str:
         parts.append(f"assumes full K/V heads (this one: {cfg.n_kv_heads} of {cfg.n_heads})")
     if not cfg.tie_embeddings:
         parts.append("counts one V*d matrix (the untied LM head adds another)")
+    if experts and not main:
+        parts.append(experts)
     return "; ".join(parts)
 
 

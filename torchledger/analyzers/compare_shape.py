@@ -73,6 +73,8 @@ def _probe_rows(record, probe, batch) -> Optional[int]:
 def _lm_head_rows(record, shape, batch) -> Optional[int]:
     """Decoder rows read off a module named ``lm_head`` called once (2*V*d x rows forward:
     logits at every decoder position)."""
+    if not shape.V:                         # no vocabulary (a bare nn.Transformer): no LM head
+        return None
     for m in record.modules or []:
         if str(m.get("name", "")).rsplit(".", 1)[-1] != "lm_head" or m.get("calls") != 1:
             continue

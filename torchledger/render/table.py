@@ -115,8 +115,8 @@ def _totals_lines(record) -> list:
         n = t.get("matmul_params", 0)
         per = "sample" if counts_samples(t) else "token"
         source = f" ({note})" if note else ""
-        lines.append(f"tokens: {t['tokens']:,}{source}; FLOPs/{per} {f['total'] / t['tokens']:,.0f}; "
-                     f"6ND (N = {n:,} matmul params) = {6 * n * t['tokens']:,}")
+        six = "" if counts_samples(t) else f"; 6ND (N = {n:,} matmul params) = {6 * n * t['tokens']:,}"
+        lines.append(f"tokens: {t['tokens']:,}{source}; FLOPs/{per} {f['total'] / t['tokens']:,.0f}{six}")
     elif note:
         lines.append(f"tokens: none ({note}); no FLOPs/token or 6ND")
     pb = record.memory.get("peak_breakdown", {})

@@ -16,22 +16,26 @@ and calls of compiled code during the step (compiled functions included) where d
 internals allow counting them.
 
 **autocast.** The dtype the step computes in is not the parameters' under ``torch.autocast``;
-a forward pre-hook on the model notes the autocast state of its first call
-(``meta.autocast``: device type and dtype) for the report's header.
+forward pre-hooks on the model and (global) on every module note the autocast state of the
+first module call made under autocast (``meta.autocast``: device type and dtype) for the
+report's header: autocast around the step (Lightning's bf16-mixed, a hand-written
+``with torch.autocast``) or entered inside the model's forward (accelerate wraps
+``model.forward`` in it, so a ``Trainer(bf16=True)`` step is seen at its first submodule).
 
 Known limitations: the traced step computes with eager kernels, so with a backend whose
 kernels round differently (inductor) its results differ from a compiled step's in the last
 bits (measured: ``examples/nanogpt_loop.py``, 20 steps tracing one in 4, weights within
 3.9e-6 of a never-traced run, 5 of 20 losses 1-2 ulp apart; with ``eager``/``aot_eager``
 backends and without compile, bitwise equal). A step that calls ``torch.compile`` itself
-inside the traced block compiles nothing until an untraced step; autocast entered inside
-``forward`` is not seen.
+inside the traced block compiles nothing until an untraced step; autocast entered inside a
+forward that then calls no module (raw ``F.linear`` on its parameters) is not seen.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 __all__ = ["observe_run", "note_run"]
 
@@ -67,7 +71,12 @@ def observe_run(tracer, model, stack, undo=None):
         # ours and fire harmlessly on the wrapper (it is not in the traced tree)
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-        handle = model.register_forward_pre_hook(_autocast_probe(info, model))
+        probe = _autocast_probe(info, getattr(tracer, "_ours", None))
+        handle = model.register_forward_pre_hook(probe)
+        (undo or stack.callback)(handle.remove)
+        # autocast entered inside the model's forward (accelerate wraps ``model.forward`` in it:
+        # a Trainer(bf16=True) step) is on by the time its first submodule runs
+        handle = register_module_forward_pre_hook(probe)
         (undo or stack.callback)(handle.remove)
     except Exception as e:  # noqa: BLE001  (the step must run even if dynamo changed)
         tracer._warn(f"torch.compile/autocast probe: {type(e).__name__}: {e}")
@@ -97,10 +106,12 @@ def _force_eager(info, stack) -> None:
     stack.callback(setattr, eval_frame, "_callback_from_stance", original)
 
 
-def _autocast_probe(info, model):
+def _autocast_probe(info, ours=None):
+    """A forward pre-hook that notes the autocast state of the first module call made under
+    autocast (on the step's own threads: ``ours``), on the device of the module's weights."""
     def probe(module, args):
         try:
-            if info["autocast"] is not None:
+            if info["autocast"] is not None or (ours is not None and not ours()):
                 return
             p = next(module.parameters(), None)
             device = p.device.type if p is not None else "cpu"

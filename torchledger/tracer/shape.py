@@ -10,7 +10,9 @@ from those lists), and ``n_layers`` is their sum: the predictions count every la
 decoder layer's cross-attention. A model with no ``config`` that
 looks like a transformer (a token embedding and a list of identical blocks) gets a
 *partial* dict (``partial: True``): L, d and V from its modules, heads if a block names
-them; enough for 12Ld^2 + Vd and the attention term, not for an exact count. None when
+them; enough for 12Ld^2 + Vd and the attention term, not for an exact count. Such a model
+with an encoder and a decoder stack (``nn.Transformer``) is an encoder-decoder too, even
+when it has no embedding (V = 0, d from its attention). None when
 nothing is recognised. The predictions built from it say when the model holds parameters
 the config does not describe.
 """
@@ -89,7 +91,36 @@ def _from_attrs(cfg, model):
         out.update(encoder_decoder=True, n_encoder_layers=stacks[0], n_decoder_layers=stacks[1],
                    n_layers=stacks[0] + stacks[1])
         out.update(_stack_probes(model))
+    out.update(_experts(model, cfg))
     return out
+
+
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _experts(model, cfg=None) -> dict:
+    """A mixture of experts: ``n_experts`` (E, from the config, else the length of the
+    experts' list or the leading dim of their stacked weights), ``expert_params`` (every
+    parameter of the topmost modules named ``experts``, counted off the model) and
+    ``moe_layers`` (how many such modules). Empty for a dense model."""
+    if model is None:
+        return {}
+    import torch.nn as nn
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, module))
+    if not found:
+        return {}
+    E = _first(cfg, *_EXPERT_COUNTS) if cfg is not None else None
+    if not isinstance(E, int):
+        first = found[0][1]
+        stacked = [p.shape[0] for p in first.parameters(recurse=False) if p.dim() == 3]
+        E = len(first) if isinstance(first, nn.ModuleList) else stacked[0] if stacked else None
+    if not isinstance(E, int) or E < 2:
+        return {}
+    params = {id(p): p.numel() for _, m in found for p in m.parameters()}
+    return {"n_experts": E, "expert_params": sum(params.values()), "moe_layers": len(found)}
 
 
 def _stack_probes(model) -> dict:
@@ -109,7 +140,13 @@ def _stack_probes(model) -> dict:
         if not layers:
             continue
         prefix = f"{name}.{_child_name(module, layers)}.0"
+        # nn.MultiheadAttention multiplies its out_proj's weight itself, never calling the
+        # module: no FLOPs of its own to read rows off (nn.Transformer's layers: linear1 then)
+        inside_mha = {f"{n}.{c}" for n, m in layers[0].named_modules()
+                      if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_modules() if c}
         for sub_name, sub in layers[0].named_modules():
+            if sub_name in inside_mha:
+                continue
             w = getattr(sub, "weight", None)
             if isinstance(w, nn.Parameter) and w.dim() == 2 and not isinstance(sub, nn.Embedding):
                 out[key] = [f"{prefix}.{sub_name}", int(w.numel())]
@@ -171,10 +208,19 @@ def _from_modules(model):
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
              and len({type(c) for c in m}) == 1 and next(iter(m[0].children()), None) is not None]
-    if not embeddings or not lists:
+    if not lists:
         return None
-    tokens = max(embeddings, key=lambda m: m.num_embeddings)
     blocks = max(lists, key=len)
+    if embeddings:
+        tokens = max(embeddings, key=lambda m: m.num_embeddings)
+        V, d = tokens.num_embeddings, tokens.embedding_dim
+    else:
+        # an encoder-decoder stack fed vectors (a bare nn.Transformer): no vocabulary, d from
+        # its attention
+        d = _attention_width(model) if _encoder_decoder_layers(model) is not None else None
+        if d is None:
+            return None
+        V = 0
     heads = None
     for sub in blocks[0].modules():
         for name in _HEAD_ATTRS:
@@ -184,6 +230,30 @@ def _from_modules(model):
                 break
         if heads:
             break
-    return {"kind": "transformer", "source": "modules", "partial": True,
-            "vocab_size": tokens.num_embeddings, "d_model": tokens.embedding_dim,
-            "n_layers": len(blocks), "n_heads": heads}
+    out = {"kind": "transformer", "source": "modules", "partial": True,
+           "vocab_size": V, "d_model": d, "n_layers": len(blocks), "n_heads": heads}
+    stacks = _encoder_decoder_layers(model)     # nn.Transformer: encoder.layers, decoder.layers
+    if stacks is not None:
+        out.update(encoder_decoder=True, n_encoder_layers=stacks[0], n_decoder_layers=stacks[1],
+                   n_layers=stacks[0] + stacks[1])
+        out.update(_stack_probes(model))
+    return out
+
+
+def _attention_width(model):
+    """d of an encoder-decoder stack of attention layers with no embedding (a bare
+    ``nn.Transformer``): the ``embed_dim`` of the ``nn.MultiheadAttention`` in the first layer
+    of the encoder stack and of the decoder stack (the stacks :func:`_encoder_decoder_layers`
+    counts), when both have one and they agree; None otherwise (a U-Net's ``encoder`` and
+    ``decoder`` lists of conv blocks are no transformer)."""
+    import torch.nn as nn
+    widths = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last not in ("encoder", "decoder") or last in widths or not _layer_count(module):
+            continue
+        layers = max((c for c in module.children() if isinstance(c, nn.ModuleList)), key=len)
+        widths[last] = next((m.embed_dim for m in layers[0].modules()
+                             if isinstance(m, nn.MultiheadAttention)), None)
+    values = set(widths.values())
+    return values.pop() if len(widths) == 2 and len(values) == 1 and None not in values else None

@@ -22,6 +22,7 @@ from ..record import StepRecord
 from .build import build_record
 from .compiled import observe_run
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
+from .fake import foreign_fake_params
 from .dist_memory import install_distributed
 from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
@@ -206,6 +207,14 @@ class StepTracer:
     def _register_persistent(self, model) -> None:
         st = self.storages
         self._params = list({id(p): p for p in model.parameters()}.values())
+        foreign = foreign_fake_params(self._params)
+        if foreign:
+            self._warn(f"{foreign} of {len(self._params)} parameters are fake tensors of another "
+                       f"FakeTensorMode (copy.deepcopy of a fake module, e.g. nn.TransformerEncoder's "
+                       f"layers, copies the mode): the step converts them at every op, so N misses "
+                       f"their matmuls and memory counts the converted copies; build the model under one "
+                       f"mode whose deepcopy is itself (`mode.__deepcopy__ = lambda memo: mode`), as "
+                       f"torchledger audit does")
         self._param_storages = {}
         for p in self._params:
             for s in self._storages(p, "parameter"):
