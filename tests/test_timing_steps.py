@@ -115,6 +115,14 @@ def test_cli_timing_steps_reach_the_record(spec_file):
     t = totals["step_timing"]
     assert t["min_seconds"] <= t["median_seconds"] <= t["max_seconds"]
     assert totals["step_seconds_untraced"] == t["median_seconds"]
+    # a saved record keeps it, checked on load like every total
+    from torchledger.record import StepRecord
+    from torchledger.record_schema import RecordError
+    data = json.loads(r.stdout)
+    assert StepRecord.from_dict(data).totals["step_timing"] == t
+    data["totals"]["step_timing"]["spread"] = -1
+    with pytest.raises(RecordError, match="step_timing.spread"):
+        StepRecord.from_dict(data)
 
 
 def test_default_times_between_three_and_twenty(spec_file):
