@@ -999,6 +999,13 @@ BAD_ISSUE20 = {
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
         torch.save({"model": model.state_dict()}, "m.pt")  # expect: TL-LINT-009
         """,
+    "009-plain-sgd-with-a-warmup-schedule": """
+        import torch
+        from transformers import get_linear_schedule_with_warmup
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = get_linear_schedule_with_warmup(optimizer, 10, 100)
+        torch.save({"model": model.state_dict()}, "m.pt")  # expect: TL-LINT-009
+        """,
     "001-smoothed-value-of-a-loss-tensor": """
         class Smoother:
             def on_train_batch_end(self, batch):

@@ -150,9 +150,10 @@ def _stateless_optimizers(src) -> bool:
     built = [c for c in src.calls if tail(src.qualname(c.func)) in _OPTIMIZER_CLASSES]
     if not built or any(tail(src.qualname(c.func)) != "SGD" for c in built):
         return False
-    if any("lr_scheduler" in (src.qualname(c.func) or "") or tail(src.qualname(c.func)).endswith("LR")
-           for c in src.calls):
-        return False
+    for c in src.calls:                               # StepLR, lr_scheduler.*, get_*_schedule_*
+        name = src.qualname(c.func) or ""
+        if "lr_scheduler" in name or tail(name).endswith("LR") or "schedul" in tail(name).lower():
+            return False
     for call in built:
         momentum = kwarg(call, "momentum")
         if len(call.args) > 2 or any(k.arg is None for k in call.keywords):
