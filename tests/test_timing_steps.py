@@ -137,6 +137,12 @@ def test_bad_timing_steps_is_one_line_exit_2(spec_file, bad):
     assert r.exit_code == 2 and "--timing-steps" in r.output and "Traceback" not in r.output
 
 
+def test_timing_steps_on_a_fake_device_is_one_line_exit_2(spec_file):
+    from test_audit_cli import one_line_error      # the one-line-error check CLI tests share
+    one_line_error(CliRunner().invoke(cli, ["audit", spec_file, "--timing-steps", "5"]),
+                   "--timing-steps 5: times real steps, so it needs --device cpu or cuda")
+
+
 def test_run_audit_refuses_a_bad_count(spec_file):
     from torchledger.spec import AuditError
     with pytest.raises(AuditError, match="--timing-steps: expected a whole number from 0 to 1000"):

@@ -188,6 +188,9 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     for flag, path in (("--output", output), ("--memory-snapshot", memory_snapshot)):
         _check_folder(flag, path)           # before the audit runs, not after minutes of it
     base = _load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
+    if timing_steps is not None and device not in ("cpu", "cuda"):
+        raise InputError(f"--timing-steps {timing_steps}: times real steps, so it needs --device cpu or cuda; "
+                         f"a {device} step has no real time (drop --timing-steps, or pick cpu/cuda)")
     if memory_snapshot and device != "cuda":
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
