@@ -67,7 +67,7 @@ def _ms(seconds: float) -> str:
 
 
 def _summary_text(t: dict) -> str:
-    """``, min 11.9 ms, max 13.1 ms (spread 9.8%)`` after the median, for 2 steps or more."""
+    """`` (min 11.9 ms, max 13.1 ms: spread 9.8%)`` after the median, for 2 steps or more."""
     if t.get("steps", 0) < 2:
         return ""
     return f" (min {_ms(t['min_seconds'])}, max {_ms(t['max_seconds'])}: spread {t['spread']:.1%})"
