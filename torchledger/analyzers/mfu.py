@@ -49,8 +49,8 @@ def timing_summary(seconds, warmup_steps: int = 0) -> dict:
     than the fastest). ``warmup_steps`` ran before them, untimed. The median of an even count
     is the upper middle value, as ``Ledger`` reads it.
 
-        >>> timing_summary([0.010, 0.012, 0.011])["spread"]      # (0.012 - 0.010) / 0.011
-        0.18181818181818185
+        >>> round(timing_summary([0.010, 0.012, 0.011])["spread"], 4)     # (12 - 10) / 11 ms
+        0.1818
     """
     times = sorted(float(t) for t in seconds)
     if not times:
