@@ -408,3 +408,21 @@ def test_mfu_option_reaches_the_net_finding(tmp_path):
     peak = get_gpu("h100").peak_flops["bf16"]
     assert f["expected"] == pytest.approx(flops / (0.25 * peak))        # 0.4 would give 0.625x this
     assert "MFU 25%" in f["message"]
+
+
+def test_net_finding_shows_small_times_in_their_unit():
+    # issue 20 item 6: a small step printed "take 0.0 ms ... 1171% of compute"
+    from torchledger.analyzers.interconnect import check_comm_time
+    # 63,000 + 126,000 = 189,000 bus bytes at --link-bandwidth 100 GB/s: 1.89 us;
+    # 1.6e9 FLOPs at 0.4 x 989.5 TFLOP/s = 4.04 us: communication 1.89 / 4.04 = 47% of compute
+    rec = _comm_record(63_000, 126_000, 1_600_000_000, 64)
+    (f,) = check_comm_time([rec], {"gpu": "H100", "link_bandwidth": 100e9})
+    assert "take 1.89 us at 100 GB/s" in f.message and "takes 4.04 us" in f.message, f.message
+    assert "47% of compute" in f.message and "0.0 ms" not in f.message
+    # 1.6e7 FLOPs: 40.4 ns of compute, communication 46.8x: said as a multiple
+    (f,) = check_comm_time([_comm_record(63_000, 126_000, 16_000_000, 64)],
+                           {"gpu": "H100", "link_bandwidth": 100e9})
+    assert "takes 40.4 ns" in f.message and "communication is 46.8x compute" in f.message, f.message
+    # at H100's 400 GB/s across 8 nodes: 189,000 / 4e11 = 472.5 ns
+    (f,) = check_comm_time([_comm_record(63_000, 126_000, 16_000_000, 64)], {"gpu": "H100"})
+    assert "take 472 ns at 400 GB/s" in f.message, f.message

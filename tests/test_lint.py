@@ -912,3 +912,129 @@ def test_real_code_misses_are_found(name):
 def test_real_code_false_positives_stay_quiet(name):
     findings = lint_source(textwrap.dedent(CLEAN_REAL[name]), "t.py")
     assert findings == [], [(f.rule, f.location, f.message) for f in findings]
+
+
+# -- issue 20 item 6: false findings read by hand on pytorch/examples, Lightning and transformers
+# (minimal copies of the code shapes, written here), and the true findings beside them ----------
+CLEAN_ISSUE20 = {
+    "002-distributed-autograd-context": """
+        import torch.distributed.autograd as dist_autograd
+
+        def run_trainer(model, criterion, opt, batches):
+            for epoch in range(100):
+                for indices, target in batches():
+                    with dist_autograd.context() as context_id:
+                        loss = criterion(model(indices), target)
+                        dist_autograd.backward(context_id, [loss])
+                        opt.step(context_id)       # grads live in the context: nothing to clear
+        """,
+    "009-plain-sgd-has-no-state": """
+        import torch
+
+        class Trainer:
+            def __init__(self, model, optimizer: torch.optim.Optimizer):
+                self.model, self.optimizer = model, optimizer
+
+            def _save_snapshot(self, epoch):
+                snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
+                torch.save(snapshot, "snapshot.pt")
+
+        def main():
+            model = Net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            Trainer(model, optimizer)
+        """,
+    "001-smoothed-value-of-item": """
+        class LearningRateFinder:
+            def on_train_batch_end(self, trainer, outputs):
+                loss_tensor = outputs["loss"]
+                current_loss = loss_tensor.item()
+                self.avg_loss = self.beta * self.avg_loss + (1 - self.beta) * current_loss
+                smoothed_loss = self.avg_loss / (1 - self.beta ** (trainer.global_step + 1))
+                if smoothed_loss < self.best_loss:
+                    self.best_loss = smoothed_loss
+                self.losses.append(smoothed_loss)
+        """,
+    "004-ints-read-from-sizes": """
+        from torch import nn
+
+        class VideoEmbeddings(nn.Module):
+            def forward(self, pixel_values):
+                embeddings, num_frames, patch_width = self.patch_embeddings(pixel_values)
+                if embeddings.size(1) != self.position_embeddings.size(1):
+                    embeddings = embeddings[:, :1]
+                if num_frames != self.time_embeddings.size(1):
+                    embeddings = embeddings * 2
+                return embeddings
+
+        class WindowLayer(nn.Module):
+            def forward(self, hidden_states, input_dimensions: tuple[int, int]):
+                height, width = input_dimensions
+                hidden_states, pad_values = self.maybe_pad(hidden_states, height, width)
+                was_padded = pad_values[3] > 0 or pad_values[5] > 0
+                if was_padded:
+                    hidden_states = hidden_states[:, :height, :width, :]
+                return hidden_states
+        """,
+}
+
+BAD_ISSUE20 = {
+    "002-a-context-that-is-not-distributed-autograd": """
+        import torch
+
+        for x, y in loader:
+            with torch.autocast("cuda"):  # the loop below is reported on its `for` line
+                loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+        """,
+    "009-sgd-with-momentum-or-a-scheduler": """
+        import torch
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        torch.save({"model": model.state_dict()}, "m.pt")  # expect: TL-LINT-009
+        """,
+    "009-plain-sgd-with-a-scheduler": """
+        import torch
+        optimizer = torch.optim.SGD(model.parameters(), 0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+        torch.save({"model": model.state_dict()}, "m.pt")  # expect: TL-LINT-009
+        """,
+    "009-plain-sgd-with-a-warmup-schedule": """
+        import torch
+        from transformers import get_linear_schedule_with_warmup
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = get_linear_schedule_with_warmup(optimizer, 10, 100)
+        torch.save({"model": model.state_dict()}, "m.pt")  # expect: TL-LINT-009
+        """,
+    "001-smoothed-value-of-a-loss-tensor": """
+        class Smoother:
+            def on_train_batch_end(self, batch):
+                loss = self.model(batch)
+                self.avg_loss = self.beta * self.avg_loss + (1 - self.beta) * loss
+                smoothed_loss = self.avg_loss / 2
+                self.losses.append(smoothed_loss)  # expect: TL-LINT-001
+        """,
+    "004-a-tensor-compared-with-a-size": """
+        from torch import nn
+
+        class Counts(nn.Module):
+            def forward(self, x, mask):
+                num_kept = mask.sum()
+                if num_kept != x.size(0):  # expect: TL-LINT-004
+                    x = x * 2
+                return x
+        """,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLEAN_ISSUE20))
+def test_issue20_false_findings_stay_quiet(name):
+    findings = lint_source(textwrap.dedent(CLEAN_ISSUE20[name]), "t.py")
+    assert findings == [], [(f.rule, f.location, f.message) for f in findings]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ISSUE20))
+def test_issue20_true_findings_are_kept(name):
+    source = textwrap.dedent(BAD_ISSUE20[name])
+    want = expected(source) or {("TL-LINT-002", 4)}      # the autocast loop: its `for` line
+    assert found(source) == want

@@ -41,7 +41,7 @@ def test_ledger_report_prints_the_untraced_mfu_once():
     ledger = _ledger_run(peak=flops * 100)      # untraced: flops / 1 s / (100 flops/s) = 0.01
     text = ledger.report()                      # traced would be flops / 5 s / peak = 0.002
     assert _mfus(text) == {"0.01"}, text
-    assert "MFU: 0.01 (HFU 0.01) from median of 2 untraced steps, 1e+03 ms" in text
+    assert "MFU: 0.01 (HFU 0.01) from median of 2 untraced steps, 1 s (min 1 s, max 1 s: spread 0.0%)" in text
     assert "TL-MFU-001" in text and "0.002" not in text
     assert ledger.records[-1].totals["mfu"] == ledger.findings()[0].measured
     assert ledger.records[-1].to_dict()["totals"]["mfu_source"].startswith("median of 2 untraced")

@@ -175,12 +175,16 @@ def quiet_torch_logs(enabled: bool = True):
 
 
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
-              peak_flops=None, timing_steps: int = 2, torch_logs: bool = False,
+              peak_flops=None, timing_steps: Optional[int] = None, torch_logs: bool = False,
               world_size: Optional[int] = None, mesh=None) -> AuditRun:
     """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``.
 
     torch's own error logs of a failing fake kernel are silenced meanwhile (the failure comes
     back as one ``AuditError``) unless ``torch_logs`` is true.
+
+    On ``cpu``/``cuda`` the MFU's step time comes from untraced steps after the traced ones
+    (:func:`time_untraced`): ``timing_steps`` of them, or by default as many as make a steady
+    median (3 to 20); 0 times none (MFU then from the traced steps, tracer overhead included).
 
     ``world_size`` and/or ``mesh`` (``"8x8"`` or a tuple) simulate that many ranks
     (:mod:`torchledger.world`): the step runs as rank 0 under a fake process group, after
@@ -240,6 +244,9 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
 
     if steps < 1:
         raise AuditError(f"--steps: expected a whole number >= 1, got {steps}")
+    if timing_steps is not None and not (isinstance(timing_steps, int) and 0 <= timing_steps <= MAX_TIMING_STEPS):
+        raise AuditError(f"--timing-steps: expected a whole number from 0 to {MAX_TIMING_STEPS}, got "
+                         f"{timing_steps!r}")
     fn = load_entry(path, entry)
     with device_context(device):
         try:
@@ -288,12 +295,9 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
         for _ in range(steps):
             with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
                 step()
+        warmup = 0
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
-            if timing_steps and any(r.meta.get("compiled") for r in ledger.records):
-                step()                      # the traced steps ran eagerly: compile untimed
-            for _ in range(timing_steps):
-                with ledger.time_step():
-                    step()
+            warmup = time_untraced(ledger, step, timing_steps)
     from .render.sarif import spec_location
     spec_line = spec_location(path, entry)[1]        # SARIF points here; report never opens the file
     for r in ledger.records:
@@ -314,6 +318,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)
+    run.warmup_steps = warmup
     if run.untraced_seconds:
         run.record.totals["step_seconds_untraced"] = sorted(run.untraced_seconds)[len(run.untraced_seconds) // 2]
     set_mfu(run, {"peak_flops": peak_flops})
@@ -327,9 +332,42 @@ def set_mfu(run, options: dict) -> dict:
     options = dict(options)
     if run.untraced_seconds:
         options.update(step_seconds=run.record.totals["step_seconds_untraced"],
-                       untraced_steps=len(run.untraced_seconds))
+                       untraced_steps=len(run.untraced_seconds),
+                       untraced_seconds=list(run.untraced_seconds),    # how many, their spread
+                       warmup_steps=getattr(run, "warmup_steps", 0))
     run.record.totals.update(mfu_totals(run.records, options))
     return options
+
+
+#: Untraced steps timed for MFU when ``timing_steps`` is None: at least AUTO_MIN_STEPS, then
+#: more until they add up to AUTO_SECONDS, at most AUTO_MAX_STEPS (a 5 ms step is timed 20
+#: times, a 100 ms one 5 times, a 2 s one 3 times). One untimed warm-up step runs first.
+AUTO_MIN_STEPS, AUTO_MAX_STEPS, AUTO_SECONDS = 3, 20, 0.5
+MAX_TIMING_STEPS = 1000
+WARMUP_STEPS = 1
+
+
+def time_untraced(ledger, step, timing_steps: Optional[int] = None) -> int:
+    """Time untraced steps for MFU (``ledger.time_step()``, on the ledger's clock): first
+    :data:`WARMUP_STEPS` untimed (caches, the allocator, a compiled model's compile: the
+    traced steps ran eagerly), then ``timing_steps`` timed ones, or with None as many as the
+    AUTO_* rule asks. Returns the number of warm-up steps run (0 when none is timed)."""
+    if timing_steps == 0:
+        return 0
+    for _ in range(WARMUP_STEPS):
+        step()
+    times = ledger.untraced_seconds
+    start, n = len(times), 0
+    while True:
+        if timing_steps is not None:
+            if n >= timing_steps:
+                break
+        elif n >= AUTO_MAX_STEPS or (n >= AUTO_MIN_STEPS and sum(times[start:]) >= AUTO_SECONDS):
+            break
+        with ledger.time_step():
+            step()
+        n += 1
+    return WARMUP_STEPS
 
 
 def _check_optimizer(opt, spec, path: str) -> None:

@@ -237,6 +237,7 @@ class Ledger:
         if self.untraced_seconds and "step_seconds" not in options:
             options["step_seconds"] = sorted(self.untraced_seconds)[len(self.untraced_seconds) // 2]
             options["untraced_steps"] = len(self.untraced_seconds)
+            options["untraced_seconds"] = list(self.untraced_seconds)   # totals.step_timing: spread
         window = list(self._window)
         found = run_checks(window, options)
         if window:                        # the latest record keeps them (to_dict, report)

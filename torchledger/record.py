@@ -14,6 +14,7 @@ recomputation (activation checkpointing) is excluded from model FLOPs and includ
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -163,10 +164,13 @@ class StepRecord:
         ``totals.rank``, a folder gets ``rank{r}.json`` in it, and a plain file name gets
         ``.rank{r}`` before its extension when ``totals.world_size > 1``
         (``record.save("runs/step.json")`` -> ``runs/step.rank1.json``). Merge the ranks' files
-        with ``torchledger report runs/step.rank*.json``."""
-        from .render.output import write_atomic
-        from .render.output import rank_path
+        with ``torchledger report runs/step.rank*.json``.
+
+        Missing folders on the way are created (``mkdir -p``; ranks racing to make the same
+        one is fine); a folder that cannot be made raises ``OSError`` naming it."""
+        from .render.output import make_folders, rank_path, write_atomic
         out = rank_path(path, self.totals.get("rank", 0), self.totals.get("world_size", 1))
+        make_folders(out, f"save({os.fspath(path)!r})")
         write_atomic(out, self.to_json() + "\n")
         return out
 

@@ -184,6 +184,8 @@ TOTALS = _Obj({
     **{k: COUNTS for k in ("flops", "attention_flops", "elementwise_flops", "view_ops")},
     "peak_phase": OPT_STR, "peak_module": OPT_STR, "tokens_source": OPT_STR, "mfu_source": OPT_STR,
     "step_seconds": _Null(NONNEG), "step_seconds_untraced": _Null(NONNEG), "mfu": _Null(NONNEG),
+    "step_timing": _Obj({"steps": COUNT, "warmup_steps": COUNT, "median_seconds": NONNEG,
+                         "min_seconds": NONNEG, "max_seconds": NONNEG, "spread": NONNEG}),
     "hfu": _Null(NONNEG),
     "comm_bytes": COUNTS,
     "rank": COUNT, "world_size": _Count(1), "mesh": _Null(_List(_Count(1))),

@@ -96,7 +96,7 @@ RULES = {
                   'FLOPs, peak, activation bytes or parameters grew over the --baseline record by more than baseline_tolerance.',
                   _README),
     'TL-FLOP-001': Rule('info', 'Ops without a FLOP formula',
-                  'Ops ran that have no FLOP formula: they are listed as uncounted and the FLOP totals are a lower bound.',
+                  'Ops ran that have no FLOP formula: they are listed as uncounted; when one of them may do matmul-class work (linear algebra, FFT, a custom kernel) the FLOP totals are a lower bound, otherwise only the element-wise figure leaves them out.',
                   _README),
     'TL-FAKE-001': Rule('warning', 'Fake kernel drops a workspace kept for backward',
                   'On fake/meta tensors, an op whose fake kernel returns an empty buffer where the real one keeps a workspace for backward (oneDNN/cuDNN/MIOpen RNNs): activation and peak bytes are low.',

@@ -48,7 +48,22 @@ def _rate(bytes_per_s: float) -> str:
 
 
 def _secs(s: float) -> str:
-    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
+    """A duration in the unit that shows it: ``2.50 s``, ``196.4 ms``, ``2.35 ms``,
+    ``12.6 us``, ``840 ns`` (a small step's collectives take microseconds: ``0.0 ms`` hid them)."""
+    if s >= 1:
+        return f"{s:,.2f} s"
+    if s >= 10e-3:
+        return f"{s * 1e3:.1f} ms"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    if s >= 1e-6:
+        return f"{s * 1e6:.3g} us"
+    return f"{s * 1e9:.3g} ns"
+
+
+def _share(ratio: float) -> str:
+    """``46% of compute``; ten times and more as ``11.7x compute``."""
+    return f"{ratio:.0%} of compute" if ratio < 10 else f"{ratio:,.1f}x compute"
 
 
 def step_bus_bytes(rec) -> tuple:
@@ -152,7 +167,7 @@ def _against_compute(rec, opts, gpu, what, t_comm) -> list:
     ratio = t_comm / t_compute
     text = (f"{what}; compute, {flops:.3g} FLOPs at MFU {mfu:.0%} of {gpu.name}'s bf16 "
             f"{peak / 1e12:,.1f} TFLOP/s, takes {_secs(t_compute)}: communication is "
-            f"{ratio:.0%} of compute")
+            f"{_share(ratio)}")
     if ratio > 1:
         return [Finding("TL-NET-001", "warning", text + " (communication-bound even with full overlap)",
                         measured=t_comm, expected=t_compute,

@@ -9,7 +9,9 @@ overhead. Fake and meta steps have no meaningful time and get no MFU.
 A report prints one MFU: :func:`mfu_totals` decides it (value, and the steps its time comes
 from, or why there is none) and the callers (``trace``, ``Ledger``, ``audit``) store it in
 the record's totals (``mfu``, ``hfu``, ``mfu_source``), which the header prints and the
-finding below quotes.
+finding below quotes. Given the untraced steps' times (option ``untraced_seconds``), it also
+says how many there were and how far apart (``step_timing``, :func:`timing_summary`): a
+median of a few steps on a shared CPU can be off by a large factor, and the spread says so.
 
 * TL-MFU-001 (warning): MFU below ``min_mfu`` (default 0.3, the floor of a healthy GPU run);
 * TL-MFU-002 (warning): MFU above 1.0, a miscount or a wrong peak.
@@ -21,7 +23,7 @@ import statistics
 from ..record import Finding
 from ..units import fmt_mfu
 
-__all__ = ["step_seconds", "mfu", "check_mfu", "mfu_totals"]
+__all__ = ["step_seconds", "mfu", "check_mfu", "mfu_totals", "timing_summary"]
 
 
 def step_seconds(records):
@@ -40,13 +42,47 @@ def mfu(record, peak_flops: float, seconds=None):
     return t["flops"]["total"] / seconds / peak_flops, t["hardware_flops"] / seconds / peak_flops
 
 
+def timing_summary(seconds, warmup_steps: int = 0) -> dict:
+    """How many untraced steps were timed, their median, extremes and spread:
+    ``{"steps", "warmup_steps", "median_seconds", "min_seconds", "max_seconds", "spread"}``,
+    ``spread`` = (max - min) / median (0.1: the slowest step took 10% of the median longer
+    than the fastest). ``warmup_steps`` ran before them, untimed. The median of an even count
+    is the upper middle value, as ``Ledger`` reads it.
+
+        >>> round(timing_summary([0.010, 0.012, 0.011])["spread"], 4)     # (12 - 10) / 11 ms
+        0.1818
+    """
+    times = sorted(float(t) for t in seconds)
+    if not times:
+        return {}
+    median = times[len(times) // 2]
+    return {"steps": len(times), "warmup_steps": warmup_steps, "median_seconds": median,
+            "min_seconds": times[0], "max_seconds": times[-1],
+            "spread": (times[-1] - times[0]) / median if median > 0 else 0.0}
+
+
+def _ms(seconds: float) -> str:
+    """``12.3 ms``, ``1.09 s`` (not ``1.09e+03 ms``)."""
+    return f"{seconds * 1e3:.3g} ms" if seconds < 0.9995 else f"{seconds:.3g} s"
+
+
+def _summary_text(t: dict) -> str:
+    """`` (min 11.9 ms, max 13.1 ms: spread 9.8%)`` after the median, for 2 steps or more."""
+    if t.get("steps", 0) < 2:
+        return ""
+    return f" (min {_ms(t['min_seconds'])}, max {_ms(t['max_seconds'])}: spread {t['spread']:.1%})"
+
+
 def _timing(records, opts):
     """``(seconds, where the time comes from)`` for the MFU of ``records``, or ``(None, why)``."""
     seconds = opts.get("step_seconds")
     if seconds:
         n = opts.get("untraced_steps")
         count = f"median of {n} untraced steps" if n else "untraced steps"
-        return seconds, f"{count}, {seconds * 1e3:.3g} ms"
+        summary = timing_summary(opts.get("untraced_seconds") or [], opts.get("warmup_steps", 0))
+        warm = summary.get("warmup_steps")
+        after = f" after {warm} untimed warm-up step{'s' if warm > 1 else ''}" if warm else ""
+        return seconds, f"{count}{after}, {_ms(seconds)}{_summary_text(summary)}"
     seconds = step_seconds(records)
     if not seconds:
         return None, "no step time"
@@ -73,13 +109,22 @@ def mfu_totals(records, options=None) -> dict:
                                      f"(run --device cpu or cuda to time the step)")
     peak = opts.get("peak_flops")
     if not peak:
-        return dict(none, mfu_source="none: no peak FLOP/s given (peak_flops=, or --peak-flops / --gpu)")
+        return _with_timing(dict(none, mfu_source="none: no peak FLOP/s given (peak_flops=, or "
+                                                  "--peak-flops / --gpu)"), opts)
     seconds, where = _timing(records, opts)
     if seconds is None:
-        return dict(none, mfu_source=f"none: {where}")
+        return _with_timing(dict(none, mfu_source=f"none: {where}"), opts)
     m, h = mfu(rec, peak, seconds)
-    return {"mfu": m, "hfu": h,
-            "mfu_source": f"{where}; peak {peak:.3g} FLOP/s ({opts.get('peak_source', 'given')})"}
+    out = {"mfu": m, "hfu": h,
+           "mfu_source": f"{where}; peak {peak:.3g} FLOP/s ({opts.get('peak_source', 'given')})"}
+    return _with_timing(out, opts)
+
+
+def _with_timing(out: dict, opts: dict) -> dict:
+    """``step_timing`` beside the MFU when untraced step times were given."""
+    if opts.get("untraced_seconds"):
+        out["step_timing"] = timing_summary(opts["untraced_seconds"], opts.get("warmup_steps", 0))
+    return out
 
 
 def check_mfu(records, options=None) -> list:

@@ -163,8 +163,11 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--ignore", "ignore", multiple=True, metavar="RULE",
               help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
                    "the report counts them and they do not fail --fail-on.")
+@click.option("--timing-steps", type=click.IntRange(0, 1000), default=None, metavar="N",
+              help="cpu/cuda: untraced steps timed for MFU, after one untimed warm-up step; 0 times none "
+                   "[default: 3 to 20, until they add up to 0.5 s].")
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
-          link_bandwidth, mfu, depth, memory_snapshot, ignore):
+          link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
 
@@ -185,13 +188,17 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     for flag, path in (("--output", output), ("--memory-snapshot", memory_snapshot)):
         _check_folder(flag, path)           # before the audit runs, not after minutes of it
     base = _load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
+    if timing_steps is not None and device not in ("cpu", "cuda"):
+        raise InputError(f"--timing-steps {timing_steps}: times real steps, so it needs --device cpu or cuda; "
+                         f"a {device} step has no real time (drop --timing-steps, or pick cpu/cuda)")
     if memory_snapshot and device != "cuda":
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
     try:
         with stdout_to_stderr():        # stdout is the report's alone
             run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
-                            torch_logs=_debug(), world_size=world_size, mesh=mesh)
+                            torch_logs=_debug(), world_size=world_size, mesh=mesh,
+                            timing_steps=timing_steps)
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:

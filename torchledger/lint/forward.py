@@ -27,6 +27,11 @@ _META_CALLS = {"size", "dim", "numel", "ndimension", "nelement", "element_size",
 _FLAG_PARAM = re.compile(r"^(use|return|output|is|has|do|enable|disable|with|num|n)_|"
                          r"_(size|len|length|dim|mode|type|flag|only)$|^(training|causal)$|"
                          r"(height|width)$")
+# Names of sizes and paddings: such a name unpacked from a helper's tuple (``emb, num_frames,
+# width = self.patch_embeddings(x)``, ``x, pad_values = self.maybe_pad(x, h, w)``) is a shape the
+# helper read or the ints F.pad takes, not a tensor.
+_SIZE_NAME = re.compile(r"^(num|n)_|_(size|len|length|dim)$|^(size|length|seq_len|seqlen)$|"
+                        r"(^|_)(height|width)$|^pad(s|ding|dings|_values|_sizes)?$")
 _SIZE = "needs the result's size on the host (its shape depends on the values)"
 _SYNC_CALLS = {"item": "copies a value to the host", "cpu": "copies to the host",
                "numpy": "copies to the host", "tolist": "copies to the host",
@@ -131,7 +136,8 @@ def _python_names(fn, params, assigns) -> set:
             elif isinstance(t, (ast.Tuple, ast.List)):   # a, b = dims: python only if dims is
                 for x in target_names(t):
                     if "." not in x:
-                        binds.setdefault(x, []).append(n.value)
+                        sized = isinstance(n.value, ast.Call) and _SIZE_NAME.search(x)
+                        binds.setdefault(x, []).append(ast.Constant(0) if sized else n.value)
     py = {p for p, ann in params.items() if _annotated_python(ann)}
     grew = True
     while grew:

@@ -118,16 +118,26 @@ class _Flow:
     def _name(self, name, at):
         """By the last assignment before ``at``; with none (an argument, a loop variable),
         names like ``loss`` carry a graph. ``.backward()`` receivers always do."""
-        before = [d for d in self.defs.get(name, []) if d[0] < at]
+        defs = self.defs.get(name, [])
+        before = [d for d in defs if d[0] < at]
         if not before:
-            return True if name in self.backward or _LOSS_NAME.search(tail(name)) else None
-        where, stmt, value = before[-1]
+            if name in self.backward:
+                return True
+            if defs:        # bound later in the scope, or by this very statement: a value carried
+                # from the previous iteration (`avg = b * avg + (1 - b) * loss.item()`) is what
+                # those bindings make; the name alone (`avg_loss`) says nothing more
+                return True if any(self._bound(*d) is True for d in defs) else None
+            return True if _LOSS_NAME.search(tail(name)) else None
+        result = self._bound(*before[-1])
+        return True if result is None and name in self.backward else result
+
+    def _bound(self, where, stmt, value):
+        """What one assignment binds (memoised; None while it is being classified)."""
         if id(value) not in self._memo:
             self._memo[id(value)] = None                    # cycle guard
             self._memo[id(value)] = False if self.src.in_no_grad(stmt) \
                 else self._classify(value, where)
-        result = self._memo[id(value)]
-        return True if result is None and name in self.backward else result
+        return self._memo[id(value)]
 
     def _classify(self, e, at):
         """True: carries a graph; False: surely does not; None: unknown."""
@@ -378,11 +388,28 @@ def loop_effects(src, loop) -> set:
     return src.cache[key]
 
 
+def _per_context_grads(src, loop) -> bool:
+    """The loop's steps run in ``with dist_autograd.context() as cid:``: each context holds
+    its own gradients (``dist_autograd.backward(cid, ...)``, ``DistributedOptimizer.step(cid)``)
+    and drops them when it closes, so there is nothing to clear."""
+    for node in walk_scope(loop.body):
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                e = item.context_expr
+                name = src.qualname(e.func) if isinstance(e, ast.Call) else None
+                if name and tail(name) == "context" and "autograd" in name.split("."):
+                    return True
+    return False
+
+
 def check_grads_never_cleared(src):
-    """TL-LINT-002: a loop that calls ``backward()`` and ``opt.step()`` but never clears grads."""
+    """TL-LINT-002: a loop that calls ``backward()`` and ``opt.step()`` but never clears grads
+    (a distributed autograd context per step has nothing to clear)."""
     for loop in (n for n in src.nodes if isinstance(n, LOOPS)):
         done = loop_effects(src, loop)
         if not {"backward", "step"} <= done or "clear" in done or "nested" in done:
+            continue
+        if _per_context_grads(src, loop):
             continue
         inner = [n for n in walk_scope(loop.body) if isinstance(n, LOOPS)]
         if any(_trains(loop_effects(src, n)) for n in inner):

@@ -136,12 +136,42 @@ def _checkpoint_dict(src, expr, call):
     return None
 
 
+#: torch.optim's classes (and the usual outside ones), by the name a file calls them with.
+_OPTIMIZER_CLASSES = frozenset("""
+    SGD Adam AdamW Adagrad Adadelta Adamax NAdam RAdam RMSprop Rprop ASGD LBFGS SparseAdam Adafactor
+    Muon Lion LAMB Lamb FusedAdam FusedLAMB DeepSpeedCPUAdam Adam8bit AdamW8bit PagedAdamW
+""".split())
+
+
+def _stateless_optimizers(src) -> bool:
+    """Every optimizer the file builds is plain SGD (no momentum: ``state`` stays empty) and
+    no LR scheduler is built: a checkpoint of the model alone resumes it exactly. False when
+    the file builds none (it may get a stateful one from elsewhere)."""
+    built = [c for c in src.calls if tail(src.qualname(c.func)) in _OPTIMIZER_CLASSES]
+    if not built or any(tail(src.qualname(c.func)) != "SGD" for c in built):
+        return False
+    for c in src.calls:                               # StepLR, lr_scheduler.*, get_*_schedule_*
+        name = src.qualname(c.func) or ""
+        if "lr_scheduler" in name or tail(name).endswith("LR") or "schedul" in tail(name).lower():
+            return False
+    for call in built:
+        momentum = kwarg(call, "momentum")
+        if len(call.args) > 2 or any(k.arg is None for k in call.keywords):
+            return False                              # momentum given by position, or **options
+        if momentum is not None and not (isinstance(momentum, ast.Constant) and momentum.value == 0):
+            return False
+    return True
+
+
 def check_checkpoint(src):
-    """TL-LINT-009: a checkpoint dict with a model state_dict and no optimizer state."""
+    """TL-LINT-009: a checkpoint dict with a model state_dict and no optimizer state (unless
+    the only optimizer built is plain SGD without momentum: it has no state)."""
     saves = [c for c in src.calls if c.args and src.qualname(c.func) == "torch.save"]
     if not saves or not any(OPTIMIZER.search(tail(dotted(n) or "").lower()) for n in src.nodes
                             if isinstance(n, (ast.Name, ast.Attribute))):
         return                                        # no optimizer here: an export, not a resume
+    if _stateless_optimizers(src):
+        return
     for call in saves:
         found = _checkpoint_dict(src, call.args[0], call)
         if found is None:

@@ -7,7 +7,8 @@ import stat
 import tempfile
 from typing import Iterable, Union
 
-__all__ = ["EXTENSIONS", "format_from_path", "check_output_path", "write_atomic", "rank_path", "launcher_rank"]
+__all__ = ["EXTENSIONS", "format_from_path", "check_output_path", "write_atomic", "rank_path", "launcher_rank",
+           "make_folders"]
 
 #: File name endings and the format each asks for; longest endings are tried first.
 EXTENSIONS = {
@@ -80,6 +81,9 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
         return
     target = os.path.realpath(path)             # a link's target is replaced, not the link
     directory = os.path.dirname(target)
+    if not os.path.isdir(directory or "."):    # else mkstemp's error names the temporary
+        raise FileNotFoundError(errno.ENOENT, f"the folder {os.path.dirname(path) or directory} does not "
+                                f"exist; create it first (mkdir -p) or write elsewhere", path)
     _remove_stale_temporaries(directory, os.path.basename(target))
     fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(os.path.basename(target))}{os.getpid()}.",
                                suffix=".tmp", dir=directory)
@@ -97,6 +101,20 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def make_folders(path, who: str = "write") -> None:
+    """Create the folders above file ``path`` that are missing (``mkdir -p``; another process
+    making them at the same time is fine). One that cannot be made (a file in the way, no
+    permission) raises ``OSError`` naming that folder and ``who`` asked, not a temporary file."""
+    folder = os.path.dirname(os.fspath(path))
+    if not folder or os.path.isdir(folder):
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise type(e)(e.errno, f"{who}: cannot create the folder {folder} ({e.strerror or e}); "
+                               f"expected a folder path that can be made, or an existing folder", folder) from None
 
 
 def _temp_prefix(name: str) -> str:
