@@ -201,6 +201,8 @@ class Ledger:
         return self.records[-1].save(path)
 
     def _note_untraced(self, seconds: float) -> None:
+        if not (isinstance(seconds, (int, float)) and 0 <= seconds < float("inf")):
+            return                  # a clock gone backwards or NaN/inf: no time to keep (MFU)
         times = self.untraced_seconds
         times.append(seconds)
         if len(times) > TIMES_KEPT:

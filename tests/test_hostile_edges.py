@@ -1,0 +1,169 @@
+"""Faults on the newer surfaces (issue 21 items 3-5): settings and units that lied or gave
+tracebacks, clocks that return NaN/inf or go backwards, the largest simulated world."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from click.testing import CliRunner
+
+import torchledger
+from torchledger.cli import cli
+from torchledger.cli.types import BANDWIDTH
+from torchledger.render.trace_events import render_trace
+from torchledger.settings import SettingsError, load_settings
+from torchledger.units import parse_bandwidth
+from torchledger.world import MAX_WORLD, WorldError, parse_mesh
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN/Infinity (what Perfetto and other parsers do)."""
+    def refuse(name):
+        raise ValueError(f"invalid JSON constant {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+# -- item 4: settings and units -----------------------------------------------------------
+@pytest.mark.parametrize("text, bytes_per_s", [
+    ("450GB/s", 450e9), ("450Gb/s", 450e9 / 8),     # b is bits: 450 Gb/s = 56.25 GB/s
+    ("400Gbps", 50e9), ("400Gbit/s", 50e9), ("400 Gbit/s", 50e9), ("450GBps", 450e9),
+    ("450GB", 450e9), ("450G", 450e9), ("4.5e11", 4.5e11), ("1GiB/s", 2**30),
+    ("8Kib/s", 1024),                              # 8 * 1024 bits = 1024 bytes
+])
+def test_bandwidth_reads_bits_and_bytes(text, bytes_per_s):
+    assert parse_bandwidth(text) == bytes_per_s
+    assert BANDWIDTH.convert(text, None, None) == bytes_per_s
+
+
+@pytest.mark.parametrize("text", ["450XB/s", "nan", "GB/s", "450GB/h"])
+def test_a_bad_bandwidth_is_a_value_error(text):
+    with pytest.raises(ValueError, match="450GB/s"):
+        parse_bandwidth(text)
+
+
+def settings_from(tmp_path, text):
+    (tmp_path / "pyproject.toml").write_text(text)
+    return load_settings(str(tmp_path))
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("[tool.torchledger]\nmax_params = inf\n", "max_params: expected a count"),
+    ("[tool.torchledger]\nmax_peak_bytes = inf\n", "max_peak_bytes: expected a size"),
+    ("[tool.torchledger]\nmax_flops_per_token = nan\n", "max_flops_per_token"),
+    ("[tool.torchledger]\nleak_min_bytes = inf\n", "leak_min_bytes"),
+    ("tool = 1\n", "[tool] must be a table"),
+    ('tool = "x"\n', "got tool = 'x'"),
+])
+def test_settings_that_never_fail_or_crash_are_one_line(tmp_path, body, needle):
+    with pytest.raises(SettingsError) as e:
+        settings_from(tmp_path, body)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tool_1_in_pyproject_is_exit_2_for_report(tmp_path, monkeypatch):
+    from test_ranks import step_record
+    (tmp_path / "pyproject.toml").write_text("tool = 1\n")
+    monkeypatch.chdir(tmp_path)
+    paths = [step_record(r, 2).save(tmp_path / f"rank{r}.json") for r in (0, 1)]
+    r = CliRunner().invoke(cli, ["report", *paths])
+    assert r.exit_code == 2 and "[tool] must be a table" in r.stderr and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("mesh", ["1" * 5000, "9" * 8, "x".join(["1"] * (9)), "1" * 5000 + "x2"])
+def test_a_huge_mesh_is_one_short_line(mesh):
+    with pytest.raises(WorldError) as e:
+        parse_mesh(mesh)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 200 and f"{MAX_WORLD:,}" in msg, msg
+
+
+def test_leading_zeros_and_eight_dims_still_parse():
+    assert parse_mesh("0001x2") == (1, 2)
+    assert parse_mesh("x".join(["1"] * 8)) == (1,) * 8
+
+
+def test_a_huge_mesh_on_the_command_line_is_exit_2(tmp_path):
+    from test_audit_cli import one_line_error
+    model = tmp_path / "m.py"
+    model.write_text("def audit_spec():\n    raise SystemExit('not reached')\n")
+    one_line_error(CliRunner().invoke(cli, ["audit", str(model), "--mesh", "1" * 5000]),
+                   "--mesh", "(5,000 characters)")
+
+
+# -- item 5: clocks -----------------------------------------------------------------------
+def one_step(clock):
+    model = nn.Linear(4, 3)
+    with torchledger.trace(model, peak_flops=1e9, clock=clock) as t:
+        model(torch.ones(2, 4)).sum().backward()
+    return t.record
+
+
+def ticks(*values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+@pytest.mark.parametrize("start, end, shown", [
+    (0.0, math.nan, "nan"), (0.0, math.inf, "inf"), (5.0, 2.0, "-3.0"),      # backwards: 2 - 5
+    (-math.inf, 0.0, "inf"),
+])
+def test_a_clock_that_lies_leaves_the_time_out_with_a_warning(start, end, shown):
+    rec = one_step(ticks(start, end))
+    assert rec.totals["step_seconds"] is None and rec.totals.get("mfu") is None
+    (warning,) = [w for w in rec.warnings if w.startswith("step time left out")]
+    assert shown in warning and "time.perf_counter" in warning
+    doc = strict_json(rec.to_json())                          # valid JSON, no NaN/Infinity
+    assert doc["totals"]["step_seconds"] is None
+    strict_json(render_trace(rec))
+    from torchledger.record import StepRecord
+    StepRecord.from_json(rec.to_json())                       # report loads it
+
+
+def test_a_clock_that_raises_at_the_end_keeps_the_record():
+    calls = []
+
+    def clock():
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError("clock gone")
+        return 0.0
+    rec = one_step(clock)
+    assert rec.totals["step_seconds"] is None and rec.totals["flops"]["total"] == 2 * 2 * 4 * 3 * 2
+    assert any("the clock raised OSError: clock gone" in w for w in rec.warnings)
+
+
+def test_a_good_clock_still_times_the_step():
+    rec = one_step(ticks(1.0, 1.5))
+    assert rec.totals["step_seconds"] == 0.5
+    assert not [w for w in rec.warnings if w.startswith("step time left out")]
+
+
+def test_ledger_untraced_times_skip_a_clock_gone_backwards():
+    model = nn.Linear(4, 3)
+    ledger = torchledger.Ledger(model, sample_every=2, clock=ticks(0.0, 1.0, 5.0, 2.0, 2.0, 2.5, 3.0, math.nan))
+    for _ in range(4):
+        with ledger.step():
+            model(torch.ones(2, 4)).sum().backward()
+    # step 1 (untraced): 2.0 - 5.0 < 0 left out; step 3: nan left out
+    assert ledger.untraced_seconds == []
+    assert [r.totals["step_seconds"] for r in ledger.records] == [1.0, 0.5]
+
+
+# -- item 3: the largest simulated world --------------------------------------------------
+def test_the_simulated_world_pads_fsdp_chunks_with_one_tensor():
+    """FSDP2 pads its per-rank chunk list with a fake new_empty(0) per rank: 2 per parameter
+    per rank made --world-size 1048576 run for more than 300 s. In a simulated world the
+    padding is one shared tensor; the original comes back after."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchledger.world import fake_world
+    original = _fsdp_param._chunk_with_empty
+    with fake_world(4096, (4096,)):
+        with FakeTensorMode():
+            chunks = _fsdp_param._chunk_with_empty(torch.ones(3, 2), 4096, 0)
+        assert len(chunks) == 4096 and [tuple(c.shape) for c in chunks[:4]] == [(1, 2)] * 3 + [(0,)]
+        assert len({id(c) for c in chunks[3:]}) == 1
+    assert _fsdp_param._chunk_with_empty is original
