@@ -167,3 +167,83 @@ def test_the_simulated_world_pads_fsdp_chunks_with_one_tensor():
         assert len(chunks) == 4096 and [tuple(c.shape) for c in chunks[:4]] == [(1, 2)] * 3 + [(0,)]
         assert len({id(c) for c in chunks[3:]}) == 1
     assert _fsdp_param._chunk_with_empty is original
+
+
+# -- item 3: distributed faults -----------------------------------------------------------
+def report(*args):
+    return CliRunner().invoke(cli, ["report", *map(str, args)])
+
+
+def test_one_record_of_a_two_rank_run_says_rank_1_is_missing(tmp_path):
+    from test_ranks import step_record
+    path = step_record(0, 2).save(tmp_path / "rank{rank}.json")
+    r = report(path, "--format", "json")
+    assert r.exit_code == 0, r.output
+    (f,) = json.loads(r.stdout)["findings"]
+    assert f["rule"] == "TL-RANK-004" and f["message"].startswith("rank 1 of 2 missing")
+    assert report(path, "--fail-on", "warning").exit_code == 1
+    assert "TL-RANK-004" in report(path).stdout
+
+
+def test_a_simulated_world_and_one_process_miss_no_rank(tmp_path):
+    from test_ranks import GPT2_TINY, step_record
+    sim = step_record(0, 8)
+    sim.meta["audit"] = {"world_size": 8, "rank": 0, "mesh": [8]}       # audit --world-size 8
+    path = sim.save(tmp_path / "sim.json")
+    assert report(path, "--fail-on", "info").exit_code == 0
+    assert report(GPT2_TINY, "--fail-on", "info").exit_code == 0        # rank 0 of 1
+
+
+def test_a_merge_with_ranks_missing_gates_with_fail_on(tmp_path):
+    from test_ranks import step_record
+    paths = [step_record(r, 4).save(tmp_path / f"rank{r}.json") for r in (0, 2)]
+    r = report(*paths, "--format", "json")
+    d = json.loads(r.stdout)
+    assert [f["rule"] for f in d["findings"]] == ["TL-RANK-004"]
+    assert d["findings"][0]["message"].startswith("2 of 4 ranks missing (rank 1, 3)")
+    assert report(*paths, "--fail-on", "warning").exit_code == 1
+
+
+def test_ledger_save_to_keeps_the_last_completed_step_when_a_step_raises(tmp_path):
+    """A rank whose later step fails (a peer died in a collective) keeps its last completed
+    traced step on disk: saved as that step ended, not overwritten by the failed one."""
+    model = nn.Linear(4, 3)
+    ledger = torchledger.Ledger(model, save_to=tmp_path / "runs" / "rank{rank}.json")
+    with ledger.step():
+        model(torch.ones(2, 4)).sum().backward()
+    path = tmp_path / "runs" / "rank0.json"
+    assert ledger.saved == [str(path)] and json.loads(path.read_text())["meta"]["step_index"] == 0
+    with pytest.raises(RuntimeError, match="peer died"):
+        with ledger.step():
+            model(torch.ones(2, 4))
+            raise RuntimeError("peer died")
+    assert len(ledger.records) == 2                                   # traced, but not saved
+    assert json.loads(path.read_text())["meta"]["step_index"] == 0
+    with ledger.step():
+        model(torch.ones(2, 4)).sum().backward()
+    assert json.loads(path.read_text())["meta"]["step_index"] == 2
+
+
+def test_ledger_save_to_under_a_process_group_writes_the_rank_file(tmp_path):
+    """Rank 0 of 2 (a fake process group): the record says world_size 2 and lands in
+    rank0.json; report on it alone finds rank 1 missing."""
+    from torchledger.world import fake_world
+    model = nn.Linear(4, 3)
+    with fake_world(2, (2,)):
+        ledger = torchledger.Ledger(model, save_to=str(tmp_path) + "/step{step}/")
+        with ledger.step():
+            model(torch.ones(2, 4)).sum().backward()
+    (path,) = ledger.saved
+    assert path == str(tmp_path / "step0" / "rank0.json")
+    assert report(path, "--fail-on", "warning").exit_code == 1
+
+
+def test_ledger_save_to_that_cannot_write_warns_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    model = nn.Linear(4, 3)
+    ledger = torchledger.Ledger(model, save_to=blocker / "sub" / "r.json")
+    with pytest.warns(RuntimeWarning, match="step 0's record not saved"):
+        with ledger.step():
+            model(torch.ones(2, 4)).sum().backward()
+    assert ledger.saved == [] and len(ledger.records) == 1

@@ -289,8 +289,10 @@ def report(record_files, fmt, output, depth, fail_on):
         return _exit_code(_report_ranks(record_files, fmt, output), fail_on)
     (record_file,) = record_files
     rec = _load_record(record_file, record_file)
-    _emit(render(rec, rec.findings, fmt, depth=depth), output)
-    return _exit_code(rec.findings, fail_on)
+    from ..analyzers.ranks import lone_rank_findings
+    findings = list(rec.findings) + lone_rank_findings(rec, record_file)   # TL-RANK-004: rank 1 of 2 missing
+    _emit(render(rec, findings, fmt, depth=depth), output)
+    return _exit_code(findings, fail_on)
 
 
 def _report_ranks(paths, fmt, output) -> list:
