@@ -247,3 +247,41 @@ def test_ledger_save_to_that_cannot_write_warns_and_training_goes_on(tmp_path):
         with ledger.step():
             model(torch.ones(2, 4)).sum().backward()
     assert ledger.saved == [] and len(ledger.records) == 1
+
+
+# -- item 7: integrations, minor ----------------------------------------------------------
+def test_a_newline_in_a_rank_file_name_stays_in_its_row(tmp_path):
+    from test_ranks import step_record
+    from torchledger.analyzers.ranks import merge_ranks
+    from torchledger.render.ranks import render_ranks
+    names = ["run\nA/rank0.json", "run\x1b[31mB/rank1.json"]
+    merged = merge_ranks([step_record(0, 3), step_record(1, 3)], names=names)
+    table = render_ranks(merged, "table")
+    rows = [line for line in table.splitlines() if "rank0.json" in line or "rank1.json" in line]
+    assert [r.split()[-1] for r in rows[:2]] == ["run\\nA/rank0.json", "run\\x1b[31mB/rank1.json"]
+    assert all(line.isprintable() for line in table.splitlines())
+    (f,) = merged["findings"]                                        # rank 2 of 3 missing
+    assert "run\\nA/rank0.json" in f.message and "\n" not in f.message
+    assert json.loads(render_ranks(merged, "json"))["ranks"][0]["file"] == names[0]   # data kept as given
+    from torchledger.analyzers.ranks import RanksError
+    with pytest.raises(RanksError) as e:
+        merge_ranks([step_record(0, 2), step_record(0, 2)], names=["a\nb", "c"])
+    assert "\n" not in str(e.value)
+
+
+def test_a_crafted_segment_cannot_draw_an_op_outside_its_phase():
+    from test_ranks import GPT2_TINY
+    from torchledger.record import StepRecord
+    with open(GPT2_TINY, encoding="utf-8") as fh:
+        d = json.load(fh)
+    # forward holds ops 0..2, but its one run claims 5 ops (it would end at 5, inside backward)
+    d["memory"]["segments"] = [
+        {"start": 0, "end": 2, "phase": "forward", "module": None, "ops": [["aten.mm.default", 5, 10]]},
+        {"start": 2, "end": 4, "phase": "backward", "module": None, "ops": [["aten.mm.default", 2, 20]]}]
+    doc = strict_json(render_trace(StepRecord.from_dict(d)))
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    phases = [e for e in slices if e["cat"] == "phase"]
+    for op in (e for e in slices if e["cat"] == "op"):
+        (phase,) = [p for p in phases if p["name"] == op["args"]["phase"]]
+        assert phase["ts"] <= op["ts"] and op["ts"] + op["dur"] <= phase["ts"] + phase["dur"], (op, phase)
+    assert [(p["name"], p["ts"], p["dur"]) for p in phases] == [("backward", 2, 2)]

@@ -14,7 +14,7 @@ import re
 
 __all__ = [
     "parse_count", "parse_int", "parse_bytes", "parse_flops", "parse_bandwidth",
-    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "fmt_mfu", "GB", "GiB",
+    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "fmt_mfu", "printable", "GB", "GiB",
 ]
 
 GB = 10**9
@@ -147,3 +147,12 @@ def fmt_flops(n: float) -> str:
 def fmt_mfu(value) -> str:
     """An MFU for a human: three significant digits (0.42, 0.087, 0.000123)."""
     return f"{value:.3g}"
+
+
+def printable(text) -> str:
+    """``text`` for one line of a table or message: control and other unprintable characters
+    escaped (a newline in a file name reads ``\\n``, not a second line)."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in s)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from statistics import median
 
 from ..record import Finding
-from ..units import fmt_bytes, fmt_count
+from ..units import fmt_bytes, fmt_count, printable
 
 __all__ = ["merge_ranks", "lone_rank_findings", "RanksError", "SCHEMA", "DEFAULTS"]
 
@@ -55,8 +55,9 @@ def merge_ranks(records, names=None, options=None) -> dict:
     fewer than one, world sizes that differ, a rank given twice."""
     records = list(records)
     names = list(names) if names is not None else [f"record {i + 1}" for i in range(len(records))]
+    shown = [printable(n) for n in names]         # messages are one line, whatever a file is called
     opts = {**DEFAULTS, **{k: v for k, v in (options or {}).items() if k in DEFAULTS}}
-    world = _check_one_run(records, names)
+    world = _check_one_run(records, shown)
     rows = sorted((_row(r, n) for r, n in zip(records, names)), key=lambda row: row["rank"])
     skew = {key: _skew(rows, key) for key, _ in SKEWED}
     missing = _missing(rows, world)
@@ -81,7 +82,7 @@ def _missing_finding(rows, missing, world: int) -> list:
     if count <= 0:
         return []
     listed = ", ".join(str(r) for r in missing[:16]) + (", ..." if count > 16 else "")
-    given = ", ".join(str(row["file"]) for row in rows[:4]) + (", ..." if len(rows) > 4 else "")
+    given = ", ".join(printable(row["file"]) for row in rows[:4]) + (", ..." if len(rows) > 4 else "")
     what = f"rank {listed} of {world} missing" if count == 1 else \
         f"{count:,} of {world:,} ranks missing (rank {listed})"
     return [Finding(
