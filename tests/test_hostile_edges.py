@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -285,3 +286,45 @@ def test_a_crafted_segment_cannot_draw_an_op_outside_its_phase():
         (phase,) = [p for p in phases if p["name"] == op["args"]["phase"]]
         assert phase["ts"] <= op["ts"] and op["ts"] + op["dur"] <= phase["ts"] + phase["dur"], (op, phase)
     assert [(p["name"], p["ts"], p["dur"]) for p in phases] == [("backward", 2, 2)]
+
+
+def run_steps(run, model, labels, out_dir):
+    for label in labels:
+        run.begin(model, None)
+        run.open(label)
+        model(torch.ones(2, 4)).sum().backward()
+        run.close(out_dir)
+
+
+def test_a_resumed_run_keeps_the_first_runs_records_and_numbers_on(tmp_path):
+    """A first run writes steps 1-4; a run resumed from the checkpoint at step 2 redoes 3-4
+    and goes on to 6: the first run's files stay, the resumed ones are step_000003.1.json ...,
+    and each record's meta.step_index is its global step - 1 (it restarted at 0)."""
+    from torchledger.integrations._common import RECORDS_DIR, LedgerRun
+    model = nn.Linear(4, 3)
+    run_steps(LedgerRun("test", sample_every=1), model, [1, 2, 3, 4], tmp_path)
+    folder = tmp_path / RECORDS_DIR
+    first = {p.name: p.read_text() for p in folder.iterdir()}
+    resumed = LedgerRun("test", sample_every=1)
+    run_steps(resumed, model, [3, 4, 5, 6], tmp_path)
+    assert [os.path.basename(p) for p in resumed.written] == [
+        "step_000003.1.json", "step_000004.1.json", "step_000005.json", "step_000006.json"]
+    assert all((folder / name).read_text() == text for name, text in first.items())   # untouched
+    index = {p: json.loads(open(p).read())["meta"]["step_index"] for p in resumed.written}
+    assert list(index.values()) == [2, 3, 4, 5]
+    assert json.loads((folder / "step_000001.json").read_text())["meta"]["step_index"] == 0
+
+
+def test_a_resumed_run_samples_the_global_steps_a_fresh_run_would():
+    from torchledger.integrations._common import LedgerRun
+    model = nn.Linear(4, 3)
+    run = LedgerRun("test", sample_every=3, write=False)
+    traced = []
+    for label in range(5, 11):                  # resumed at global step 4: steps 5..10
+        run.begin(model, None)
+        run.open(label)
+        traced.append(run.tracing)
+        model(torch.ones(2, 4)).sum().backward()
+        run.close(None)
+    # a fresh run traces labels 1, 4, 7, 10 (index 0, 3, 6, 9)
+    assert [label for label, t in zip(range(5, 11), traced) if t] == [7, 10]
