@@ -154,7 +154,7 @@ def _exit_code(findings, fail_on: str) -> int:
               help="Device mesh shape for the simulated world, e.g. 8x8 (dims dp, tp); implies --world-size.")
 @click.option("--link-bandwidth", type=BANDWIDTH, default=None, metavar="450GB/s",
               help="Bus bandwidth per rank for the communication time (default: --gpu's NVLink, or its "
-                   "node's InfiniBand when the world spans nodes).")
+                   "node's InfiniBand when the world spans nodes); B is bytes, b bits (400Gb/s = 50 GB/s).")
 @click.option("--mfu", type=FRACTION, default=None,
               help="MFU assumed for the compute time beside the communication time [default: 0.4].")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
