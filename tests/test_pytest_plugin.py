@@ -170,14 +170,17 @@ def test_report_writes_every_traced_record_and_an_index(inner):
                      "test_budget.py_test_within-0.json", "test_budget.py_test_zz_traces_again-0.json"]
     index = json.loads((out / "index.json").read_text())
     assert index["schema"] == "torchledger.pytest/1"
-    assert [(e["nodeid"], e["trace"], e["failed"]) for e in index["records"]] == [
-        ("test_budget.py::test_within", 0, False), ("test_budget.py::test_over", 0, False),
-        ("test_budget.py::test_two", 0, False), ("test_budget.py::test_two", 1, False),
-        ("test_budget.py::test_left_open", 0, True), ("test_budget.py::test_zz_traces_again", 0, False)]
+    # the test's outcome (test_over failed at assert_step, its step did not) and the step's
+    assert [(e["nodeid"], e["trace"], e["outcome"], e["failed"], e["step_failed"]) for e in index["records"]] == [
+        ("test_budget.py::test_within", 0, "passed", False, False),
+        ("test_budget.py::test_over", 0, "failed", True, False),
+        ("test_budget.py::test_two", 0, "passed", False, False), ("test_budget.py::test_two", 1, "passed", False, False),
+        ("test_budget.py::test_left_open", 0, "failed", True, True),
+        ("test_budget.py::test_zz_traces_again", 0, "passed", False, False)]
     for entry in index["records"]:
         rec = StepRecord.from_json((out / entry["file"]).read_text())
         assert rec.totals["flops"]["forward"] == FWD
-        if not entry["failed"]:
+        if not entry["step_failed"]:
             assert rec.totals["flops"]["total"] == entry["flops_total"] == TOTAL
             assert rec.totals["activation_bytes"] == ACT
     assert f"torchledger: 6 records written to {out}" in proc.stdout
@@ -203,6 +206,81 @@ def test_report_dir_that_is_a_file_is_a_usage_error(tmp_path):
     proc = pytest_run(tmp_path, "--torchledger-report", "taken.txt", "test_nothing.py")
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
     assert "--torchledger-report taken.txt: exists and is not a directory" in proc.stderr
+
+
+def _sys_read_only() -> bool:
+    import tempfile
+    try:
+        with tempfile.TemporaryFile(dir="/sys"):
+            return False
+    except OSError:
+        return os.path.isdir("/sys")
+
+
+@pytest.mark.skipif(not _sys_read_only(), reason="needs Linux's read-only /sys")
+def test_report_dir_that_cannot_take_a_file_is_a_usage_error(tmp_path):
+    """An existing directory no file can be written in (sysfs is read-only even for root):
+    the start-up check says so in one line, before any test runs."""
+    (tmp_path / "test_nothing.py").write_text("def test_a():\n    pass\n")
+    proc = pytest_run(tmp_path, "--torchledger-report", "/sys", "test_nothing.py")
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "torchledger-report" in x]
+    assert "--torchledger-report /sys: cannot write a file in the directory" in line, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_full_directory_fails_the_start_up_check(tmp_path, monkeypatch):
+    import errno
+    from torchledger import pytest_plugin
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(pytest_plugin.os, "write", full)
+    assert pytest_plugin._cannot_write(str(tmp_path)) == os.strerror(errno.ENOSPC)
+    monkeypatch.undo()
+    assert pytest_plugin._cannot_write(str(tmp_path)) is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_record_that_cannot_be_written_later_is_a_warning(tmp_path):
+    """The directory went away (or filled) during the run: a warning and a summary line, not
+    an error at every traced test's teardown."""
+    from torchledger.pytest_plugin import _Report
+    r = _Report(str(tmp_path / "gone"))
+    with pytest.warns(RuntimeWarning, match="t.py_test_a-0.json not written"):
+        r.write("t.py::test_a", [StepRecord()])
+    assert r.entries == [] and r.unwritten[0].startswith("t.py_test_a-0.json: ")
+    assert r.write_index() is None and r.unwritten[1].startswith("index.json: ")
+
+
+XDIST_INNER = """
+import torch
+
+def test_a(torchledger_trace):
+    model = torch.nn.Linear(8, 4, bias=False)
+    with torchledger_trace(model, tokens=2) as t:
+        model(torch.randn(2, 8)).sum().backward()
+    assert t.record.totals["flops"]["total"] == 2 * (2 * 2 * 8 * 4)   # forward 128 + weight grad 128
+
+def test_b(torchledger_trace):
+    model = torch.nn.Linear(8, 4, bias=False)
+    with torchledger_trace(model, tokens=2) as t:
+        model(torch.randn(2, 8)).sum().backward()
+    assert t.record.totals["flops"]["total"] == 0, "fails on purpose"
+"""
+
+
+@pytest.mark.slow      # two xdist workers, each starting torch
+def test_xdist_workers_records_make_one_index_and_the_summary(tmp_path):
+    pytest.importorskip("xdist")
+    (tmp_path / "test_x.py").write_text(XDIST_INNER)
+    proc = pytest_run(tmp_path, "-p", "xdist", "-n", "2", "--torchledger-report", "rep", "test_x.py")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"torchledger: 2 records written to {tmp_path / 'rep'}" in proc.stdout, proc.stdout
+    index = json.loads((tmp_path / "rep" / "index.json").read_text())
+    assert [(e["nodeid"], e["outcome"], e["failed"]) for e in index["records"]] == [
+        ("test_x.py::test_a", "passed", False), ("test_x.py::test_b", "failed", True)]
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == [
+        "index.json", "test_x.py_test_a-0.json", "test_x.py_test_b-0.json"]
 
 
 def test_report_file_names_are_sanitized_and_kept_apart():

@@ -267,7 +267,8 @@ def test_cli_merges_and_warns_on_missing_ranks(tmp_path):
     d = json.loads(r.stdout)
     assert [row["rank"] for row in d["ranks"]] == [0, 1, 2] and d["missing_ranks"] == [3]
     assert d["missing_count"] == 1                                      # 4 ranks, 3 given
-    assert [f["rule"] for f in d["findings"]] == ["TL-RANK-002"]      # 2.0 s: 100% over the median 1.0 s
+    # 2.0 s: 100% over the median 1.0 s; rank 3 of 4 has no record
+    assert [f["rule"] for f in d["findings"]] == ["TL-RANK-002", "TL-RANK-004"]
     assert "1 of 4 ranks missing (rank 3)" in r.stderr
 
 

@@ -18,7 +18,9 @@ Works on CPU, CUDA, meta and fake tensors. One tracer may be active at a time.
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections import deque
 from contextlib import contextmanager
 
@@ -142,13 +144,21 @@ class Ledger:
                 loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
         print(ledger.report())
 
+    ``save_to``: a path where each traced step's record is saved as the step ends (as
+    ``StepRecord.save``: under torchrun ``{rank}``, a folder or a ``.rank{r}`` suffix keep the
+    ranks' files apart; ``{step}`` becomes the step's index). Under torchrun a rank that fails
+    takes the others down in the next collective, before any save after the loop: with
+    ``save_to`` each rank's file holds its last completed traced step (a step that raised
+    does not overwrite it). A write that fails is a ``RuntimeWarning``, never an error in the
+    loop.
+
     Known limitations: with ``sample_every > 1`` traced steps are not consecutive, so
     TL-LEAK-003 (gradients never cleared) needs ``sample_every=1``; growth slower than
     ``LEAK_WINDOW`` traced steps is judged on the window only.
     """
 
     def __init__(self, model, optimizer=None, *, sample_every: int = 1, keep: int = 20,
-                 peak_flops=None, clock=time.perf_counter, mesh=None):
+                 peak_flops=None, clock=time.perf_counter, mesh=None, save_to=None):
         if not isinstance(sample_every, int) or isinstance(sample_every, bool) or sample_every < 1:
             raise ValueError(f"sample_every must be an int >= 1, got {sample_every!r}")
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
@@ -158,6 +168,8 @@ class Ledger:
         self.mesh = mesh_shape(mesh)        # totals.mesh (tracer/ranks.py)
         self.sample_every, self.peak_flops, self.clock = sample_every, peak_flops, clock
         self.keep = keep
+        self.save_to = None if save_to is None else os.fspath(save_to)
+        self.saved: list = []       # paths save_to wrote, in order (a path once)
         self.records: list = []
         self.steps = 0
         self._window: deque = deque(maxlen=LEAK_WINDOW)
@@ -181,9 +193,11 @@ class Ledger:
                             peak_flops=self.peak_flops, clock=self.clock, step_index=i,
                             seq_len=seq_len, carry=self._carry, tokens_source=tokens_source)
         tracer.mesh = self.mesh
+        completed = False
         try:
             with tracer:
                 yield tracer
+            completed = True
         finally:
             if tracer.record is not None:
                 judge(tracer)           # predictions, allocator summary, meta.compiled
@@ -191,6 +205,23 @@ class Ledger:
                 self._carry = tracer.carry_out
                 self.snapshot = getattr(tracer, "snapshot", None)
                 _keep_findings(tracer.record, self.findings)
+                if completed and self.save_to is not None:
+                    self._save_step(tracer.record, i)
+
+    def _save_step(self, record, index: int) -> None:
+        """``save_to``: write the step's record now (a rank killed later keeps it)."""
+        path = self.save_to.replace("{step}", str(index))
+        try:
+            folder = path if path.endswith(("/", os.sep)) else os.path.dirname(path)
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            out = record.save(path)
+        except Exception as e:  # noqa: BLE001 (a full disk must not end the user's training)
+            warnings.warn(f"torchledger Ledger(save_to={self.save_to!r}): step {index}'s record not "
+                          f"saved: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+            return
+        if out not in self.saved:
+            self.saved.append(out)
 
     def save(self, path) -> str:
         """Write the last traced step's record (``StepRecord.save``: under torchrun
@@ -201,6 +232,8 @@ class Ledger:
         return self.records[-1].save(path)
 
     def _note_untraced(self, seconds: float) -> None:
+        if not (isinstance(seconds, (int, float)) and 0 <= seconds < float("inf")):
+            return                  # a clock gone backwards or NaN/inf: no time to keep (MFU)
         times = self.untraced_seconds
         times.append(seconds)
         if len(times) > TIMES_KEPT:

@@ -13,14 +13,19 @@ Installed with torchledger (entry point ``pytest11``), so a test suite only has 
 
 ``pytest --torchledger-report DIR`` writes the record of every step traced with the fixture
 to ``DIR/<test id>-<n>.json`` (``n`` counts the traces of one test from 0) and lists them
-in ``DIR/index.json``; DIR is created if missing. Records are written when the test ends,
-whether it passed or failed.
+in ``DIR/index.json``; DIR is created if missing, and a DIR that cannot take a file (read-only,
+full) stops the run at start-up in one line. Records are written when the test ends, whether
+it passed or failed; each index entry has the test's ``outcome`` (passed, failed, error for a
+failure in setup or teardown, skipped), ``failed`` (the test failed or errored) and
+``step_failed`` (the traced step itself raised). Under pytest-xdist the workers write the
+records and the controller writes one ``index.json`` of them all and the summary line.
 
 The plugin imports neither torch nor torchledger's tracer until a test uses the fixture, so
 a suite that never traces pays nothing at startup.
 
-Known limitations: under pytest-xdist each worker writes its own ``index-<worker>.json``;
-files of earlier runs in DIR are left in place (the index lists this run's only).
+Known limitations: files of earlier runs in DIR are left in place (the index lists this
+run's only). A record that cannot be written later (the disk filled during the run) is a
+warning and a summary line, not a test error.
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class _Report:
         self.directory = directory
         self.worker = worker
         self.entries: list = []
+        self.outcomes: dict = {}        # nodeid -> passed | failed | error | skipped
+        self.unwritten: list = []       # "file: reason" of records that could not be written
         self._names: dict = {}          # file stem -> nodeid, to keep two tests apart
 
     def stem(self, nodeid: str) -> str:
@@ -61,18 +68,50 @@ class _Report:
         stem = self.stem(nodeid) if records else None
         for i, record in enumerate(records):
             name = f"{stem}-{i}.json"
-            write_atomic(os.path.join(self.directory, name), record.to_json() + "\n")
+            try:
+                write_atomic(os.path.join(self.directory, name), record.to_json() + "\n")
+            except OSError as e:        # the disk filled during the run: not the test's failure
+                self.unwritten.append(f"{name}: {e.strerror or e}")
+                warnings.warn(f"torchledger: --torchledger-report: {name} not written ({e.strerror or e})",
+                              RuntimeWarning, stacklevel=1)
+                continue
             t = record.totals
             self.entries.append({"nodeid": nodeid, "trace": i, "file": name,
-                                 "failed": bool(record.meta.get("failed")),
+                                 "step_failed": bool(record.meta.get("failed")),
                                  "flops_total": t["flops"]["total"], "peak_bytes": t.get("peak_bytes"),
                                  "tokens": t.get("tokens")})
 
-    def write_index(self) -> str:
+    def note(self, report) -> None:
+        """A test phase's report: the test's outcome, the worst of its phases."""
+        if report.when == "call":
+            outcome = report.outcome
+        elif report.failed:
+            outcome = "error"           # setup or teardown failed
+        elif report.skipped and report.when == "setup":
+            outcome = "skipped"
+        else:
+            return
+        if self.outcomes.get(report.nodeid) not in ("failed", "error") or outcome == "error":
+            self.outcomes[report.nodeid] = outcome
+
+    def finished_entries(self) -> list:
+        """The entries with each test's outcome filled in."""
+        out = []
+        for e in self.entries:
+            outcome = e.get("outcome") or self.outcomes.get(e["nodeid"], "unknown")
+            out.append({**e, "outcome": outcome, "failed": outcome in ("failed", "error")})
+        return out
+
+    def write_index(self):
+        """``DIR/index.json``; the path, or None when it could not be written (noted)."""
         from .render.output import write_atomic
-        name = "index.json" if self.worker is None else f"index-{self.worker}.json"
-        path = os.path.join(self.directory, name)
-        write_atomic(path, json.dumps({"schema": INDEX_SCHEMA, "records": self.entries}, indent=2) + "\n")
+        path = os.path.join(self.directory, "index.json")
+        doc = {"schema": INDEX_SCHEMA, "records": self.finished_entries()}
+        try:
+            write_atomic(path, json.dumps(doc, indent=2) + "\n")
+        except OSError as e:
+            self.unwritten.append(f"index.json: {e.strerror or e}")
+            return None
         return path
 
 
@@ -102,7 +141,35 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--torchledger-report {option}: cannot create the directory "
                                 f"({e.strerror or e})") from None
     worker = getattr(config, "workerinput", {}).get("workerid")     # pytest-xdist
-    config.stash[_REPORT] = _Report(os.path.normpath(directory), worker)
+    if worker is None:                  # the controller checks once, before any test runs
+        problem = _cannot_write(directory)
+        if problem:
+            raise pytest.UsageError(f"--torchledger-report {option}: cannot write a file in the directory "
+                                    f"({problem}); give a writable directory with free space")
+    report = config.stash[_REPORT] = _Report(os.path.normpath(directory), worker)
+    config.pluginmanager.register(_Outcomes(report), "torchledger-outcomes")
+
+
+def _cannot_write(directory: str):
+    """Why a record cannot be written in ``directory`` (read-only, full, ...), or None: a
+    probe file is created, written, synced and removed (what ``write_atomic`` will do)."""
+    import tempfile
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".torchledger-probe-", dir=directory)
+    except OSError as e:
+        return e.strerror or str(e)
+    try:
+        os.write(fd, b"{}\n" * 1024)      # 3 KiB: a full disk refuses it (no free block)
+        os.fsync(fd)
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return None
 
 
 def pytest_report_header(config):
@@ -112,10 +179,38 @@ def pytest_report_header(config):
     return None
 
 
+class _Outcomes:
+    """Registered with ``--torchledger-report``: each test's outcome, for its index entries
+    (in an xdist worker for its own tests)."""
+
+    def __init__(self, report: _Report):
+        self.report = report
+
+    def pytest_runtest_logreport(self, report):
+        self.report.note(report)
+
+
 def pytest_sessionfinish(session):
     report = session.config.stash.get(_REPORT, None)
-    if report is not None:
-        report.write_index()
+    if report is None:
+        return
+    output = getattr(session.config, "workeroutput", None)
+    if report.worker is not None and output is not None:
+        # pytest-xdist worker: the controller writes the one index (pytest_testnodedown)
+        output["torchledger"] = {"entries": report.finished_entries(), "unwritten": report.unwritten}
+        return
+    report.write_index()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist controller: a worker finished; take its records into this run's index."""
+    report = node.config.stash.get(_REPORT, None)
+    got = (getattr(node, "workeroutput", None) or {}).get("torchledger")
+    if report is not None and isinstance(got, dict):
+        report.entries.extend({**e} for e in got.get("entries", []))
+        report.entries.sort(key=lambda e: (e["nodeid"], e["trace"]))   # workers finish in any order
+        report.unwritten.extend(got.get("unwritten", []))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -124,6 +219,9 @@ def pytest_terminal_summary(terminalreporter, config):
         n = len(report.entries)
         terminalreporter.write_line(f"torchledger: {n} record{'s' if n != 1 else ''} written to "
                                     f"{report.directory}")
+        if report.unwritten:
+            shown = "; ".join(report.unwritten[:3]) + ("; ..." if len(report.unwritten) > 3 else "")
+            terminalreporter.write_line(f"torchledger: {len(report.unwritten)} file(s) not written: {shown}")
 
 
 class _Trace:

@@ -21,6 +21,7 @@ arrived.
 """
 from __future__ import annotations
 
+import math
 import os
 
 from . import units
@@ -102,8 +103,9 @@ def _fraction(v) -> float:
 
 
 def _positive(x: float, zero: bool = False) -> float:
-    """A budget of 0 or less (or NaN) would fail every audit: refused as a bad value."""
-    if not (x >= 0 if zero else x > 0):
+    """A budget of 0 or less (or NaN) would fail every audit, and one of ``inf`` (TOML's
+    ``inf``) never: both refused as bad values."""
+    if not (x >= 0 if zero else x > 0) or not math.isfinite(x):
         raise ValueError
     return x
 
@@ -138,7 +140,11 @@ def load_settings(start: str) -> dict:
             data = tomllib.load(f)
     except Exception as e:
         raise SettingsError(f"{path}: not valid TOML ({e}); fix it or remove [tool.torchledger]") from None
-    raw = data.get("tool", {}).get("torchledger", {})
+    tool = data.get("tool", {})
+    if not isinstance(tool, dict):        # `tool = 1`: TOML, but not the table tools read
+        raise SettingsError(f"{path}: [tool] must be a table (tools' settings go under [tool.NAME]), "
+                            f"got tool = {tool!r}; fix it or remove it")
+    raw = tool.get("torchledger", {})
     if not isinstance(raw, dict):
         raise SettingsError(f"{path}: [tool.torchledger] must be a table, got {type(raw).__name__}")
     out = {}

@@ -13,8 +13,8 @@ import math
 import re
 
 __all__ = [
-    "parse_count", "parse_int", "parse_bytes", "parse_flops",
-    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "fmt_mfu", "GB", "GiB",
+    "parse_count", "parse_int", "parse_bytes", "parse_flops", "parse_bandwidth",
+    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "fmt_mfu", "printable", "GB", "GiB",
 ]
 
 GB = 10**9
@@ -68,6 +68,24 @@ def parse_bytes(text, *, what: str = "a size") -> float:
     if suffix in _SI and suffix != "B":
         return num * _SI[suffix]
     raise ValueError(f"expected {what} such as 80GB or 80GiB, got {text!r}")
+
+
+def parse_bandwidth(text, *, what: str = "a bandwidth") -> float:
+    """Bytes per second: ``'450GB/s'`` -> 4.5e11; ``'400Gb/s'``, ``'400Gbps'`` or
+    ``'400Gbit/s'`` (bits, as network links are sold) -> 5e10; a bare number or ``'450G'`` is
+    bytes/s. The case of ``b``/``B`` is read as written (``b`` bits, ``B`` bytes); the
+    prefixes are decimal (``G`` = 1e9) or binary (``Gi``)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return parse_bytes(text, what=what)
+    s = str(text).strip()
+    m = re.fullmatch(_NUM + r"\s*([KkMmGgTtPp]i?)?(bits?|bytes?|[bB])?(/[sS]|[pP][sS])?", s)
+    if not m:
+        raise ValueError(f"expected {what} such as 450GB/s (bytes) or 400Gb/s (bits), got {text!r}")
+    num, _ = _split(m.group(1), what, "450GB/s")
+    prefix, unit = (m.group(2) or "").upper(), m.group(3) or "B"
+    scale = _BIN[prefix] if prefix in _BIN else _SI[prefix]
+    bits = unit.startswith("bit") or unit == "b"
+    return num * scale / (8 if bits else 1)
 
 
 def parse_flops(text, *, what: str = "a FLOP/s rate") -> float:
@@ -129,3 +147,12 @@ def fmt_flops(n: float) -> str:
 def fmt_mfu(value) -> str:
     """An MFU for a human: three significant digits (0.42, 0.087, 0.000123)."""
     return f"{value:.3g}"
+
+
+def printable(text) -> str:
+    """``text`` for one line of a table or message: control and other unprintable characters
+    escaped (a newline in a file name reads ``\\n``, not a second line)."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in s)

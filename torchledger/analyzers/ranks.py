@@ -15,6 +15,9 @@ Pure: records in, a plain dict out (the shape of ``report --format json``, schem
   median: a straggler; every collective waits for it.
 * TL-RANK-003 (warning): FLOPs differ across ranks by more than ``rank_flops_skew`` (5%) of
   the smallest: uneven batches or shards; the ranks with less work wait for the one with most.
+* TL-RANK-004 (warning): ranks of the run's world size have no record (``rank 1 of 2
+  missing``): a rank that failed or was killed before saving; the skew covers the ranks given.
+  :func:`lone_rank_findings` makes the same finding for one record of a multi-rank run.
 
 Known limitations: ranks are compared with the median rank, so in a world of two the
 median is their mean (a rank 25% above the other is 11% above the median). Step times of a
@@ -25,9 +28,9 @@ from __future__ import annotations
 from statistics import median
 
 from ..record import Finding
-from ..units import fmt_bytes, fmt_count
+from ..units import fmt_bytes, fmt_count, printable
 
-__all__ = ["merge_ranks", "RanksError", "SCHEMA", "DEFAULTS"]
+__all__ = ["merge_ranks", "lone_rank_findings", "RanksError", "SCHEMA", "DEFAULTS"]
 
 SCHEMA = "torchledger.ranks/1"
 #: Missing ranks listed by number (``missing_count`` counts them all).
@@ -52,13 +55,44 @@ def merge_ranks(records, names=None, options=None) -> dict:
     fewer than one, world sizes that differ, a rank given twice."""
     records = list(records)
     names = list(names) if names is not None else [f"record {i + 1}" for i in range(len(records))]
+    shown = [printable(n) for n in names]         # messages are one line, whatever a file is called
     opts = {**DEFAULTS, **{k: v for k, v in (options or {}).items() if k in DEFAULTS}}
-    world = _check_one_run(records, names)
+    world = _check_one_run(records, shown)
     rows = sorted((_row(r, n) for r, n in zip(records, names)), key=lambda row: row["rank"])
     skew = {key: _skew(rows, key) for key, _ in SKEWED}
+    missing = _missing(rows, world)
     return {"schema": SCHEMA, "world_size": world, "mesh": records[0].totals.get("mesh"),
-            "ranks": rows, "missing_ranks": _missing(rows, world), "missing_count": world - len(rows),
-            "skew": skew, "findings": _findings(rows, skew, opts)}
+            "ranks": rows, "missing_ranks": missing, "missing_count": world - len(rows),
+            "skew": skew, "findings": _findings(rows, skew, opts) + _missing_finding(rows, missing, world)}
+
+
+def lone_rank_findings(record, name: str = "the record") -> list:
+    """TL-RANK-004 for one record of a real multi-rank run (``totals.world_size`` > 1, its
+    other ranks not given): ``report rank0.json`` when rank 1 never wrote its record. A
+    simulated world (``audit --world-size N``: rank 0 stands for every rank) makes none."""
+    t = record.totals
+    world = t.get("world_size", 1)
+    if not isinstance(world, int) or world < 2 or ((record.meta or {}).get("audit") or {}).get("world_size"):
+        return []
+    return merge_ranks([record], names=[name])["findings"]
+
+
+def _missing_finding(rows, missing, world: int) -> list:
+    count = world - len(rows)
+    if count <= 0:
+        return []
+    listed = ", ".join(str(r) for r in missing[:16]) + (", ..." if count > 16 else "")
+    given = ", ".join(printable(row["file"]) for row in rows[:4]) + (", ..." if len(rows) > 4 else "")
+    what = f"rank {listed} of {world} missing" if count == 1 else \
+        f"{count:,} of {world:,} ranks missing (rank {listed})"
+    return [Finding(
+        "TL-RANK-004", "warning",
+        f"{what}: no record of {'it' if count == 1 else 'them'} was given ({given}); the skew and "
+        f"findings cover the {len(rows)} rank{'s' if len(rows) != 1 else ''} given",
+        measured=len(rows), expected=world,
+        hint="give every rank's file (torchledger report runs/rank*.json); a rank that failed or was "
+             "killed before saving writes none: its log says why, and Ledger(save_to=...) saves each "
+             "traced step as it ends")]
 
 
 def _missing(rows, world: int) -> list:

@@ -154,7 +154,7 @@ def _exit_code(findings, fail_on: str) -> int:
               help="Device mesh shape for the simulated world, e.g. 8x8 (dims dp, tp); implies --world-size.")
 @click.option("--link-bandwidth", type=BANDWIDTH, default=None, metavar="450GB/s",
               help="Bus bandwidth per rank for the communication time (default: --gpu's NVLink, or its "
-                   "node's InfiniBand when the world spans nodes).")
+                   "node's InfiniBand when the world spans nodes); B is bytes, b bits (400Gb/s = 50 GB/s).")
 @click.option("--mfu", type=FRACTION, default=None,
               help="MFU assumed for the compute time beside the communication time [default: 0.4].")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
@@ -296,8 +296,10 @@ def report(record_files, fmt, output, depth, fail_on):
         return _exit_code(_report_ranks(record_files, fmt, output), fail_on)
     (record_file,) = record_files
     rec = _load_record(record_file, record_file)
-    _emit(render(rec, rec.findings, fmt, depth=depth), output)
-    return _exit_code(rec.findings, fail_on)
+    from ..analyzers.ranks import lone_rank_findings
+    findings = list(rec.findings) + lone_rank_findings(rec, record_file)   # TL-RANK-004: rank 1 of 2 missing
+    _emit(render(rec, findings, fmt, depth=depth), output)
+    return _exit_code(findings, fail_on)
 
 
 def _report_ranks(paths, fmt, output) -> list:

@@ -65,7 +65,7 @@ FLOPS = _Number("flop/s", units.parse_flops, example="989.5T")
 #: A positive real number.
 POS_FLOAT = _Number("number", units.parse_count, example="0.5")
 #: A fraction in (0, 1] (MFU).
-#: A bandwidth in bytes/s: ``450GB/s``, ``450GB``, ``4.5e11`` (GB = 1e9, vendor units).
-BANDWIDTH = _Number("bandwidth", lambda t: units.parse_bytes(t.strip().rstrip("/sS") if isinstance(t, str) else t),
-                    example="450GB/s")
+#: A bandwidth in bytes/s: ``450GB/s``, ``450GB``, ``4.5e11`` (GB = 1e9, vendor units);
+#: ``400Gb/s`` / ``400Gbps`` are bits (/8), as network links are sold.
+BANDWIDTH = _Number("bandwidth", units.parse_bandwidth, example="450GB/s")
 FRACTION = _Number("fraction", units.parse_count, upper=1.0, example="0.5")

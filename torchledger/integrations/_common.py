@@ -87,7 +87,12 @@ class LedgerRun:
         return self._step is not None and self._step[1] is not None
 
     def open(self, label: int) -> None:
-        """Enter ``Ledger.step()``: the step numbered ``label`` (the framework's global step)."""
+        """Enter ``Ledger.step()``: the step numbered ``label`` (the framework's global step).
+        The ledger counts steps as the framework does (``meta.step_index`` is ``label - 1``
+        and ``sample_every`` samples global steps), so a run resumed from a checkpoint goes
+        on numbering where the first left off."""
+        if isinstance(label, int) and label >= 1:
+            self.ledger.steps = label - 1
         cm = self.ledger.step()
         tracer = cm.__enter__()
         self._step = (cm, tracer, label)
@@ -171,9 +176,24 @@ class LedgerRun:
         from ..render.output import write_atomic
         directory = os.path.join(os.fspath(out_dir), RECORDS_DIR)
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, name)
+        path = self._free_path(directory, name)
         write_atomic(path, text)
         self.written.append(path)
+
+    def _free_path(self, directory: str, name: str) -> str:
+        """``directory/name``, unless an earlier run left a step record there (a run resumed
+        from a checkpoint redoes its steps): then ``step_000003.1.json``, ``.2``, ... so that
+        no run's records are overwritten. The report and this run's own files are replaced."""
+        path = os.path.join(directory, name)
+        if name == REPORT_NAME or path in self.written or not os.path.exists(path):
+            return path
+        stem, ext = os.path.splitext(name)
+        n = 1
+        while True:
+            candidate = os.path.join(directory, f"{stem}.{n}{ext}")
+            if candidate in self.written or not os.path.exists(candidate):
+                return candidate
+            n += 1
 
 
 def guarded(method):

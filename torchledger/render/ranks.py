@@ -12,7 +12,7 @@ import json
 
 from tabulate import tabulate
 
-from ..units import fmt_bytes, fmt_count
+from ..units import fmt_bytes, fmt_count, printable
 from .data import csv_cell
 from .markdown import md_escape, md_table
 
@@ -57,7 +57,7 @@ def _cells(row) -> list:
             fmt_bytes(row["param_bytes"], binary=True), fmt_bytes(row["grad_bytes"], binary=True),
             fmt_bytes(row["optimizer_state_bytes"], binary=True),
             "-" if comm is None else fmt_bytes(comm, binary=True), "-" if secs is None else f"{secs:.3g} s",
-            row["file"]]
+            printable(row["file"])]                     # a newline in a file name stays in its row
 
 
 def _headline(merged) -> str:
@@ -123,9 +123,9 @@ def _table(merged) -> str:
     if findings:
         lines += ["", "findings:"]
         for f in findings:
-            lines.append(f"  {f['severity']:7s} {f['rule']}: {f['message']}")
+            lines.append(f"  {f['severity']:7s} {f['rule']}: {printable(f['message'])}")
             if f.get("hint"):
-                lines.append(f"          hint: {f['hint']}")
+                lines.append(f"          hint: {printable(f['hint'])}")
     else:
         lines += ["", "No findings: no rank stands out."]
     return "\n".join(lines)

@@ -137,6 +137,8 @@ def _step_slices(segments: list, types: dict, events: list) -> None:
         start, stop = int(seg.get("start", end)), int(seg.get("end", end))
         if start < end or stop < start:       # not in op order: nothing trustworthy to draw
             continue
+        if sum(max(int(run[1]), 0) for run in seg.get("ops") or []) != stop - start:
+            continue        # op runs that do not fill [start, end) would draw outside the phase
         if phase is None or seg.get("phase") != phase[0] or start != end:
             close_phase(end)
             phase = [str(seg.get("phase")), start, 0, 0]

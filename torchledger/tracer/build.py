@@ -36,6 +36,25 @@ _MATMULISH = ("matmul", "attention")
 _TIMELINE_POINTS = 400
 
 
+def step_seconds(seconds, warnings: list, clock=None):
+    """``seconds`` as a float when a clock could have measured it (finite, >= 0), else None
+    with a warning: a ``trace(clock=...)`` that returns NaN or inf would write invalid JSON,
+    and one that goes backwards a negative time that ``report`` refuses."""
+    if seconds is None:
+        return None
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError, OverflowError):
+        value = float("nan")
+    if value >= 0 and value != float("inf"):
+        return value
+    name = getattr(clock, "__qualname__", None) or type(clock).__name__
+    warnings.append(f"step time left out: the clock ({name}) gave {seconds!r} s (expected a finite "
+                    f"time >= 0; a clock that goes backwards or returns NaN/inf cannot time a step); "
+                    f"pass a monotonic clock such as time.perf_counter")
+    return None
+
+
 def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRecord:
     mode, scope, storages = tracer.mode, tracer.scope, tracer.storages
     n_mod = len(scope.names)
@@ -220,9 +239,10 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
                             "flops_share": outside / total, "peak_bytes": int(mod_peak[n_mod])})
 
     # -- time, meta, warnings --------------------------------------------------------------------
-    t["step_seconds"] = float(seconds)
+    seconds = step_seconds(seconds, tracer._warnings, getattr(tracer, "clock", None))
+    t["step_seconds"] = seconds
     t.update(rank_totals(getattr(tracer, "mesh", None), model))     # rank, world_size, mesh
-    if tracer.peak_flops and seconds > 0:
+    if tracer.peak_flops and seconds:
         t["mfu"] = model_flops / seconds / float(tracer.peak_flops)
     rec.meta = _meta(tracer, model, mode, failed)
     rec.warnings = list(tracer._warnings) + [f"op not recorded: {e}" for e in mode.errors]

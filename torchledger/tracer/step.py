@@ -176,7 +176,11 @@ class StepTracer:
         try:
             self._warnings.extend(errors)
             self._cuda_mark("end", sync=True)
-            seconds = self.clock() - self._t0
+            try:
+                seconds = self.clock() - self._t0
+            except Exception as e:  # noqa: BLE001 (a clock that raises must not lose the record)
+                seconds = None
+                self._warnings.append(f"step time left out: the clock raised {type(e).__name__}: {e}")
             model, self._model = self._model, None
             self.record = build_record(self, model, seconds, failed=exc_type is not None)
         finally:
