@@ -203,6 +203,10 @@ def matmul_fraction(m: int, n: int, k: int, batch: int, dtype: str, gpu, eff: Op
     # the feed bandwidth is the part's: a slower column (fp32 SIMT) needs proportionally less
     need = float(eff["matmul_min_intensity"]) * peak / (_peak(gpu, "bf16", eff) * float(eff["matmul_peak_fraction"]))
     for tm, tn in eff["matmul_tiles"]:
+        # skinny shapes run small-tile variants (cuBLAS's gemv-like and 16/32-row kernels):
+        # a tile side shrinks to the next power of two >= the dimension, never under 16
+        tm = min(tm, max(16, 1 << max(int(m) - 1, 0).bit_length()))
+        tn = min(tn, max(16, 1 << max(int(n) - 1, 0).bit_length()))
         feed = min(1.0, 2.0 * tm * tn / ((tm + tn) * elt) / need)   # operand-feed bound of the tile
         tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
         k_iters = math.ceil(k / kt)
@@ -213,8 +217,8 @@ def matmul_fraction(m: int, n: int, k: int, batch: int, dtype: str, gpu, eff: Op
             t = waves * (math.ceil(k_iters / split) + over) * (2.0 * tm * tn * kt) / (per_sm * feed)
             if t < best[0]:
                 best = (t, (tm, tn, split))
-            if units * 2 > 2 * sms or split * 2 > k_iters:
-                break
+            if tiles >= sms or units * 2 > 4 * sms or split * 2 > k_iters:
+                break       # split-K only for fewer tiles than SMs, up to ~4 waves of slices
             split *= 2
     return best
 
