@@ -44,6 +44,12 @@ from ..formulas import steptime as st
 __all__ = ["predict_step_time", "attach_step_time", "op_seconds", "collective_row_seconds"]
 
 _PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+#: Ops that launch no kernel on a GPU (allocation, metadata, views the schema does not mark):
+#: their recorded bytes are not traffic.
+NO_KERNEL = ("aten.empty.", "aten.empty_like.", "aten.empty_strided.", "aten.new_empty.",
+             "aten.new_empty_strided.", "aten._unsafe_view.", "aten.lift_fresh.", "aten.detach.",
+             "aten.alias.", "aten._reshape_alias.", "aten.set_.", "aten.resize_.",
+             "aten.is_same_size.", "aten._has_compatible_shallow_copy_type.")
 _GATHER_OPS = ("all_gather",)
 _REDUCE_OPS = ("reduce_scatter", "all_reduce")
 
@@ -110,6 +116,8 @@ def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled:
             total += t
             floor_extra += t - raw
         return {"seconds": total, "kind": kind, "launch": floor_extra}
+    if name.startswith(NO_KERNEL):
+        return {"seconds": 0.0, "kind": "free", "launch": 0.0}
     nbytes = float((row.get("bytes_read") or 0) + (row.get("bytes_written") or 0))
     if compiled:            # chains fused: a row holds its chain's ends, the rest is inside
         nbytes, kernels = float(row.get("fused_bytes") or 0), int(row.get("fused_kernels") or 0)

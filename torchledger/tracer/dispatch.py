@@ -300,7 +300,7 @@ class LedgerMode(TorchDispatchMode):
         read = 0
         for a in args:
             if isinstance(a, _Tensor):
-                read += nbytes(a)
+                read += tensor_bytes(a) if _is_wrapper(type(a)) else nbytes(a)   # i23-time: a DTensor reads its local shard
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, _Tensor):
