@@ -147,3 +147,96 @@ def test_compiled_fuses_chains():
            "bytes_written": 4 * 10 ** 9, "fused_bytes": 2 * 10 ** 9, "fused_kernels": 1}
     assert op_seconds(row, PART, EFF)["seconds"] == pytest.approx(8e-3)           # 8 GB eager
     assert op_seconds(row, PART, EFF, compiled=True)["seconds"] == pytest.approx(2e-3)
+
+
+# -- calibrate: a fit recovers the parameters synthetic measurements were made with -------------
+
+def _cuda_record(rows, seconds=None):
+    rec = StepRecord()
+    rec.meta.update(device="cuda:0", dtype="bfloat16")
+    rec.totals.update(tokens=1024, hardware_flops=0, step_seconds=seconds)
+    rec.totals["flops"] = {"forward": 0, "backward": 0, "optimizer": 0, "total": 0, "other": 0}
+    rec.ops = rows
+    return rec
+
+
+def _synthetic_records(part):
+    """Four steps: a large-matmul one, a memory-bound one, a launch-bound one, an attention one."""
+    mm = [{"op": "aten.mm.default", "phase": "forward", "module": "a", "kind": "matmul", "count": 4,
+           "flops": 4 * 2 * 8192 ** 3, "shapes": [{"mnk": [1, 8192, 8192, 8192], "dtype": "bf16", "count": 4,
+                                                  "flops": 4 * 2 * 8192 ** 3}]}]
+    mem = [{"op": "aten.add.Tensor", "phase": "forward", "module": "a", "kind": "elementwise", "count": 10,
+            "flops": 0, "bytes_read": 20 * 10 ** 9, "bytes_written": 10 * 10 ** 9}]
+    tiny = [{"op": "aten.mul.Tensor", "phase": "forward", "module": "a", "kind": "elementwise", "count": 5000,
+             "flops": 0, "bytes_read": 5000 * 1024, "bytes_written": 5000 * 1024}]
+    att = [{"op": "aten._scaled_dot_product_flash_attention.default", "phase": "forward", "module": "a",
+            "kind": "attention", "count": 8, "flops": 0,
+            "shapes": [{"attn": [4, 32, 8192, 8192, 128, 128], "dtype": "bf16", "causal": True, "count": 8,
+                        "flops": 0}]}]
+    return [mm, mem, tiny, att, mm + mem + tiny + att]
+
+
+def test_calibrate_recovers_known_parameters(tmp_path):
+    from torchledger.analyzers.calibrate import fit_efficiency
+    from torchledger.analyzers.steptime import predict_step_time
+    from dataclasses import replace
+    h100 = get_gpu("h100")
+    truth = {"matmul_peak_fraction": 0.62, "memory_fraction": 0.71, "launch_s": 9e-6}
+    base = st.efficiency(h100)
+    true_att = {k: [f * 0.8 for f in v] for k, v in base["attention"].items()}
+    true_part = replace(h100, efficiency={**truth, "attention": true_att})
+    records = []
+    for rows in _synthetic_records(h100):
+        rec = _cuda_record(rows)
+        rec.totals["step_seconds"] = predict_step_time(rec, true_part)["seconds"]   # "measured"
+        records.append(rec)
+    fit = fit_efficiency(records, h100)
+    got = fit["efficiency"]
+    assert got["matmul_peak_fraction"] == pytest.approx(0.62, rel=0.02)
+    assert got["memory_fraction"] == pytest.approx(0.71, rel=0.02)
+    assert got["launch_s"] == pytest.approx(9e-6, rel=0.02)
+    assert fit["attention_scale"] == pytest.approx(0.8, rel=0.03)
+    assert fit["rms_log_error_after"] < 0.01 < fit["rms_log_error_before"]
+
+
+def test_calibrate_cli_writes_a_hardware_file_and_refuses_fake_records(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+    from torchledger.cli import cli
+    from torchledger.analyzers.steptime import predict_step_time
+    from dataclasses import replace
+    h100 = get_gpu("h100")
+    true_part = replace(h100, efficiency={"matmul_peak_fraction": 0.6})
+    paths = []
+    for i, rows in enumerate(_synthetic_records(h100)[:1]):
+        rec = _cuda_record(rows)
+        rec.totals["step_seconds"] = predict_step_time(rec, true_part)["seconds"]
+        rec.totals.update(params=1, peak_bytes=1, activation_bytes=0)
+        paths.append(rec.save(str(tmp_path / f"r{i}.json")))
+    out = tmp_path / "hw.json"
+    res = CliRunner().invoke(cli, ["calibrate", *paths, "--gpu", "h100", "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    import json
+    row = json.loads(out.read_text())["H100 SXM"]
+    assert row["efficiency"]["matmul_peak_fraction"] == pytest.approx(0.6, rel=0.02)
+    fake = _cuda_record(_synthetic_records(h100)[0], 1.0)
+    fake.meta["device"] = "fake (cpu)"
+    fake.totals.update(params=1, peak_bytes=1, activation_bytes=0)
+    res = CliRunner().invoke(cli, ["calibrate", fake.save(str(tmp_path / "fake.json")), "--gpu", "h100",
+                                   "--output", str(tmp_path / "x.json")])
+    assert res.exit_code == 2 and "real CUDA step" in res.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_net_finding_uses_the_comm_model():
+    from torchledger.analyzers.interconnect import check_comm_time
+    from torchledger.analyzers.steptime import attach_step_time
+    rec = _record()
+    # 8x8 mesh: an FSDP all-gather of 1 GB over 8 ranks one per node (span 57): one NIC,
+    # 50 GB/s x 0.9 on a DGX H100; bus bytes 7/8 GB: 19.4 ms + latency
+    rec.collectives = [{"op": "all_gather", "phase": "forward", "module": "b0", "count": 1, "bytes": 125 * 10 ** 6,
+                        "algo_bytes": 10 ** 9, "bus_bytes": 875 * 10 ** 6, "group_size": 8, "group_span": 57}]
+    attach_step_time(rec, "h100")
+    t = rec.collectives[0]["predicted_seconds"]
+    assert t == pytest.approx(0.875e9 / 45e9, rel=0.01)
+    (f,) = check_comm_time([rec], {"gpu": "h100"})
+    assert f.rule == "TL-NET-001" and "19." in f.message and "exposed" in f.message

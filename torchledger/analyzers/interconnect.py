@@ -81,6 +81,10 @@ def check_comm_time(records, options=None) -> list:
     total, phases, kind = step_bus_bytes(rec)
     if not total:
         return []                          # not distributed, or collectives not counted
+    predicted = (rec.predictions or {}).get("step_time")
+    if isinstance(predicted, dict) and not opts.get("link_bandwidth"):   # audit --gpu: the comm model
+        from .steptime import comm_finding
+        return comm_finding(rec, predicted, total, kind)
     world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
     gpu = None
     if opts.get("gpu"):

@@ -439,3 +439,35 @@ def compare_step_time(record, baseline, tolerance: float = 0.01) -> list:
                         f"baseline ({b * 1e3:,.2f} ms -> {a * 1e3:,.2f} ms; tolerance {tolerance:.0%})",
                         measured=a, expected=b, hint="update the baseline if the slowdown is intended")]
     return []
+
+
+def comm_finding(rec, pred: dict, bus_total: float, kind: str) -> list:
+    """TL-NET-001 from the predicted step time: each collective on the link its group spans
+    (NCCL's ring/tree alpha-beta, concurrent groups sharing a node's NICs), against the compute
+    it overlaps. Warning when communication alone outlasts the compute (communication-bound
+    even with full overlap); info otherwise."""
+    from ..record import Finding
+    from ..units import fmt_bytes
+    rows = [c for c in rec.collectives or [] if isinstance(c, dict) and "predicted_seconds" in c]
+    comm = float(pred.get("comm_seconds") or 0)
+    exposed = float(pred.get("comm_exposed_seconds") or 0)
+    compute = sum(v for k, v in (pred.get("by_kind") or {}).items() if k in ("matmul", "attention", "memory_bound",
+                                                                           "launch"))
+    by_op: dict = {}
+    for c in rows:
+        by_op[c.get("op")] = by_op.get(c.get("op"), 0.0) + c["predicted_seconds"]
+    split = ", ".join(f"{op} {_ms(s)}" for op, s in sorted(by_op.items(), key=lambda kv: -kv[1]))
+    world = rec.totals.get("world_size") or 1
+    text = (f"{fmt_bytes(bus_total)} of {kind} per step on each of {world} ranks' links take {_ms(comm)} on "
+            f"{pred.get('gpu')} ({split or 'no rows'}; NCCL ring/tree on each group's link, groups that run at "
+            f"once sharing a node's NICs); {_ms(exposed)} of it is exposed after overlap with "
+            f"{_ms(compute)} of compute")
+    if comm > compute > 0:
+        return [Finding("TL-NET-001", "warning", text + " (communication-bound even with full overlap)",
+                        measured=comm, expected=compute,
+                        hint="more tokens per rank, a smaller data-parallel group (HSDP), or keep TP inside a node")]
+    return [Finding("TL-NET-001", "info", text, measured=comm, expected=compute)]
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
