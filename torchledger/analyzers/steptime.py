@@ -381,7 +381,7 @@ def _bound(p: dict, rows, coll) -> str:
         for c, (s, _) in zip(rows, coll):
             ops[c.get("op")] = ops.get(c.get("op"), 0) + s
         top = max(ops, key=ops.get).replace("_", "-") if ops else "communication"
-        items.append((k["comm_exposed"], f"{_pct(k['comm_exposed'], T)} exposed communication (mostly {top})"))
+        items.append((k["comm_exposed"], f"{_pct(k['comm_exposed'], T)} exposed communication (largest: {top})"))
     items.append((k["launch"], f"{_pct(k['launch'], T)} launch overhead"))
     if k["bubble"]:
         items.append((k["bubble"], f"{_pct(k['bubble'], T)} pipeline bubble"))
