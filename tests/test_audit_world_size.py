@@ -395,3 +395,10 @@ def test_gpu_fit_speaks_of_each_rank(fsdp8):
     (f,) = check_gpu_fit([big], {"gpu": "H100"})
     assert f.severity == "error" and f.message.startswith("the step does not fit at world size 8: each rank's peak")
     assert "112.5% of one H100 SXM's 80.0 GB" in f.message        # 90 / 80 = 1.125
+
+
+def test_fsdp_world_8_optimizer_reads_the_shards(fsdp8):
+    # AdamW's exp_avg.lerp_(grad, 1 - beta1) reads exp_avg and the grad, both DTensor shards:
+    # 2 x 83,104 B over the 21 tensors (the global tensors' bytes would be 8x that)
+    (row,) = [o for o in fsdp8[0]["ops"] if o["op"] == "aten.lerp_.Scalar" and o["phase"] == "optimizer"]
+    assert row["bytes_read"] == 2 * FSDP8_LOCAL * 4
