@@ -26,6 +26,12 @@ a lower bound. Override with ``--link-bandwidth 360GB/s`` (a figure measured wit
     >>> comm_seconds(450e9, 450e9)
     1.0
 
+With ``audit --gpu`` the record carries ``predictions.step_time`` and TL-NET-001 reads it
+instead (``analyzers.steptime.comm_finding``): each collective timed by NCCL's alpha-beta model
+on the link its group spans, groups that run at once sharing a node's NICs, and the part that
+stays exposed after FSDP/DDP overlap. What follows is the form without a prediction (or with
+``--link-bandwidth``).
+
 Known limitations:
   - one bandwidth for the whole step: in a 2-D mesh (TP inside a node, FSDP across nodes)
     the TP collectives run on NVLink, faster than the inter-node figure used for them here;

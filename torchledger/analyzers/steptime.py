@@ -170,7 +170,8 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     unfusable = compiled and not fusion_known
     compiled = compiled and fusion_known
     t = rec.totals
-    micro = int(opts.get("micro_batches") or t.get("micro_batches") or 1)
+    audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
+    micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
 
     # -- compute: every op row, by phase, kind and module ----------------------------------
     by_phase = {p: 0.0 for p in _PHASES}

@@ -118,8 +118,8 @@ PART_EFFICIENCY = {
     # Learning Performance docs: "up to 90%"); 128x128 is its largest common CUTLASS tile.
     "A100 SXM": {"matmul_peak_fraction": 0.88, "matmul_min_intensity": 64.0},
     "A100 40GB SXM": {"matmul_peak_fraction": 0.88, "matmul_min_intensity": 64.0},
-    "V100 SXM": {"matmul_peak_fraction": 0.80, "matmul_min_intensity": 64.0,
-                 "attention": {"flash": [0.0, 0.0]}, "attention_kernel": "efficient"},
+    # Volta has no FlashAttention kernels: SDPA runs the memory-efficient one
+    "V100 SXM": {"matmul_peak_fraction": 0.80, "matmul_min_intensity": 64.0, "attention_kernel": "efficient"},
     # Hopper: PyTorch SDPA runs FlashAttention-2's kernels (not FA3): ~350-400 TF/s forward of
     # 989 (FA3 paper, Shah et al. 2024, Fig. 5 FA2 baselines), backward ~300; cuDNN 9's
     # Hopper kernels ~550-650 forward (FA3 paper's cuDNN baseline; cuDNN release notes).
@@ -249,7 +249,7 @@ def attention_seconds(b: int, hq: int, sq: int, sk: int, d: int, dv: int, causal
     flops = 2.0 * b * hq * sq * sk * (d + dv) * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
     s = min(sq, sk) if sq > 1 else sk
     frac = (bwd if backward else fwd) * s / (s + float(eff["attention_seq_half"]))
-    frac *= min(1.0, d / 128.0) ** 0.3
+    frac = max(frac * min(1.0, d / 128.0) ** 0.3, 1e-6)
     compute = flops / (_peak(gpu, dtype, eff) * frac)
     elt = DTYPE_BYTES.get(dtype, 2)
     io = elt * b * (hq * sq * (d + dv) + 2 * hq * sk * d) * (2.5 if backward else 1.0)
