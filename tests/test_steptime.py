@@ -240,3 +240,20 @@ def test_net_finding_uses_the_comm_model():
     assert t == pytest.approx(0.875e9 / 45e9, rel=0.01)
     (f,) = check_comm_time([rec], {"gpu": "h100"})
     assert f.rule == "TL-NET-001" and "19." in f.message and "exposed" in f.message
+
+
+def test_accumulation_counts_gathers_per_micro_batch_and_the_sync_once():
+    from torchledger.analyzers.steptime import predict_step_time
+    part = get_gpu("h100")
+    rec = _record()
+    rec.collectives = [
+        {"op": "all_gather", "phase": "forward", "module": "b0", "count": 1, "bytes": 10 ** 8,
+         "algo_bytes": 8 * 10 ** 8, "group_size": 8, "group_span": 8},
+        {"op": "reduce_scatter", "phase": "backward", "module": "b0", "count": 1, "bytes": 8 * 10 ** 8,
+         "algo_bytes": 8 * 10 ** 8, "group_size": 8, "group_span": 8}]
+    one = predict_step_time(rec, part)
+    ag = st.collective_seconds("all_gather", 8e8, 8, 8, part)[0]
+    rs = st.collective_seconds("reduce_scatter", 8e8, 8, 8, part)[0]
+    assert one["comm_seconds"] == pytest.approx(ag + rs)
+    four = predict_step_time(rec, part, {"micro_batches": 4})
+    assert four["comm_seconds"] == pytest.approx(4 * ag + rs)      # 4 gathers, one reduce-scatter

@@ -250,6 +250,11 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         else:
             exposed_serial[group] += secs
 
+    # per step: gathers and TP collectives run in every micro-batch, gradient reductions in the
+    # last only, the optimizer's once
+    once = sum(post.values()) + tail_comm + sum(spread) + exposed_serial["after"]
+    comm_step = micro * (comm_total - once) + once
+
     def unit_time(group, unit):
         """Compute of ``unit`` in ``group`` without the units nested in it."""
         own = 0.0
@@ -347,7 +352,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
         "tokens_per_s_per_gpu": tok_rate, "mfu": mfu, "hfu": hfu,
         "by_phase": phases, "by_kind": by_kind,
-        "comm_seconds": comm_total * 1.0, "comm_exposed_seconds": exposed, "bubble_seconds": bubble,
+        "comm_seconds": comm_step, "comm_exposed_seconds": exposed, "bubble_seconds": bubble,
         "matmul_fraction_of_peak": mm_frac, "compiled": compiled,
         "fusable_seconds": fusable,
         "assumptions": assumptions,
