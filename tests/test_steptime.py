@@ -257,3 +257,15 @@ def test_accumulation_counts_gathers_per_micro_batch_and_the_sync_once():
     assert one["comm_seconds"] == pytest.approx(ag + rs)
     four = predict_step_time(rec, part, {"micro_batches": 4})
     assert four["comm_seconds"] == pytest.approx(4 * ag + rs)      # 4 gathers, one reduce-scatter
+
+
+def test_a_real_cuda_step_shows_predicted_beside_measured():
+    from torchledger.analyzers.steptime import attach_step_time
+    from torchledger.render.steptime import step_time_lines
+    rec = _record()
+    rec.meta["device"] = "cuda:0"
+    rec.totals["step_seconds"] = 0.012
+    p = attach_step_time(rec, "h100")
+    assert p["measured_seconds"] == 0.012
+    assert p["predicted_over_measured"] == pytest.approx(p["seconds"] / 0.012)
+    assert any("measured 12.0 ms: predicted / measured" in line for line in step_time_lines(rec))
