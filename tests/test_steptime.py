@@ -269,3 +269,15 @@ def test_a_real_cuda_step_shows_predicted_beside_measured():
     assert p["measured_seconds"] == 0.012
     assert p["predicted_over_measured"] == pytest.approx(p["seconds"] / 0.012)
     assert any("measured 12.0 ms: predicted / measured" in line for line in step_time_lines(rec))
+
+
+def test_a_part_without_the_steps_dtype_says_so():
+    from torchledger.analyzers.steptime import predict_into
+    rec = _record()
+    rec.meta["dtype"] = "float32"
+    rec.ops.append({"op": "aten.mm.default", "phase": "forward", "module": "b0", "kind": "matmul", "count": 1,
+                    "flops": 2 * 64 ** 3, "shapes": [{"mnk": [1, 64, 64, 64], "dtype": "fp32", "count": 1,
+                                                      "flops": 2 * 64 ** 3}]})
+    predict_into(rec, "b200")          # the B200 row gives no fp32 figure: never another column's
+    assert "step_time" not in rec.predictions
+    assert any("B200 SXM has no fp32 peak" in w for w in rec.warnings)

@@ -178,12 +178,12 @@ def peak_dtype(dtype: str, eff: Mapping) -> str:
 def _peak(gpu, dtype: str, eff: Mapping) -> float:
     col = peak_dtype(dtype, eff)
     peak = gpu.peak_flops.get(col)
-    if not peak and col != "fp32":      # no figure for the column: the part's 16-bit one
+    if not peak and col in ("bf16", "fp16", "fp8"):     # no figure for the column: its 16-bit one
         peak = gpu.peak_flops.get("bf16") or gpu.peak_flops.get("fp16")
     if not peak:
-        peak = max((v for v in gpu.peak_flops.values() if v), default=0)
-    if not peak:
-        raise ValueError(f"{gpu.name} has no peak FLOP/s in the hardware table")
+        from .hardware import HARDWARE_ENV
+        raise ValueError(f"{gpu.name} has no {col} peak in the hardware table (the step's matmuls are {dtype}); "
+                         f"give one in ${HARDWARE_ENV} ({{\"{gpu.name}\": {{\"peak_flops\": {{\"{col}\": ...}}}}}})")
     return float(peak)
 
 
@@ -201,7 +201,8 @@ def matmul_fraction(m: int, n: int, k: int, batch: int, dtype: str, gpu, eff: Op
     per_sm = peak / sms
     elt = DTYPE_BYTES.get(dtype, 4)
     # the feed bandwidth is the part's: a slower column (fp32 SIMT) needs proportionally less
-    need = float(eff["matmul_min_intensity"]) * peak / (_peak(gpu, "bf16", eff) * float(eff["matmul_peak_fraction"]))
+    top = gpu.peak_flops.get("bf16") or gpu.peak_flops.get("fp16")
+    need = float(eff["matmul_min_intensity"]) * (peak / (top * float(eff["matmul_peak_fraction"])) if top else 1.0)
     for tm, tn in eff["matmul_tiles"]:
         # skinny shapes run small-tile variants (cuBLAS's gemv-like and 16/32-row kernels):
         # a tile side shrinks to the next power of two >= the dimension, never under 16
