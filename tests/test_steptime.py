@@ -281,3 +281,19 @@ def test_a_part_without_the_steps_dtype_says_so():
     predict_into(rec, "b200")          # the B200 row gives no fp32 figure: never another column's
     assert "step_time" not in rec.predictions
     assert any("B200 SXM has no fp32 peak" in w for w in rec.warnings)
+
+
+def test_pipeline_bubble_from_the_record():
+    from torchledger.analyzers.steptime import predict_step_time
+    rec = _record()
+    part = get_gpu("h100")
+    flat = predict_step_time(rec, part)["seconds"]
+    # 4 stages, 8 micro-batches, 1F1B: (p - 1) / (v m) = 3/8 of the compute on top
+    rec.totals["pipeline"] = {"stages": 4, "micro_batches": 8, "schedule": "1f1b"}
+    p = predict_step_time(rec, part)
+    assert p["bubble_seconds"] == pytest.approx(3 / 8 * flat)
+    assert p["seconds"] == pytest.approx(flat * 11 / 8)
+    rec.totals["pipeline"]["virtual_stages"] = 3                  # interleaved: 3/24
+    assert predict_step_time(rec, part)["bubble_seconds"] == pytest.approx(3 / 24 * flat)
+    rec.totals["pipeline"]["schedule"] = "zero-bubble"
+    assert predict_step_time(rec, part)["bubble_seconds"] == 0

@@ -23,8 +23,11 @@ framework schedules them:
 * recomputation (activation checkpointing) is a phase of the trace: it costs its time inside
   the backward of its unit;
 * a pipeline bubble when the record says the step is pipelined (``totals.pipeline``:
-  ``stages`` p, ``micro_batches`` m, ``virtual_stages`` v, ``schedule``): (p-1)/(v m) of the
-  compute for 1F1B/interleaved/GPipe, none for zero-bubble; else 0.
+  ``stages`` p, ``micro_batches`` m, ``virtual_stages`` v, ``schedule``, and
+  ``bubble_fraction`` when the audit computed it): that fraction, else (p-1)/(v m), of the
+  compute for 1F1B/interleaved/GPipe, none for zero-bubble; else 0. A pipelined record (the
+  layouts issue's composed stage) already holds all m micro-batches of the bounding stage, so
+  its m is not applied again.
 
 The result is ``predictions.step_time`` (INTERFACE.md "Predicted step time"), with
 ``modules[].predicted_seconds`` (inclusive, compute only, x M) and
@@ -302,6 +305,8 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         v = max(int(pipe.get("virtual_stages") or 1), 1)
         sched = str(pipe.get("schedule") or "1f1b")
         frac = 0.0 if "zero" in sched else (p - 1) / (v * m)
+        if isinstance(pipe.get("bubble_fraction"), (int, float)):   # the layouts issue's own figure
+            frac = float(pipe["bubble_fraction"])
         bubble = frac * micro * (fwd_total + bwd_total)
         seconds += bubble
         assumptions.append(f"pipeline {p} stages, {m} micro-batches, {sched}: bubble (p-1)/(v m) = {frac:.3f} "
