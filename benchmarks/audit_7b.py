@@ -65,7 +65,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--example", default=os.path.join(ROOT, "examples", "hf_llama2_7b.py"))
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--gpu", default=None,
+                    help="also run the audit with --gpu GPU (predicted step time) and report what the "
+                         "prediction adds: the wall-time difference, and the prediction alone timed in "
+                         "process (CPU time) on the audit's record")
     args = ap.parse_args()
+    if args.gpu:
+        return predict_cost(args)
     audit_cmd = [sys.executable, "-m", "torchledger", "audit", args.example, "--steps", "1",
                  "--format", "json"]
     floor_cmd = [sys.executable, "-c", FLOOR, args.example, ROOT]
@@ -98,6 +104,36 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+
+
+def predict_cost(args):
+    """What ``--gpu`` (the predicted step time) adds to an audit: interleaved runs with and
+    without it (wall, noisy on a shared host), and ``attach_step_time`` alone on the record
+    (CPU time of this process, best of 5)."""
+    sys.path.insert(0, ROOT)
+    from torchledger.analyzers.steptime import attach_step_time
+    from torchledger.record import StepRecord
+    base = [sys.executable, "-m", "torchledger", "audit", args.example, "--steps", "1", "--format", "json"]
+    plain, with_gpu, record = [], [], None
+    for _ in range(args.repeats):
+        wall, _, r = run_child(base)
+        plain.append(wall)
+        wall, _, r = run_child(base + ["--gpu", args.gpu])
+        if r.returncode not in (0, 1):
+            sys.exit(f"audit failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+        with_gpu.append(wall)
+        record = r.stdout
+    rec = StepRecord.from_json(record)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.process_time()
+        attach_step_time(rec, args.gpu)
+        best = min(best, time.process_time() - t0)
+    a, b = statistics.median(plain), statistics.median(with_gpu)
+    print(f"audit {os.path.basename(args.example)}: median {a:.2f} s without --gpu, {b:.2f} s with --gpu "
+          f"{args.gpu} ({100 * (b - a) / a:+.1f}%, {len(plain)} interleaved runs each)")
+    print(f"prediction alone (attach_step_time on the record, {len(rec.ops)} op rows, "
+          f"{len(rec.collectives or [])} collective rows): {best * 1e3:.1f} ms CPU = {100 * best / a:.1f}% of the audit")
 
 
 if __name__ == "__main__":

@@ -398,11 +398,13 @@ def test_gpu_fit_speaks_of_each_rank(fsdp8):
 
 
 def test_mfu_option_reaches_the_net_finding(tmp_path):
-    """``--mfu`` end to end: TL-NET-001's compute time is the step's FLOPs at the user's MFU of
-    the part's bf16 peak, not at the 0.4 default."""
+    """``--mfu`` end to end: with ``--link-bandwidth`` (TL-NET-001's bandwidth form; ``--gpu``
+    alone uses the predicted step time) the compute time is the step's FLOPs at the user's MFU
+    of the part's bf16 peak, not at the 0.4 default."""
     from torchledger.formulas.hardware import get_gpu
     path = write(tmp_path, TINY)
-    data = audit_json(path, "--world-size", "8", "--gpu", "h100", "--mfu", "0.25")
+    data = audit_json(path, "--world-size", "8", "--gpu", "h100", "--link-bandwidth", "100GB/s",
+                      "--mfu", "0.25")
     (f,) = [f for f in data["findings"] if f["rule"] == "TL-NET-001"]
     flops = data["totals"]["flops"]["total"]
     peak = get_gpu("h100").peak_flops["bf16"]
@@ -426,3 +428,10 @@ def test_net_finding_shows_small_times_in_their_unit():
     # at H100's 400 GB/s across 8 nodes: 189,000 / 4e11 = 472.5 ns
     (f,) = check_comm_time([_comm_record(63_000, 126_000, 16_000_000, 64)], {"gpu": "H100"})
     assert "take 472 ns at 400 GB/s" in f.message, f.message
+
+
+def test_fsdp_world_8_optimizer_reads_the_shards(fsdp8):
+    # AdamW's exp_avg.lerp_(grad, 1 - beta1) reads exp_avg and the grad, both DTensor shards:
+    # 2 x 83,104 B over the 21 tensors (the global tensors' bytes would be 8x that)
+    (row,) = [o for o in fsdp8[0]["ops"] if o["op"] == "aten.lerp_.Scalar" and o["phase"] == "optimizer"]
+    assert row["bytes_read"] == 2 * FSDP8_LOCAL * 4

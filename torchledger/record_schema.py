@@ -195,7 +195,15 @@ TOTALS = _Obj({
 COMPARISON = _Obj({"quantity": STR, "measured": _Null(REAL), "predicted": _Null(REAL),
                    "ratio": _Null(REAL), "explanation": OPT_STR, "unit": OPT_STR},
                   required=("quantity", "measured", "predicted"))
-PREDICTIONS = _Obj({"comparisons": _List(COMPARISON)},
+# audit --gpu: predictions.step_time (analyzers/steptime.py)
+STEP_TIME = _Obj({"gpu": STR, "seconds": NONNEG, "micro_batches": COUNT,
+                  **{k: _Null(NONNEG) for k in ("tokens_per_s_per_gpu", "mfu", "hfu", "measured_seconds",
+                                                "predicted_over_measured", "matmul_fraction_of_peak")},
+                  **{k: NONNEG for k in ("comm_seconds", "comm_exposed_seconds", "bubble_seconds",
+                                         "fusable_seconds")},
+                  "by_phase": _Obj(other=NONNEG), "by_kind": _Obj(other=NONNEG), "bound": STR,
+                  "assumptions": _List(STR)}, required=("gpu", "seconds"))
+PREDICTIONS = _Obj({"comparisons": _List(COMPARISON), "step_time": STEP_TIME},
                    other=_Either(_Null(REAL), _Obj(), _List(ANY),
                                  describe="a number, null, an object or a list"))
 
@@ -203,16 +211,19 @@ MODULE = _Obj({
     "name": STR, "type": STR, "depth": _Count(0, MAX_MODULE_DEPTH), "flops_share": NONNEG,
     **{k: COUNT for k in ("params", "flops_forward", "flops_backward", "flops_recompute", "flops_self",
                           "activation_bytes", "copy_bytes", "copies", "calls", "peak_bytes")},
+    "predicted_seconds": NONNEG,
 }, required=("name",))
 OP = _Obj({"op": STR, "phase": STR, "module": OPT_STR, "kind": STR,
-           **{k: COUNT for k in ("count", "flops", "flops_causal", "bytes_read", "bytes_written")}})
+           **{k: COUNT for k in ("count", "flops", "flops_causal", "bytes_read", "bytes_written",
+                                 "fused_bytes", "fused_kernels")}})
 UNCOUNTED = _Obj({"op": STR, "count": COUNT, "phases": _List(STR), "modules": _List(OPT_STR)},
                  required=("op", "count"))
 COPY = _Obj({"op": STR, "module": OPT_STR, "phase": STR, "location": OPT_STR, "reason": STR,
              "count": COUNT, "bytes": COUNT})
 COLLECTIVE = _Obj({"op": STR, "phase": STR, "module": OPT_STR, "location": OPT_STR,
                    **{k: COUNT for k in ("bytes", "group_size", "count", "bytes_received", "algo_bytes",
-                                         "bus_bytes", "group_span")}},
+                                         "bus_bytes", "group_span")},
+                   "predicted_seconds": NONNEG, "predicted_algorithm": STR},
                   required=("op", "bytes", "count"))
 FINDING = _Obj({"rule": STR, "severity": _Str(("error", "warning", "info")), "message": STR,
                 "module": OPT_STR, "location": OPT_STR, "hint": OPT_STR},

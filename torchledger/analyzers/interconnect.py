@@ -26,6 +26,12 @@ a lower bound. Override with ``--link-bandwidth 360GB/s`` (a figure measured wit
     >>> comm_seconds(450e9, 450e9)
     1.0
 
+With ``audit --gpu`` the record carries ``predictions.step_time`` and TL-NET-001 reads it
+instead (``analyzers.steptime.comm_finding``): each collective timed by NCCL's alpha-beta model
+on the link its group spans, groups that run at once sharing a node's NICs, and the part that
+stays exposed after FSDP/DDP overlap. What follows is the form without a prediction (or with
+``--link-bandwidth``).
+
 Known limitations:
   - one bandwidth for the whole step: in a 2-D mesh (TP inside a node, FSDP across nodes)
     the TP collectives run on NVLink, faster than the inter-node figure used for them here;
@@ -96,6 +102,10 @@ def check_comm_time(records, options=None) -> list:
     total, phases, kind = step_bus_bytes(rec)
     if not total:
         return []                          # not distributed, or collectives not counted
+    predicted = (rec.predictions or {}).get("step_time")
+    if isinstance(predicted, dict) and not opts.get("link_bandwidth"):   # audit --gpu: the comm model
+        from .steptime import comm_finding
+        return comm_finding(rec, predicted, total, kind)
     world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
     gpu = None
     if opts.get("gpu"):

@@ -129,6 +129,8 @@ def _with_timing(out: dict, opts: dict) -> dict:
 
 def check_mfu(records, options=None) -> list:
     opts = options or {}
+    if records and _predicted(records[-1]) is not None and not _timed(records[-1]):
+        return _check_predicted(records[-1], opts)
     if not records or not opts.get("peak_flops"):
         return []
     rec = records[-1]
@@ -150,4 +152,34 @@ def check_mfu(records, options=None) -> list:
                         measured=m, expected=floor,
                         hint="small matrices, element-wise overhead or data loading; larger batch or "
                              "width, fused kernels, torch.compile")]
+    return []
+
+
+def _predicted(rec):
+    p = (rec.predictions or {}).get("step_time")
+    return p if isinstance(p, dict) and isinstance(p.get("mfu"), (int, float)) else None
+
+
+def _timed(rec) -> bool:
+    """A real step time to measure MFU with (not a fake or meta step)."""
+    return bool(rec.totals.get("step_seconds")) and not str(rec.meta.get("device", "")).startswith(("fake", "meta"))
+
+
+def _check_predicted(rec, opts) -> list:
+    """TL-MFU-001/002 on the predicted MFU (``audit --gpu`` on fake tensors): CI sees a change
+    that makes the step slower on the part before any GPU runs it."""
+    p = _predicted(rec)
+    m, h = p["mfu"], p.get("hfu")
+    floor = float(opts.get("min_mfu", 0.3))
+    where = f"predicted on {p.get('gpu')} ({p.get('seconds', 0) * 1e3:,.1f} ms per step)"
+    if m > 1.0:
+        return [Finding("TL-MFU-002", "warning", f"predicted MFU {fmt_mfu(m)} is above 1, {where}: a FLOP "
+                        f"miscount", measured=m, expected=1.0)]
+    if m < floor:
+        return [Finding("TL-MFU-001", "warning",
+                        f"predicted MFU {fmt_mfu(m)} (HFU {fmt_mfu(h) if h is not None else '-'}) {where}, below "
+                        f"{fmt_mfu(floor)}: {p.get('bound', '')}",
+                        measured=m, expected=floor,
+                        hint="small matrices, element-wise overhead or exposed communication; larger batch or "
+                             "width, fused kernels (--compiled / torch.compile), more overlap")]
     return []

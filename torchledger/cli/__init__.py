@@ -23,6 +23,7 @@ COMMANDS = {
     "report": "torchledger.cli.audit:report",
     "lint": "torchledger.cli.lint:lint",
     "snapshot": "torchledger.cli.snapshot:snapshot",
+    "calibrate": "torchledger.cli.calibrate:calibrate",
 }
 
 

@@ -156,10 +156,14 @@ def _exit_code(findings, fail_on: str) -> int:
               help="Bus bandwidth per rank for the communication time (default: --gpu's NVLink, or its "
                    "node's InfiniBand when the world spans nodes); B is bytes, b bits (400Gb/s = 50 GB/s).")
 @click.option("--mfu", type=FRACTION, default=None,
-              help="MFU assumed for the compute time beside the communication time [default: 0.4].")
+              help="MFU assumed for the compute time beside the communication time of --link-bandwidth "
+                   "(with --gpu alone the predicted step time is used) [default: 0.4].")
 @click.option("--depth", type=POS_INT, default=2, show_default=True, help="Module depth in the tables.")
 @click.option("--memory-snapshot", type=click.Path(dir_okay=False), default=None,
               help="CUDA only: write the allocator snapshot of the last step (opens in PyTorch's memory_viz).")
+@click.option("--compiled", is_flag=True, default=False,
+              help="With --gpu: predict the step as torch.compile runs it (elementwise chains between "
+                   "matmuls fused: one read and one write per chain).")
 @click.option("--ignore", "ignore", multiple=True, metavar="RULE",
               help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
                    "the report counts them and they do not fail --fail-on.")
@@ -167,7 +171,7 @@ def _exit_code(findings, fail_on: str) -> int:
               help="cpu/cuda: untraced steps timed for MFU, after one untimed warm-up step; 0 times none "
                    "[default: 3 to 20, until they add up to 0.5 s].")
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
-          link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps):
+          link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
 
@@ -207,13 +211,15 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         from ..tracer.peak import measure_matmul_peak
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
     findings = _findings(run, settings, peak, peak_source, gpu,
-                         {"link_bandwidth": link_bandwidth, "assumed_mfu": mfu})
+                         {"link_bandwidth": link_bandwidth, "assumed_mfu": mfu, "compiled": compiled or None})
     rec = run.record
     findings += check_budgets(rec, settings)
     if base is not None:
         more, rows = compare_baseline(rec, base, settings.get("baseline_tolerance", 0.01))
         findings += more
         rec.meta["baseline_diff"] = rows
+        from ..analyzers.steptime import compare_step_time      # predicted step time (--gpu)
+        findings += compare_step_time(rec, base, settings.get("baseline_tolerance", 0.01))
     findings, suppressed = suppress(findings, ignore)
     if ignore:
         rec.meta["suppressed"] = {"ignore": ignore, "count": len(suppressed),
@@ -269,6 +275,9 @@ def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
         options["gpu"] = gpu                    # TL-MEM-002: does the peak fit in its memory?
     if peak:
         options.update(peak_flops=peak, peak_source=peak_source)
+    if gpu:                                     # predictions.step_time on that part
+        from ..analyzers.steptime import predict_into
+        predict_into(run.record, gpu, options)
     options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:

@@ -1,9 +1,16 @@
 """Accelerator specs for the closed forms: memory, bandwidth, dense peak FLOP/s per dtype.
 
-The built-in table is ACCOUNTING.md section 4 (SXM parts, dense math, no sparsity).
-Units: memory in bytes with GB = 1e9 (vendor units), bandwidth in bytes/s, peaks in FLOP/s.
-A dtype the part has no tensor-core figure for is ``None`` (the V100 has no bf16, the
-B200 row gives no fp32/tf32).
+The built-in table is ACCOUNTING.md section 4 plus the parts of issue 23 (dense math only:
+a datasheet's "with sparsity" figure is twice the dense one and is never used here; every
+row says where its figures come from in ``GPUSpec.sources``). Units: memory in bytes with
+GB = 1e9 (vendor units), bandwidth in bytes/s, peaks in FLOP/s. A dtype the part has no
+tensor-core figure for is ``None`` (the V100 has no bf16, the B200 row gives no fp32/tf32).
+
+Beyond the datasheet figures a part carries what the step-time model
+(:mod:`torchledger.formulas.steptime`) needs: SM count, NVLink per GPU and NIC bandwidth
+per NIC (both one direction), GPUs and NICs per node, and ``efficiency``, the kernel
+efficiency parameters (their defaults and sources are in ``steptime.DEFAULT_EFFICIENCY``;
+``torchledger calibrate`` fits them from measured records).
 
     >>> get_gpu("H100-SXM").peak("bf16")
     989500000000000.0
@@ -12,19 +19,25 @@ Users add or override parts with :func:`register_gpu`, or with a JSON file named
 environment variable ``TORCHLEDGER_HARDWARE``::
 
     {"L40S": {"memory": "48GB", "bandwidth": "864GB/s",
-              "peak_flops": {"bf16": "362T", "fp8": "733T"}, "aliases": ["l40s-pcie"]}}
+              "peak_flops": {"bf16": "362T", "fp8": "733T"}, "aliases": ["l40s-pcie"]},
+     "H100 SXM": {"efficiency": {"matmul_peak_fraction": 0.74}, "nic": "50GB/s"}}
+
+A row naming a known part may give only the fields it changes (``calibrate`` writes such
+rows); a new part needs ``memory``, ``bandwidth`` and ``peak_flops``.
 
 Known limitations:
   - peaks are the vendors' dense numbers; sustained clocks and power caps are not modelled.
   - one entry per part name: PCIe and SXM variants need separate names.
+  - the network figures describe the vendor's reference node (DGX/HGX, one NIC per GPU);
+    a cluster with fewer NICs per node should say so in ``TORCHLEDGER_HARDWARE``.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional
 
 from .. import units
 
@@ -55,6 +68,21 @@ class GPUSpec:
     """Dense peak FLOP/s per dtype in :data:`DTYPES`; ``None`` where the part has none."""
     aliases: tuple = ()
     """Extra names it is found by (matched after normalisation, see :func:`get_gpu`)."""
+    sm_count: Optional[int] = None
+    """Streaming multiprocessors (AMD: compute units): what a matmul's tiles are spread over."""
+    nvlink_bytes_per_s: Optional[float] = None
+    """GPU-to-GPU bandwidth inside a node, per GPU, one direction (NVLink, Infinity Fabric;
+    PCIe where the part has no such link). Vendors quote both directions: half of it."""
+    nic_bytes_per_s: Optional[float] = None
+    """One NIC's bandwidth, one direction (NDR InfiniBand 400 Gb/s = 50 GB/s)."""
+    nics_per_node: int = 8
+    """NICs in the reference node (DGX/HGX: one per GPU)."""
+    gpus_per_node: int = 8
+    """GPUs in the reference node."""
+    efficiency: Mapping[str, Any] = field(default_factory=dict)
+    """Kernel efficiency parameters that differ from ``steptime.DEFAULT_EFFICIENCY``."""
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Where each figure comes from: ``{"peak_flops": "...", "nic": "...", ...}``."""
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; ``ValueError`` naming the dtypes it has otherwise."""
@@ -69,22 +97,67 @@ class GPUSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "memory_bytes": self.memory_bytes,
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-                "peak_flops": {d: self.peak_flops.get(d) for d in DTYPES}}
+                "peak_flops": {d: self.peak_flops.get(d) for d in DTYPES},
+                "sm_count": self.sm_count, "nvlink_bytes_per_s": self.nvlink_bytes_per_s,
+                "nic_bytes_per_s": self.nic_bytes_per_s, "nics_per_node": self.nics_per_node,
+                "gpus_per_node": self.gpus_per_node, "efficiency": dict(self.efficiency),
+                "sources": dict(self.sources)}
 
 
-def _spec(name, mem_gb, bw_tb, fp32, tf32, bf16, fp16, fp8, aliases=()):
+def _spec(name, mem_gb, bw_tb, fp32, tf32, bf16, fp16, fp8, aliases=(), sms=None, nvlink_gb=None,
+          nic_gb=None, nics=8, gpus=8, efficiency=None, **sources):
     peaks = {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16, "fp8": fp8}
     return GPUSpec(name, mem_gb * 1e9, bw_tb * 1e12,
                    {k: (v * _TF if v is not None else None) for k, v in peaks.items()},
-                   tuple(aliases))
+                   tuple(aliases), sms, nvlink_gb * 1e9 if nvlink_gb else None,
+                   nic_gb * 1e9 if nic_gb else None, nics, gpus, dict(efficiency or {}), sources)
 
 
+# Peaks: the vendors' dense tensor-core figures (datasheets give "X | 2X with sparsity": X).
+# fp32 is the non-tensor-core figure (MI300X: its matrix fp32). NVLink: the datasheet's
+# bidirectional GPU figure / 2. NIC: the reference system's ConnectX per GPU, one direction
+# (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s). PCIe parts: PCIe one direction (Gen4 x16
+# 32 GB/s, Gen5 x16 64 GB/s) between GPUs, and one 400 Gb/s NIC per GPU assumed.
 _BUILTIN = [
-    _spec("V100 SXM", 32, 0.9, 15.7, None, None, 125, None, ["v100-32gb", "tesla-v100"]),
-    _spec("A100 SXM", 80, 2.0, 19.5, 156, 312, 312, None, ["a100-80gb"]),
-    _spec("H100 SXM", 80, 3.35, 67, 495, 989.5, 989.5, 1979, ["h100-80gb"]),
-    _spec("H200 SXM", 141, 4.8, 67, 495, 989.5, 989.5, 1979, ["h200-141gb"]),
-    _spec("B200 SXM", 192, 8.0, None, None, 2250, 2250, 4500, ["b200-192gb"]),
+    _spec("V100 SXM", 32, 0.9, 15.7, None, None, 125, None, ["v100-32gb", "tesla-v100"], 80, 150, 12.5,
+          4, 8, peaks="NVIDIA V100 datasheet (SXM2: 125 TF tensor, 15.7 TF fp32, 900 GB/s)",
+          network="NVLink 2: 300 GB/s bidirectional; DGX-1: 4 x EDR 100 Gb/s per 8 GPUs"),
+    _spec("A100 SXM", 80, 2.039, 19.5, 156, 312, 312, None, ["a100-80gb", "a100"], 108, 300, 25,
+          peaks="NVIDIA A100 datasheet (80GB SXM: 312 TF bf16 dense, 624 sparse; 2,039 GB/s)",
+          network="NVLink 3: 600 GB/s bidirectional; DGX A100: 8 x HDR 200 Gb/s ConnectX-6"),
+    _spec("A100 40GB SXM", 40, 1.555, 19.5, 156, 312, 312, None, ["a100-40gb", "a100-sxm-40gb"], 108,
+          300, 25, peaks="NVIDIA A100 datasheet (40GB SXM: 312 TF bf16 dense, 1,555 GB/s)",
+          network="NVLink 3: 600 GB/s bidirectional; DGX A100 (40GB): 8 x HDR 200 Gb/s"),
+    _spec("H100 SXM", 80, 3.35, 67, 494.7, 989.5, 989.5, 1979, ["h100-80gb", "h100", "h100-80gb-hbm3"], 132, 450, 50,
+          peaks="NVIDIA H100 datasheet (SXM: 989 TF bf16 dense, 1,979 with sparsity; 3.35 TB/s)",
+          network="NVLink 4: 900 GB/s bidirectional; DGX H100: 8 x NDR 400 Gb/s ConnectX-7"),
+    _spec("H100 PCIe", 80, 2.0, 51, 378, 756, 756, 1513, ["h100-pcie-80gb"], 114, 64, 50,
+          peaks="NVIDIA H100 datasheet (PCIe: 756 TF bf16 dense, 1,513 with sparsity; 2 TB/s)",
+          network="PCIe Gen5 x16 (64 GB/s one direction; NVLink bridges join pairs only, not "
+                  "modelled); one NDR 400 Gb/s NIC per GPU assumed"),
+    _spec("H100 NVL", 94, 3.9, 60, 417.5, 835, 835, 1671, ["h100-nvl-94gb"], 132, 64, 50,
+          peaks="NVIDIA H100 NVL datasheet (835 TF bf16 dense, 1,671 with sparsity; 3.9 TB/s, 94 GB)",
+          network="PCIe Gen5 x16 (64 GB/s; the 600 GB/s NVLink bridge joins pairs only, not "
+                  "modelled); one NDR 400 Gb/s NIC per GPU assumed"),
+    _spec("H200 SXM", 141, 4.8, 67, 494.7, 989.5, 989.5, 1979, ["h200-141gb", "h200"], 132, 450, 50,
+          peaks="NVIDIA H200 datasheet (SXM: 989 TF bf16 dense; 4.8 TB/s, 141 GB)",
+          network="NVLink 4: 900 GB/s bidirectional; DGX H200: 8 x NDR 400 Gb/s ConnectX-7"),
+    _spec("B200 SXM", 192, 8.0, None, None, 2250, 2250, 4500, ["b200-192gb", "b200"], 148, 900, 50,
+          peaks="NVIDIA DGX B200 datasheet (per GPU: 2.25 PF bf16 dense, 4.5 PF fp8 dense; 8 TB/s)",
+          network="NVLink 5: 1.8 TB/s bidirectional; DGX B200: 8 x NDR 400 Gb/s ConnectX-7"),
+    _spec("MI300X", 192, 5.3, 163.4, 653.7, 1307.4, 1307.4, 2614.9, ["instinct-mi300x", "amd-mi300x"],
+          304, 448, 50,
+          efficiency={"launch_s": 8e-6},
+          peaks="AMD Instinct MI300X datasheet (1,307.4 TF bf16 dense, 2,614.9 with sparsity; "
+                "163.4 TF fp32 matrix; 5.3 TB/s, 192 GB; 304 CUs)",
+          network="Infinity Fabric: 7 links x 64 GB/s one direction = 448 GB/s per GPU; "
+                  "8 x 400 Gb/s NICs per platform"),
+    _spec("L4", 24, 0.3, 30.3, 60, 121, 121, 242.5, ["nvidia-l4", "l4-24gb"], 58, 32, 50,
+          peaks="NVIDIA L4 datasheet (121 TF bf16 dense, 242 with sparsity; 300 GB/s, 24 GB)",
+          network="PCIe Gen4 x16 (32 GB/s one direction), no NVLink; one 400 Gb/s NIC per GPU assumed"),
+    _spec("L40S", 48, 0.864, 91.6, 183, 362.05, 362.05, 733, ["l40s-48gb"], 142, 32, 50,
+          peaks="NVIDIA L40S datasheet (362.05 TF bf16 dense, 733 with sparsity; 864 GB/s, 48 GB)",
+          network="PCIe Gen4 x16 (32 GB/s one direction), no NVLink; one 400 Gb/s NIC per GPU assumed"),
 ]
 
 _REGISTRY: dict = {}
@@ -94,21 +167,58 @@ _ENV_LOADED: Optional[str] = None
 def _key(name: str) -> str:
     """'NVIDIA H100-SXM5' -> 'h100': lower case, no punctuation, no vendor or form factor."""
     k = re.sub(r"[^a-z0-9]", "", str(name).lower())
-    k = re.sub(r"^(nvidia|tesla)", "", k)
-    return re.sub(r"sxm[0-9]?$", "", k) or k
+    k = re.sub(r"^(nvidia|tesla|amd|instinct)+", "", k)
+    return re.sub(r"sxm[0-9]?", "", k) or k
 
 
-def register_gpu(name: str, memory, bandwidth, peak_flops: Mapping, aliases=()) -> GPUSpec:
+def register_gpu(name: str, memory=None, bandwidth=None, peak_flops: Optional[Mapping] = None,
+                 aliases=(), **extra) -> GPUSpec:
     """Add or replace a part. Sizes may be numbers or strings (``'80GB'``, ``'3.35TB/s'``,
-    ``'989.5T'``). Returns the stored :class:`GPUSpec`; later lookups find it by any alias.
+    ``'989.5T'``). A known part may be given in part (only the fields that change, e.g.
+    ``register_gpu("h100", efficiency={"matmul_peak_fraction": 0.7})``); a new one needs
+    ``memory``, ``bandwidth`` and ``peak_flops``. ``extra``: ``sm_count``, ``nvlink``,
+    ``nic`` (bandwidths), ``nics_per_node``, ``gpus_per_node``, ``efficiency``, ``sources``.
+    Returns the stored :class:`GPUSpec`; later lookups find it by any alias.
     """
-    peaks = {normalize_dtype(k): (units.parse_flops(v) if v is not None else None)
-             for k, v in dict(peak_flops).items()}
-    bw = bandwidth.rstrip("/sS") if isinstance(bandwidth, str) else bandwidth
-    spec = GPUSpec(str(name), units.parse_bytes(memory), units.parse_bytes(bw), peaks,
-                   tuple(aliases))
+    _ensure_builtin()
+    base = _REGISTRY.get(_key(name))
+    if base is None and (memory is None or bandwidth is None or peak_flops is None):
+        raise ValueError(f"{name!r} is not a known part: give memory, bandwidth and peak_flops")
+    unknown = set(extra) - {"sm_count", "nvlink", "nic", "nics_per_node", "gpus_per_node",
+                            "efficiency", "sources"}
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))} for {name!r}")
+    fields = {}
+    if memory is not None:
+        fields["memory_bytes"] = units.parse_bytes(memory)
+    if bandwidth is not None:
+        fields["bandwidth_bytes_per_s"] = _rate(bandwidth)
+    if peak_flops is not None:
+        peaks = dict(base.peak_flops) if base is not None else {}
+        peaks.update({normalize_dtype(k): (units.parse_flops(v) if v is not None else None)
+                      for k, v in dict(peak_flops).items()})
+        fields["peak_flops"] = peaks
+    for key, attr in (("nvlink", "nvlink_bytes_per_s"), ("nic", "nic_bytes_per_s")):
+        if extra.get(key) is not None:
+            fields[attr] = _rate(extra[key])
+    for key in ("sm_count", "nics_per_node", "gpus_per_node"):
+        if extra.get(key) is not None:
+            fields[key] = int(extra[key])
+    if extra.get("efficiency"):
+        fields["efficiency"] = {**(base.efficiency if base is not None else {}), **dict(extra["efficiency"])}
+    if extra.get("sources"):
+        fields["sources"] = {**(base.sources if base is not None else {}), **dict(extra["sources"])}
+    if base is not None and _key(base.name) == _key(name):
+        spec = replace(base, aliases=tuple(dict.fromkeys((*base.aliases, *aliases))), **fields)
+    else:
+        spec = GPUSpec(str(name), fields.pop("memory_bytes"), fields.pop("bandwidth_bytes_per_s"),
+                       fields.pop("peak_flops"), tuple(aliases), **fields)
     _store(spec)
     return spec
+
+
+def _rate(value) -> float:
+    return units.parse_bytes(value.rstrip("/sS") if isinstance(value, str) else value)
 
 
 def _store(spec: GPUSpec) -> None:
@@ -116,11 +226,15 @@ def _store(spec: GPUSpec) -> None:
         _REGISTRY[_key(alias)] = spec
 
 
-def _ensure_loaded() -> None:
-    global _ENV_LOADED
+def _ensure_builtin() -> None:
     if not _REGISTRY:
         for spec in _BUILTIN:
             _store(spec)
+
+
+def _ensure_loaded() -> None:
+    global _ENV_LOADED
+    _ensure_builtin()
     path = os.environ.get(HARDWARE_ENV, "")
     if path and path != _ENV_LOADED:
         _load_file(path)
@@ -132,12 +246,14 @@ def _load_file(path: str) -> None:
         with open(path, encoding="utf-8") as f:
             table = json.load(f)
         for name, row in table.items():
-            register_gpu(name, row["memory"], row["bandwidth"], row.get("peak_flops", {}),
-                         row.get("aliases", ()))
+            row = dict(row)
+            register_gpu(name, row.pop("memory", None), row.pop("bandwidth", None),
+                         row.pop("peak_flops", None), row.pop("aliases", ()), **row)
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         raise ValueError(f"{HARDWARE_ENV}={path}: expected a JSON object of "
                          f'{{"NAME": {{"memory": "80GB", "bandwidth": "3.35TB/s", '
-                         f'"peak_flops": {{"bf16": "989.5T"}}}}}}, but reading it failed: '
+                         f'"peak_flops": {{"bf16": "989.5T"}}}}}} (a known part may give only '
+                         f'"efficiency", "nic", ...), but reading it failed: '
                          f"{type(e).__name__}: {e}") from None
 
 

@@ -33,15 +33,22 @@ def collective_lines(record, top: int = _ROWS) -> list:
         out.append("  comm per step: " + ", ".join(f"{k} {fmt_bytes(comm.get(k, 0), binary=True)}"
                                                   for k in ("forward", "backward", "optimizer", "other", "total")))
     cells = []
+    timed = any("predicted_seconds" in c for c in rows)        # audit --gpu
     for c in sorted(rows, key=lambda c: -c.get("bytes", 0))[:top]:
         module = c.get("module")
         cells.append([c["op"], c.get("phase", "?"), "-" if module is None else module or "(root)",
                       c.get("group_size", "?"), c.get("count", 0), fmt_bytes(c.get("bytes", 0), binary=True),
                       fmt_bytes(c["bus_bytes"], binary=True) if c.get("bus_bytes") is not None else "-",
-                      c.get("location") or "-"])
+                      c.get("location") or "-"] + ([_secs(c.get("predicted_seconds"))] if timed else []))
     if cells:
-        table = tabulate(cells, headers=_HEADERS, tablefmt="simple", disable_numparse=True)
+        table = tabulate(cells, headers=_HEADERS + (["pred time"] if timed else []), tablefmt="simple",
+                         disable_numparse=True)
         out += ["  " + line for line in table.splitlines()]
     if len(rows) > top:
         out.append(f"  ... {len(rows) - top} more in record.collectives")
     return out
+
+
+def _secs(s) -> str:
+    from .steptime import fmt_seconds
+    return fmt_seconds(s)

@@ -107,6 +107,8 @@ def run_notes(record) -> list:
     mfu = mfu_line(record.totals)
     if mfu:
         lines.append(mfu)
+    from .steptime import step_time_lines          # audit --gpu: predicted step time
+    lines += step_time_lines(record)
     hidden = meta.get("suppressed") or {}
     if hidden.get("ignore"):
         rules = ", ".join(f"{r} x{n}" for r, n in (hidden.get("rules") or {}).items())
@@ -137,6 +139,8 @@ def module_rows(record, depth) -> list:
                     "copies", "copy_bytes", "calls"):
             row[key] = mod.get(key, 0) or 0
         row["flops_share"] = mod.get("flops_share", 0.0) or 0.0
+        if "predicted_seconds" in mod:               # audit --gpu
+            row["predicted_seconds"] = mod["predicted_seconds"]
         rows.append(row)
     return rows
 

@@ -35,7 +35,8 @@ def render_csv(record, findings=None, *, depth=None, **_options) -> str:
     import pandas as pd
 
     rows = [{k: csv_cell(v) for k, v in row.items()} for row in module_rows(record, depth)]
-    df = pd.DataFrame(rows, columns=CSV_COLUMNS)
+    columns = CSV_COLUMNS + (["predicted_seconds"] if any("predicted_seconds" in r for r in rows) else [])
+    df = pd.DataFrame(rows, columns=columns)           # audit --gpu adds predicted_seconds
     return df.to_csv(index=False, lineterminator="\n").rstrip("\n")
 
 

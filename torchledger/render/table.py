@@ -11,6 +11,7 @@ from tabulate import tabulate
 from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
 from .collectives import collective_lines
+from .steptime import fmt_seconds
 from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, dtype_text, is_empty,
                      module_rows, run_notes, tokens_note)
 
@@ -37,8 +38,8 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
         f"conventions: {CONVENTIONS_LINE}",
         *run_notes(record),
         "",
-        tabulate(_module_cells(record, depth), headers=_HEADERS, tablefmt="simple",
-                 disable_numparse=True),
+        tabulate(_module_cells(record, depth), headers=_HEADERS + (["pred time"] if _predicted(record) else []),
+                 tablefmt="simple", disable_numparse=True),
     ]
     lines += _totals_lines(record)
     lines += collective_lines(record)          # distributed records only
@@ -66,8 +67,13 @@ def _module_cells(record, depth) -> list:
                      f"{100 * mod['flops_share']:.1f}%",
                      fmt_bytes(mod["activation_bytes"], binary=True),
                      fmt_bytes(mod["peak_bytes"], binary=True),
-                     mod["copies"] or "-"])
+                     mod["copies"] or "-"] + ([fmt_seconds(mod.get("predicted_seconds"))]
+                                              if _predicted(record) else []))
     return rows
+
+
+def _predicted(record) -> bool:
+    return bool((record.predictions or {}).get("step_time"))
 
 
 def _in_parens(name: str) -> str:

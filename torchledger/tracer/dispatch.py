@@ -22,6 +22,7 @@ from .collectives import FSDP_COPY_OUT, IGNORED, describe, lookup
 from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
+from .opshapes import note_op   # i23-time: step-time model's per-op facts
 
 __all__ = ["LedgerMode", "PHASES"]
 
@@ -279,6 +280,7 @@ class LedgerMode(TorchDispatchMode):
             read, written = self._io(args, out, track, idx, func, nbytes=tensor_bytes, storages=storages)
         row[3] += read
         row[4] += written
+        note_op(self, fid, func, args, phase, mod, fc, read, written)   # i23-time: shapes + fusion chains (opshapes.py)
         if info[1]:
             self._note_copy(func, args, kwargs, out, phase, mod, written)
         elif info[4] and phase != BACKWARD:
@@ -298,7 +300,7 @@ class LedgerMode(TorchDispatchMode):
         read = 0
         for a in args:
             if isinstance(a, _Tensor):
-                read += nbytes(a)
+                read += tensor_bytes(a) if _is_wrapper(type(a)) else nbytes(a)   # i23-time: a DTensor reads its local shard
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, _Tensor):

@@ -1,0 +1,484 @@
+"""Predicted step time on a named part, from a traced step's ops and collectives.
+
+``predict_step_time(record, gpu, options)`` prices every op row of the record with
+:mod:`torchledger.formulas.steptime` (matmuls by their shapes, attention by the kernel the part
+would run, memory-bound ops by their bytes, a launch floor per kernel), every collective with
+NCCL's cost model on the link its group spans, and lays them on two streams the way the
+framework schedules them:
+
+* FSDP (all-gathers of a module in forward and backward, reduce-scatters in backward): the
+  module's units in ``named_modules()`` order, each unit's all-gather prefetched under the
+  previous unit's compute and its reduce-scatter under the next units' backward
+  (``formulas.steptime.overlap_timeline``); collectives of modules that are not units (the
+  root's, after the last block) are exposed;
+* DDP / HSDP all-reduces in backward without FSDP units: buckets issued evenly through the
+  backward (the reducer fires a bucket when its gradients are ready);
+* TP collectives (a group of ``totals.tensor_parallel`` ranks inside one node) are exposed:
+  they sit between the matmuls that need them;
+* the optimizer step and the collectives of the optimizer and "other" phases after the last
+  reduction, exposed;
+* gradient accumulation, ``micro_batches`` M: M forward/backward passes, gradient
+  reductions (reduce-scatter, all-reduce) only in the last (``no_sync`` /
+  ``set_requires_gradient_sync(False)``), one optimizer step;
+* recomputation (activation checkpointing) is a phase of the trace: it costs its time inside
+  the backward of its unit;
+* a pipeline bubble when the record says the step is pipelined (``totals.pipeline``:
+  ``stages`` p, ``micro_batches`` m, ``virtual_stages`` v, ``schedule``, and
+  ``bubble_fraction`` when the audit computed it): that fraction, else (p-1)/(v m), of the
+  compute for 1F1B/interleaved/GPipe, none for zero-bubble; else 0. A pipelined record (the
+  layouts issue's composed stage) already holds all m micro-batches of the bounding stage, so
+  its m is not applied again.
+
+The result is ``predictions.step_time`` (INTERFACE.md "Predicted step time"), with
+``modules[].predicted_seconds`` (inclusive, compute only, x M) and
+``collectives[].predicted_seconds`` (all calls of the row) filled in by :func:`attach_step_time`.
+
+Known limitations: one rank's step stands for all (no stragglers, no data loading); compute
+and communication kernels do not slow each other down when they overlap (SM and HBM
+contention costs real runs ~5-10%); a fake step's CPU attention kernel is priced as the
+kernel the part would run, not the one traced.
+"""
+from __future__ import annotations
+
+import math
+
+from ..formulas import steptime as st
+
+__all__ = ["predict_step_time", "attach_step_time", "op_seconds", "collective_row_seconds"]
+
+_PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+#: Ops that launch no kernel on a GPU (allocation, metadata, views the schema does not mark):
+#: their recorded bytes are not traffic.
+NO_KERNEL = ("aten.empty.", "aten.empty_like.", "aten.empty_strided.", "aten.new_empty.",
+             "aten.new_empty_strided.", "aten._unsafe_view.", "aten.lift_fresh.", "aten.detach.",
+             "aten.alias.", "aten._reshape_alias.", "aten.set_.", "aten.resize_.",
+             "aten.is_same_size.", "aten._has_compatible_shallow_copy_type.")
+_GATHER_OPS = ("all_gather",)
+_REDUCE_OPS = ("reduce_scatter", "all_reduce")
+
+
+def _dtype_of(rec) -> str:
+    d = str(rec.meta.get("dtype") or "float32").replace("torch.", "")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(d, "fp32")
+
+
+def _compiled(rec, opts) -> bool:
+    return bool(opts.get("compiled")) or bool(rec.meta.get("compiled"))
+
+
+def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled: bool = False) -> dict:
+    """``{"seconds", "kind", "launch", "flops_rate"}`` of one ``record.ops`` row (all its calls):
+    kind is ``matmul``, ``attention``, ``memory_bound`` or ``free``; ``launch`` is the part of
+    the seconds that is launch floor above the kernels' own time."""
+    kind = row.get("kind")
+    count = int(row.get("count") or 0)
+    if count <= 0:
+        return {"seconds": 0.0, "kind": "free", "launch": 0.0}
+    launch = float(eff["launch_s"])
+    name = str(row.get("op", ""))
+    if kind in ("matmul", "attention"):
+        total = floor_extra = 0.0
+        priced = 0
+        for s in row.get("shapes") or ():
+            c = int(s.get("count") or 0)
+            dt = s.get("dtype") or default_dtype
+            if "mnk" in s:
+                b, m, n, k = s["mnk"]
+                raw = max(st.matmul_fraction(m, n, k, b, dt, gpu, eff)[0],
+                          st.memory_seconds(st.DTYPE_BYTES.get(dt, 4) * b * (m * k + k * n + m * n), gpu, eff,
+                                            floor=False))
+                t = max(raw, launch)
+            elif "attn" in s:
+                b, h, sq, sk, d, dv = s["attn"]
+                backward = "backward" in name
+                t = st.attention_seconds(b, h, sq, sk, d, dv, bool(s.get("causal")), backward, dt, gpu,
+                                         eff=eff)
+                raw = t
+            else:
+                continue
+            total += c * t
+            floor_extra += c * max(0.0, t - raw)
+            priced += c
+        rest = count - priced
+        if rest > 0:         # no signature: from the row's FLOPs and bytes
+            share = rest / count
+            flops = float(row.get("flops_causal") if kind == "attention" else row.get("flops") or 0) * share
+            nbytes = float((row.get("bytes_read") or 0) + (row.get("bytes_written") or 0)) * share
+            if kind == "attention":
+                fwd, bwd = eff["attention"].get(eff["attention_kernel"], eff["attention"]["flash"])
+                back = "backward" in name or row.get("phase") == "backward"
+                frac = bwd * 1.25 if back else fwd     # math path's backward: 2x, a fused one 2.5x
+                frac = frac / 1.25 if back else frac
+                rate = st._peak(gpu, default_dtype, eff) * frac
+            else:
+                cube = (flops / rest / 2) ** (1 / 3) if flops > 0 else 1
+                c = max(int(cube), 1)
+                rate = 2.0 * c ** 3 / max(st.matmul_fraction(c, c, c, 1, default_dtype, gpu, eff)[0], 1e-30)
+            raw = max(flops / rate if rate else 0.0, st.memory_seconds(nbytes, gpu, eff, floor=False))
+            t = max(raw, rest * launch)
+            total += t
+            floor_extra += t - raw
+        return {"seconds": total, "kind": kind, "launch": floor_extra}
+    if name.startswith(NO_KERNEL):
+        return {"seconds": 0.0, "kind": "free", "launch": 0.0}
+    nbytes = float((row.get("bytes_read") or 0) + (row.get("bytes_written") or 0))
+    if compiled:            # chains fused: a row holds its chain's ends, the rest is inside
+        nbytes, kernels = float(row.get("fused_bytes") or 0), int(row.get("fused_kernels") or 0)
+    else:
+        kernels = count if nbytes else 0
+    if not kernels and not nbytes:
+        return {"seconds": 0.0, "kind": "free", "launch": 0.0}
+    raw = st.memory_seconds(nbytes, gpu, eff, floor=False)
+    t = max(raw, kernels * launch)
+    return {"seconds": t, "kind": "memory_bound", "launch": t - raw}
+
+
+def collective_row_seconds(row: dict, gpu, eff: dict) -> tuple:
+    """``(seconds for all calls of the row, algorithm)``."""
+    count = max(int(row.get("count") or 1), 1)
+    size = float(row.get("algo_bytes") or row.get("bytes") or 0) / count
+    t, algo = st.collective_seconds(row.get("op", ""), size, int(row.get("group_size") or 1),
+                                    row.get("group_span"), gpu, eff)
+    return t * count, algo
+
+
+def _ancestors(name: str):
+    yield name
+    while name:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+        yield name
+
+
+def _unit_of(name, units) -> str | None:
+    for a in _ancestors(name or ""):
+        if a in units:
+            return a
+    return None
+
+
+def predict_step_time(rec, gpu, options=None) -> dict:
+    """The ``predictions.step_time`` dict of ``rec`` on ``gpu`` (a name or ``GPUSpec``).
+
+    ``options``: ``compiled`` (fuse elementwise chains), ``micro_batches`` (M, default the
+    record's ``totals.micro_batches`` or 1). Also returns, under private keys ``_modules``
+    and ``_collectives``, the per-module and per-collective-row seconds (see
+    :func:`attach_step_time`)."""
+    from ..formulas.hardware import get_gpu
+    opts = options or {}
+    gpu = get_gpu(gpu)
+    eff = st.efficiency(gpu)
+    dtype = _dtype_of(rec)
+    compiled = _compiled(rec, opts)
+    fusion_known = any("fused_kernels" in r for r in rec.ops or ())
+    unfusable = compiled and not fusion_known
+    compiled = compiled and fusion_known
+    t = rec.totals
+    audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
+    micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
+
+    # -- compute: every op row, by phase, kind and module ----------------------------------
+    by_phase = {p: 0.0 for p in _PHASES}
+    kinds = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "launch": 0.0}
+    kinds_once = dict(kinds)     # optimizer and "other": once per step, not per micro-batch
+    fusable = 0.0
+    mm_flops = mm_seconds = 0.0
+    mod_seconds: dict = {}
+    unit_compute: dict = {}      # (phase group, module) -> seconds
+    dtype_flops: dict = {}
+    for row in rec.ops or ():
+        got = op_seconds(row, gpu, eff, dtype, compiled)
+        secs = got["seconds"]
+        if not secs:
+            continue
+        phase = row.get("phase") or "other"
+        by_phase[phase if phase in by_phase else "other"] += secs
+        bucket = kinds if phase in ("forward", "backward", "recompute") else kinds_once
+        bucket["launch"] += got["launch"]
+        body = secs - got["launch"]
+        if got["kind"] in bucket:
+            bucket[got["kind"]] += body
+        if got["kind"] == "memory_bound" and not compiled and fusion_known:
+            fused = op_seconds(row, gpu, eff, dtype, True)["seconds"]
+            fusable += (secs - fused) * (micro if bucket is kinds else 1)
+        if got["kind"] == "matmul":
+            mm_flops += float(row.get("flops") or 0)
+            mm_seconds += body
+            for s in row.get("shapes") or ():
+                dtype_flops[s.get("dtype")] = dtype_flops.get(s.get("dtype"), 0) + s.get("flops", 0)
+        module = row.get("module")
+        if module is not None and module != "(no module)":
+            for a in _ancestors(module):
+                mod_seconds[a] = mod_seconds.get(a, 0.0) + secs
+        group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else phase
+        key = (group, module if module not in (None, "(no module)") else "")
+        unit_compute[key] = unit_compute.get(key, 0.0) + secs
+
+    # -- communication: every collective row, and how it overlaps --------------------------
+    tp = int(t.get("tensor_parallel") or 1)
+    gpn = gpu.gpus_per_node or 8
+    coll_seconds = []
+    comm_total = 0.0
+    rows = [c for c in (rec.collectives or []) if isinstance(c, dict)]
+    for c in rows:
+        secs, algo = collective_row_seconds(c, gpu, eff)
+        coll_seconds.append((secs, algo))
+        comm_total += secs
+    names = [m.get("name") for m in rec.modules or ()]
+    order = {n: i for i, n in enumerate(names)}
+    units = {(c.get("module") if c.get("module") not in (None, "(no module)") else "")
+             for c in rows if c.get("op") in _GATHER_OPS and c.get("phase") == "forward"}
+    exposed_serial = {"forward": 0.0, "backward": 0.0, "after": 0.0}
+    pre = {"forward": {}, "backward": {}}
+    post: dict = {}
+    spread: list = []            # backward reductions with no unit (DDP buckets)
+    tail_comm = 0.0              # reductions of the root / no unit: after the last block
+    for c, (secs, _) in zip(rows, coll_seconds):
+        phase, op = c.get("phase"), c.get("op")
+        r, nodes = st.group_layout(int(c.get("group_size") or 1), c.get("group_span"), gpn)
+        is_tp = tp > 1 and int(c.get("group_size") or 1) == tp and nodes == 1
+        group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else "after"
+        module = c.get("module") if c.get("module") not in (None, "(no module)") else ""
+        unit = _unit_of(module, units) if units else None
+        if is_tp or group == "after":
+            exposed_serial[group] += secs
+        elif op in _GATHER_OPS and unit is not None and group in pre:
+            pre[group][unit] = pre[group].get(unit, 0.0) + secs
+        elif op in _REDUCE_OPS and group == "backward":
+            if unit is not None and unit != "":
+                post[unit] = post.get(unit, 0.0) + secs
+            elif units:
+                tail_comm += secs
+            else:
+                spread.append(secs)
+        else:
+            exposed_serial[group] += secs
+
+    # per step: gathers and TP collectives run in every micro-batch, gradient reductions in the
+    # last only, the optimizer's once
+    once = sum(post.values()) + tail_comm + sum(spread) + exposed_serial["after"]
+    comm_step = micro * (comm_total - once) + once
+
+    def unit_time(group, unit):
+        """Compute of ``unit`` in ``group`` without the units nested in it."""
+        own = 0.0
+        for (g, m), s in unit_compute.items():
+            if g == group and _unit_of(m, units) == unit:
+                own += s
+        return own
+
+    ordered = sorted((u for u in units if u != ""), key=lambda u: order.get(u, 1 << 30))
+    fwd_total = sum(s for (g, _), s in unit_compute.items() if g == "forward")
+    bwd_total = sum(s for (g, _), s in unit_compute.items() if g == "backward")
+    after_total = sum(s for (g, _), s in unit_compute.items() if g not in ("forward", "backward"))
+    if units:
+        f_units = [(pre["forward"].get(""), 0.0, 0.0)] if "" in units else []
+        f_units += [(pre["forward"].get(u, 0.0), unit_time("forward", u), 0.0) for u in ordered]
+        f_rest = fwd_total - sum(c for _, c, _ in f_units)
+        fwd = st.overlap_timeline([(p or 0.0, c, q) for p, c, q in f_units], tail_compute=f_rest)
+        b_units = [(pre["backward"].get(u, 0.0), unit_time("backward", u), post.get(u, 0.0))
+                   for u in reversed(ordered)]
+        b_rest = bwd_total - sum(c for _, c, _ in b_units)
+        bwd_sync = st.overlap_timeline(b_units + ([(0.0, 0.0, tail_comm)] if tail_comm else []),
+                                       head_compute=b_rest)
+        bwd_nosync = st.overlap_timeline([(p, c, 0.0) for p, c, _ in b_units], head_compute=b_rest)
+    else:
+        fwd = st.overlap_timeline([], head_compute=fwd_total)
+        n = len(spread)
+        if n:
+            slices = [(0.0, bwd_total / n, s) for s in spread]
+            bwd_sync = st.overlap_timeline(slices)
+        else:
+            bwd_sync = st.overlap_timeline([], head_compute=bwd_total)
+        bwd_nosync = st.overlap_timeline([], head_compute=bwd_total)
+    micro_sync = fwd["seconds"] + bwd_sync["seconds"] + exposed_serial["forward"] + exposed_serial["backward"]
+    micro_nosync = fwd["seconds"] + bwd_nosync["seconds"] + exposed_serial["forward"] + exposed_serial["backward"]
+    compute_step = micro * (fwd_total + bwd_total) + after_total
+    seconds = (micro - 1) * micro_nosync + micro_sync + after_total + exposed_serial["after"]
+
+    # -- pipeline bubble ---------------------------------------------------------------------
+    bubble = 0.0
+    pipe = t.get("pipeline")
+    assumptions = []
+    if isinstance(pipe, dict) and int(pipe.get("stages") or pipe.get("pp") or 1) > 1:
+        p = int(pipe.get("stages") or pipe.get("pp"))
+        m = max(int(pipe.get("micro_batches") or micro), 1)
+        v = max(int(pipe.get("virtual_stages") or 1), 1)
+        sched = str(pipe.get("schedule") or "1f1b")
+        frac = 0.0 if "zero" in sched else (p - 1) / (v * m)
+        if isinstance(pipe.get("bubble_fraction"), (int, float)):   # the layouts issue's own figure
+            frac = float(pipe["bubble_fraction"])
+        bubble = frac * micro * (fwd_total + bwd_total)
+        seconds += bubble
+        assumptions.append(f"pipeline {p} stages, {m} micro-batches, {sched}: bubble (p-1)/(v m) = {frac:.3f} "
+                           f"of the compute")
+    exposed = max(0.0, seconds - compute_step - bubble)
+
+    # -- rates ---------------------------------------------------------------------------------
+    flops = float((t.get("flops") or {}).get("total") or 0) * micro
+    hflops = float(t.get("hardware_flops") or 0) * micro
+    mdtype = max(dtype_flops, key=dtype_flops.get) if dtype_flops else dtype
+    peak = st._peak(gpu, mdtype, eff)
+    tokens = (t.get("tokens") or 0) * micro
+    from ..record import counts_samples
+    tok_rate = tokens / seconds if tokens and seconds and not counts_samples(t) else None
+    mfu = flops / seconds / peak if seconds and flops else None
+    hfu = hflops / seconds / peak if seconds and hflops else None
+    by_kind = {k: v * micro + kinds_once[k] for k, v in kinds.items()}
+    by_kind["comm_exposed"] = exposed
+    by_kind["bubble"] = bubble
+    phases = {p: v * (micro if p in ("forward", "backward", "recompute") else 1) for p, v in by_phase.items()}
+    if not phases.get("other"):
+        phases.pop("other", None)
+    mm_frac = mm_flops / mm_seconds / peak if mm_seconds else None
+
+    kernel = eff["attention_kernel"]
+    assumptions += [
+        f"{gpu.name}: dense {mdtype} peak {peak / 1e12:,.1f} TFLOP/s, HBM {gpu.bandwidth_bytes_per_s / 1e12:.2f} TB/s "
+        f"at {eff['memory_fraction']:.0%}, {eff['launch_s'] * 1e6:.0f} us launch floor per kernel",
+        f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k)) or dtype}); "
+        f"fp32 without TF32 (PyTorch's default)" if "fp32" in (dtype_flops or {dtype: 1}) else
+        f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k))})",
+        f"attention as {kernel} on {gpu.name} (SDPA's choice for 16-bit inputs there), whatever kernel "
+        f"the traced device ran",
+        "elementwise chains fused (torch.compile): one read and one write per chain" if compiled else
+        "eager: every elementwise op its own kernel (--compiled fuses them)",
+        f"collectives: NCCL ring/tree alpha-beta, NVLink {eff['nvlink_fraction']:.0%} and NICs "
+        f"{eff['network_fraction']:.0%} of peak, {gpu.gpus_per_node} GPUs and {gpu.nics_per_node} NICs per node, "
+        f"ranks placed node by node",
+        "FSDP all-gathers prefetched one unit ahead, reduce-scatters under the next backward; TP collectives "
+        "exposed; the optimizer after the last reduction",
+    ]
+    if unfusable:
+        assumptions.append("--compiled asked, but the record has no fusion chains (made before they were "
+                           "recorded): priced unfused")
+    if micro > 1:
+        assumptions.append(f"{micro} micro-batches: gradient reductions in the last only, one optimizer step")
+    out = {
+        "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
+        "tokens_per_s_per_gpu": tok_rate, "mfu": mfu, "hfu": hfu,
+        "by_phase": phases, "by_kind": by_kind,
+        "comm_seconds": comm_step, "comm_exposed_seconds": exposed, "bubble_seconds": bubble,
+        "matmul_fraction_of_peak": mm_frac, "compiled": compiled,
+        "fusable_seconds": fusable,
+        "assumptions": assumptions,
+    }
+    out["bound"] = _bound(out, rows, coll_seconds)
+    out["_modules"] = {k: v * micro for k, v in mod_seconds.items()}
+    out["_collectives"] = coll_seconds
+    return out
+
+
+def _pct(x, total) -> str:
+    return f"{100 * x / total:.0f}%"
+
+
+def _bound(p: dict, rows, coll) -> str:
+    """One sentence: where the time goes, largest first."""
+    T = p["seconds"]
+    if not T:
+        return "nothing to time: the step has no ops"
+    k = p["by_kind"]
+    parts = []
+    mm = f"{_pct(k['matmul'], T)} matmul"
+    if p.get("matmul_fraction_of_peak"):
+        mm += f" at {p['matmul_fraction_of_peak']:.0%} of peak"
+    items = [(k["matmul"], mm), (k["attention"], f"{_pct(k['attention'], T)} attention")]
+    mb = f"{_pct(k['memory_bound'], T)} memory-bound elementwise"
+    if p.get("fusable_seconds") and p["fusable_seconds"] > 0.005 * T:
+        mb += f" (fusable: --compiled saves {_pct(p['fusable_seconds'], T)})"
+    items.append((k["memory_bound"], mb))
+    if k["comm_exposed"]:
+        ops = {}
+        for c, (s, _) in zip(rows, coll):
+            ops[c.get("op")] = ops.get(c.get("op"), 0) + s
+        top = max(ops, key=ops.get).replace("_", "-") if ops else "communication"
+        items.append((k["comm_exposed"], f"{_pct(k['comm_exposed'], T)} exposed communication (largest: {top})"))
+    items.append((k["launch"], f"{_pct(k['launch'], T)} launch overhead"))
+    if k["bubble"]:
+        items.append((k["bubble"], f"{_pct(k['bubble'], T)} pipeline bubble"))
+    items.sort(key=lambda x: -x[0])
+    parts = [text for v, text in items if v > 0.005 * T]
+    return ", ".join(parts) or "no dominant cost"
+
+
+def attach_step_time(rec, gpu, options=None) -> dict:
+    """Predict and store: ``rec.predictions["step_time"]``, ``modules[].predicted_seconds``
+    and ``collectives[].predicted_seconds`` (and ``predicted_algorithm``). Returns the dict."""
+    pred = predict_step_time(rec, gpu, options)
+    mods = pred.pop("_modules")
+    colls = pred.pop("_collectives")
+    for m in rec.modules or ():
+        m["predicted_seconds"] = mods.get(m.get("name"), 0.0)
+    for c, (secs, algo) in zip([c for c in rec.collectives or [] if isinstance(c, dict)], colls):
+        c["predicted_seconds"] = secs
+        c["predicted_algorithm"] = algo
+    measured = rec.totals.get("step_seconds")
+    if measured and not str(rec.meta.get("device", "")).startswith(("fake", "meta", "cpu")):
+        pred["measured_seconds"] = measured
+        pred["predicted_over_measured"] = pred["seconds"] / measured
+    rec.predictions["step_time"] = pred
+    return pred
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def predict_into(rec, gpu, options=None) -> None:
+    """:func:`attach_step_time` for a report: a failure becomes a record warning, never an
+    exception (a record from an older torchledger, a part without figures)."""
+    opts = options or {}
+    try:
+        attach_step_time(rec, gpu, {"compiled": opts.get("compiled"),
+                                    "micro_batches": opts.get("micro_batches")})
+    except Exception as e:  # noqa: BLE001
+        rec.warnings.append(f"predicted step time unavailable: {type(e).__name__}: {e}")
+
+
+def compare_step_time(record, baseline, tolerance: float = 0.01) -> list:
+    """TL-BASELINE-001 when the predicted step time grew more than ``tolerance`` over a
+    baseline predicted on the same part (records without a prediction compare nothing)."""
+    from ..record import Finding
+    now = (record.predictions or {}).get("step_time") or {}
+    before = (baseline.predictions or {}).get("step_time") or {}
+    a, b = now.get("seconds"), before.get("seconds")
+    if not (_finite(a) and _finite(b)) or b <= 0 or now.get("gpu") != before.get("gpu"):
+        return []
+    if (a - b) / b > tolerance:
+        return [Finding("TL-BASELINE-001", "error",
+                        f"predicted step time on {now.get('gpu')} grew {100 * (a - b) / b:+.2f}% over the "
+                        f"baseline ({b * 1e3:,.2f} ms -> {a * 1e3:,.2f} ms; tolerance {tolerance:.0%})",
+                        measured=a, expected=b, hint="update the baseline if the slowdown is intended")]
+    return []
+
+
+def comm_finding(rec, pred: dict, bus_total: float, kind: str) -> list:
+    """TL-NET-001 from the predicted step time: each collective on the link its group spans
+    (NCCL's ring/tree alpha-beta, concurrent groups sharing a node's NICs), against the compute
+    it overlaps. Warning when communication alone outlasts the compute (communication-bound
+    even with full overlap); info otherwise."""
+    from ..record import Finding
+    from ..units import fmt_bytes
+    rows = [c for c in rec.collectives or [] if isinstance(c, dict) and "predicted_seconds" in c]
+    comm = float(pred.get("comm_seconds") or 0)
+    exposed = float(pred.get("comm_exposed_seconds") or 0)
+    compute = sum(v for k, v in (pred.get("by_kind") or {}).items() if k in ("matmul", "attention", "memory_bound",
+                                                                           "launch"))
+    by_op: dict = {}
+    for c in rows:
+        by_op[c.get("op")] = by_op.get(c.get("op"), 0.0) + c["predicted_seconds"]
+    split = ", ".join(f"{op} {_ms(s)}" for op, s in sorted(by_op.items(), key=lambda kv: -kv[1]))
+    world = rec.totals.get("world_size") or 1
+    text = (f"{fmt_bytes(bus_total)} of {kind} per step on each of {world} ranks' links take {_ms(comm)} on "
+            f"{pred.get('gpu')} ({split or 'no rows'}; NCCL ring/tree on each group's link, groups that run at "
+            f"once sharing a node's NICs); {_ms(exposed)} of it is exposed after overlap with "
+            f"{_ms(compute)} of compute")
+    if comm > compute > 0:
+        return [Finding("TL-NET-001", "warning", text + " (communication-bound even with full overlap)",
+                        measured=comm, expected=compute,
+                        hint="more tokens per rank, a smaller data-parallel group (HSDP), or keep TP inside a node")]
+    return [Finding("TL-NET-001", "info", text, measured=comm, expected=compute)]
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
