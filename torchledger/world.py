@@ -19,7 +19,15 @@ Known limitations:
   - ranks are assumed alike: uneven shards (a dim not divisible by the mesh) differ by a
     padding row between ranks, and rank 0 is the one reported;
   - the fake process group moves no data: communication *time* is an estimate from
-    bandwidth tables (``torchledger.formulas.interconnect``), never a measurement.
+    bandwidth tables (``torchledger.formulas.interconnect``), never a measurement;
+  - DDP (``DistributedDataParallel``) runs as in a real world with two pieces swapped while
+    the world lasts (:func:`simulated_ddp`): the construction-time check that every rank's
+    parameters have the same shapes (it reads values fake tensors do not have; simulated ranks
+    are alike by construction) is skipped, and the gradient buckets are all-reduced by a
+    Python comm hook doing the C++ default's work (divide by the group size, one
+    ``all_reduce`` per bucket), because the fake group's futures carry no value and the C++
+    hook refuses that. A comm hook the model file registers still runs (its future's value,
+    None under the fake group, is replaced by the bucket).
 """
 from __future__ import annotations
 
@@ -27,7 +35,8 @@ import contextlib
 import re
 from typing import Optional
 
-__all__ = ["parse_mesh", "resolve_world", "fake_world", "mesh_dim_names", "SIMULATED_DEVICES"]
+__all__ = ["parse_mesh", "resolve_world", "fake_world", "mesh_dim_names", "SIMULATED_DEVICES",
+           "simulated_ddp"]
 
 #: Devices a simulated world runs on (the fake process group moves no data: real tensors
 #: would be read as if a collective had filled them).
@@ -114,7 +123,7 @@ def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0):
         # NB: the mesh is made before any FakeTensorMode is entered: its rank tensor is real.
         names = mesh_dim_names(len(mesh_shape))
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
-        with _mesh_coordinates_real():
+        with _mesh_coordinates_real(), simulated_ddp():
             yield mesh
     finally:
         if dist.is_initialized():
@@ -146,3 +155,108 @@ def _mesh_coordinates_real():
         yield
     finally:
         DeviceMesh._compute_coordinate_on_dim = original
+
+
+class _KeepBuckets:
+    """DDP's reducer, but for ``_rebuild_buckets``: after the first backward the C++ reducer
+    re-orders its buckets by when gradients became ready and broadcasts the new order from
+    rank 0, reading the bucket tensors' data, which fake tensors do not have. The simulated
+    world keeps the construction-time buckets (the same gradients, all-reduced once each, in
+    buckets of the same cap; the real run's order after its first step may differ)."""
+
+    __slots__ = ("_reducer",)
+
+    def __init__(self, reducer):
+        object.__setattr__(self, "_reducer", reducer)
+
+    def _rebuild_buckets(self):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_reducer"), name)
+
+
+class _SimulatedHook:
+    """The one comm hook a simulated DDP registers with its reducer: the C++ default's work,
+    or the hook the model file registers later (``target``)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.target = None          # (state, hook) of a Python hook, or "fp16" (builtin)
+
+
+def _simulated_hook(sim, bucket):
+    import torch
+    import torch.distributed as dist
+    buf = bucket.buffer()
+    if isinstance(sim.target, tuple):
+        state, hook = sim.target
+        fut = hook(state, bucket)
+        try:
+            value = fut.wait()
+        except Exception:  # noqa: BLE001  a hook chained on the fake group's None value
+            value = None
+        if isinstance(value, torch.Tensor) or (isinstance(value, list) and value
+                                               and isinstance(value[0], torch.Tensor)):
+            return fut
+    else:
+        n = dist.get_world_size(sim.group)
+        if sim.target == "fp16":                    # FP16_COMPRESS: reduce in half precision
+            half = buf.to(torch.float16).div_(n)
+            dist.all_reduce(half, group=sim.group)
+            buf.copy_(half)
+        else:                                       # the default: average, one all-reduce
+            buf.div_(n)
+            dist.all_reduce(buf, group=sim.group)
+    done = torch.futures.Future()
+    done.set_result(buf)
+    return done
+
+
+@contextlib.contextmanager
+def simulated_ddp():
+    """While the world lasts, ``DistributedDataParallel`` builds and steps on fake tensors
+    under the fake process group (see the module's known limitations); the originals are
+    put back on the way out."""
+    try:
+        import torch.distributed as dist
+        from torch.nn.parallel import distributed as ddp_mod
+    except ImportError:             # pragma: no cover - a torch without distributed
+        yield
+        return
+    DDP = ddp_mod.DistributedDataParallel
+    saved = {"verify": ddp_mod.__dict__.get("_verify_param_shape_across_processes"),
+             "__init__": DDP.__dict__["__init__"], "register_comm_hook": DDP.__dict__["register_comm_hook"],
+             "_register_builtin_comm_hook": DDP.__dict__["_register_builtin_comm_hook"]}
+
+    def sim_of(self):
+        sim = self.__dict__.get("_torchledger_sim")
+        if sim is None:
+            sim = self.__dict__["_torchledger_sim"] = _SimulatedHook(self.process_group)
+            reducer = self.reducer
+            dist._register_comm_hook(getattr(reducer, "_reducer", reducer), sim, _simulated_hook)
+        return sim
+
+    def __init__(self, *args, **kwargs):
+        saved["__init__"](self, *args, **kwargs)
+        if getattr(self, "reducer", None) is not None:
+            sim_of(self)
+            self.reducer = _KeepBuckets(self.reducer)
+
+    def register_comm_hook(self, state, hook):
+        sim_of(self).target = (state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        sim_of(self).target = "fp16" if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS else None
+
+    ddp_mod._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    DDP.__init__ = __init__
+    DDP.register_comm_hook = register_comm_hook
+    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
+    try:
+        yield
+    finally:
+        if saved["verify"] is not None:
+            ddp_mod._verify_param_shape_across_processes = saved["verify"]
+        for name in ("__init__", "register_comm_hook", "_register_builtin_comm_hook"):
+            setattr(DDP, name, saved[name])
