@@ -78,3 +78,50 @@ def test_ddp_user_comm_hook_still_runs(tmp_path):
     run = run_audit(write(tmp_path, body), world_size=4, steps=1)
     ar = [c for c in run.record.collectives if c["op"] == "all_reduce"]
     assert sum(c["bytes"] for c in ar) == MLP_BYTES and {c["group_size"] for c in ar} == {4}
+
+
+# llama-tiny (V 512, d 64, L 2, 4 heads, d_ff 176) with 4 KV heads; FSDP2 per block + root.
+TINY = """
+    import torch, torchledger
+    from torchledger.models import build_model, get_config
+
+    RESHARD = True
+    MP = None
+
+    def fsdp(model, mesh):
+        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+        kw = {"mp_policy": MixedPrecisionPolicy(**MP)} if MP else {}
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD, **kw)
+        return fully_shard(model, mesh=mesh, **kw)
+
+    PARALLELIZE = fsdp
+
+    def audit_spec():
+        cfg = get_config("llama-tiny").replace(n_kv_heads=4)
+        model = build_model(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (2, 32))
+        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx}, parallelize=PARALLELIZE)
+"""
+# matmul weights: per block q, k, v, o 4 x 64 x 64 = 16,384 + gate, up, down 3 x 176 x 64 =
+# 33,792 -> 50,176; 2 blocks + the 512 x 64 head = 100,352 + 32,768 = 133,120 (N of 6ND)
+TINY_N = 133_120
+
+
+@pytest.fixture(scope="module")
+def tiny_single(tmp_path_factory):
+    path = write(tmp_path_factory.mktemp("single"), TINY)
+    return run_audit(path, steps=1).record
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_fsdp2_gathered_weights_are_not_activations(tmp_path, tiny_single, world):
+    """The weights FSDP2 all-gathers and a matmul saves for backward are parameters: the
+    activations saved equal the unsharded step's (they were 533,760 B more at world 8)."""
+    rec = run_audit(write(tmp_path, TINY), world_size=world, steps=1).record
+    assert rec.totals["activation_bytes"] == tiny_single.totals["activation_bytes"]
+    # N of 6ND: the unsharded weights the matmuls multiply, at world size 1 too (FSDP2 copies
+    # the shard into the unsharded buffer without a collective there); was 0
+    assert rec.totals["matmul_params"] == tiny_single.totals["matmul_params"] == TINY_N
+    rows = {r["quantity"]: r for r in rec.predictions["comparisons"]}
+    assert rows["training FLOPs vs 6ND + 12LTd"]["ratio"] == 1.0

@@ -11,6 +11,10 @@ follows ``UntypedStorage.resize_`` while the step is traced.
 
 Installed only when a process group is initialised (single-process steps are untouched).
 
+The gathered weights a forward op saves for backward (a matmul's weight) are parameters, not
+activations: the saved-tensor hook leaves every storage in ``gathered_params`` out of
+``activation_bytes`` (as it leaves out the sharded parameters themselves).
+
 Known limitations: any storage grown by ``resize_`` during a distributed step is counted as
 unsharded parameters (FSDP is the one user of that idiom in PyTorch); the padded unsharded
 gradients FSDP builds for the reduce-scatter (``fsdp.chunk_cat``) are temporaries.
@@ -43,6 +47,11 @@ def install_distributed(tracer, life) -> None:
         try:
             if tracer._ours() and not tracker.closed:
                 tracker.resized(self, UNSHARDED)
+                if self.nbytes():
+                    # FSDP2's unsharded parameter buffer grown back: at world size 1 FSDP
+                    # copies the shard into it with no collective (no copy-out to see), so
+                    # this is where its matmul weights (N of 6ND) are first known
+                    mode.gathered_params.setdefault(self._cdata, 0)
         except Exception as e:              # never raise into the user's step
             tracer._warn(f"storage resize: {type(e).__name__}: {e}")
         return out
@@ -66,6 +75,35 @@ def install_distributed(tracer, life) -> None:
                     mode.gathered_params.setdefault(s._cdata, 0)
 
     mode.on_collective = on_collective
+    _follow_fsdp_outputs(tracer, life, mode, tracker)
+
+
+def _follow_fsdp_outputs(tracer, life, mode, tracker) -> None:
+    """FSDP2 makes each parameter's unsharded buffer in ``FSDPParam.init_all_gather_outputs``
+    (its first unshard); at world size 1 it then copies the shard in with no collective and no
+    copy-out, so the buffer is known here or nowhere."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:             # another torch: the copy-out and resize_ paths remain
+        return
+    original = FSDPParam.__dict__.get("init_all_gather_outputs")
+    if original is None:
+        return
+
+    def init_all_gather_outputs(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        try:
+            if tracer._ours() and not tracker.closed:
+                for t in getattr(self, "all_gather_outputs", ()) or ():
+                    for s in storages(t):
+                        tracker.promote(s, UNSHARDED, only_from=TEMP)
+                        mode.gathered_params.setdefault(s._cdata, 0)
+        except Exception as e:              # never raise into the user's step
+            tracer._warn(f"FSDP unsharded buffers: {type(e).__name__}: {e}")
+        return out
+
+    init_all_gather_outputs.__wrapped__ = original
+    life.patch(FSDPParam, "init_all_gather_outputs", init_all_gather_outputs)
 
 
 _FSDP_DIR = os.path.join("distributed", "fsdp", "")
