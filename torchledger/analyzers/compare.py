@@ -13,7 +13,7 @@ from ..record import Finding, counts_samples
 from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
 from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
 from ..formulas.flops import encoder_decoder_attention_flops
-from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_memory
+from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_bytes_per_rank, static_memory
 from ..formulas.params import count_params, params_12ld2_encoder_decoder
 
 __all__ = ["predictions", "comparisons", "check_comparisons", "record_predictions"]
@@ -155,7 +155,15 @@ def predictions(record) -> dict:
         gpus, zero = sharding(record)               # (1, 0) unless a distributed rank holds shards
         sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
         frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
-        if zero and _tp(t) > 1:
+        layout = t.get("layout") or {}
+        if layout.get("params") and (gpus > 1 or _tp(t) > 1 or layout.get("tp", 1) > 1):
+            # the mesh as PyTorch laid it out: each parameter's shard on this rank (TP's split,
+            # then FSDP2's padded dim 0), x bytes per parameter; replicate groups divide nothing
+            ref = static_bytes_per_rank(layout["params"], opt["kind"], opt["precision"])
+            out["static_bytes"] = ref["bytes"]
+            out["static_bytes_layout"] = {k: layout.get(k, 1) for k in ("shard_group", "replicate_group", "tp")}
+            out["static_bytes_layout"].update(numel=ref["numel"], numel_unpadded=round(ref["numel_unpadded"]))
+        elif zero and _tp(t) > 1:
             # FSDP x TP: a tensor-parallel weight is split over every rank, a replicated one
             # (norms, embeddings, the head in most plans) over the data-parallel ranks only:
             # this rank's share lies between the two
@@ -237,9 +245,13 @@ def comparisons(record, p=None) -> list:
         opt = record.optimizer
         frozen = (f" + {p['static_bytes_frozen']:,} bytes of {_frozen_params(t):,} frozen params "
                   f"(their weights only: no gradient, no optimizer state)" if p.get("static_bytes_frozen") else "")
+        whole = (f"trainable param x {t['trainable_params']:,}{frozen} predicted" if not p.get("static_bytes_layout")
+                 else f"trainable param (a frozen one: its weight only), of the {t['trainable_params']:,} "
+                      f"trainable params")
         rows.append(_row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
                          f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes per "
-                         f"trainable param x {t['trainable_params']:,}{frozen} predicted"
+                         + whole
+                         + (_layout_text(p["static_bytes_layout"]) if p.get("static_bytes_layout") else "")
                          + (" / {} ranks (ZeRO-3: this rank's shards; padding to a multiple of {} "
                             "rows makes rank 0's larger)".format(p["static_bytes_zero"][0], p["static_bytes_zero"][0])
                             if p.get("static_bytes_zero") and not p.get("static_bytes_tp") else "")
@@ -261,6 +273,25 @@ def comparisons(record, p=None) -> list:
                          f"activations and dropout masks; {_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
+
+
+def _layout_text(lay) -> str:
+    """How a mesh divides the static bytes (``static_bytes_layout``)."""
+    s, r, tp = lay["shard_group"], lay["replicate_group"], lay["tp"]
+    parts = []
+    if tp > 1:
+        parts.append(f"tensor parallel {tp} splits the weights its plan shards (the rest stay whole)")
+    if s > 1:
+        parts.append(f"FSDP shards over {s} ranks" + (f" and replicates over {r} (HSDP: / {s}, not / {s * r})"
+                                                        if r > 1 else ""))
+    elif r > 1:
+        parts.append(f"replicated on each of {r} ranks (DDP: nothing divided)")
+    pad = lay["numel"] - lay["numel_unpadded"]
+    return ("; this rank's shares: " + ", ".join(parts) + f": {lay['numel']:,} params on this rank"
+            + (f" ({pad:,} of them padding: FSDP2 pads dim 0 to a multiple of {s}, rank 0 holds "
+               f"the ceil)" if pad > 0 and s > 1 else "")
+            + (f" (uneven splits: rank 0 holds the ceil, {pad:,} params above an even split)"
+               if pad > 0 and s <= 1 else ""))
 
 
 def record_predictions(record) -> dict:
