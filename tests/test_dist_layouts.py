@@ -253,3 +253,70 @@ def test_fsdp2_padding_at_64_ranks(tmp_path):
     assert row["predicted"] == 16 * 128 == 2048 and "padding" in row["explanation"]
     f = findings(rec)
     assert "TL-CMP-002" not in f and "(1.000x)" in f["TL-COMM-001"].message
+
+
+# llama-tiny under tensor parallelism 4 (mesh 1x4), with and without sequence parallelism
+# (torchtitan's plan: SequenceParallel norms, one gather per attention and per MLP input)
+TP_PLAN = """
+    def plan(model, mesh):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+        tp = mesh["tp"]
+        out = Shard(1) if SP else Replicate()
+        if SP:
+            parallelize_module(model, tp, {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                                           "norm": SequenceParallel(),
+                                           "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        for block in model.blocks:
+            layer = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                     "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(output_layouts=out),
+                     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                     "mlp.down_proj": RowwiseParallel(output_layouts=out)}
+            if SP:
+                layer.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                              "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                         desired_input_layouts=(Replicate(), None)),
+                              "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+            parallelize_module(block, tp, layer)
+            block.attn.n_heads //= tp.size()
+            block.attn.n_kv_heads //= tp.size()
+        return model
+
+    PARALLELIZE = plan
+"""
+
+
+def _tiny_tp(tmp_path, sp: bool):
+    body = TINY.replace("PARALLELIZE = fsdp", textwrap.dedent(TP_PLAN).replace("\n", "\n    ")
+                        ).replace("RESHARD = True", f"RESHARD = True\n    SP = {sp}")
+    return run_audit(write(tmp_path, body), mesh="1x4", steps=1).record
+
+
+def _korthikanti(rec):
+    return next(r for r in rec.predictions["comparisons"] if r["quantity"].startswith("activation bytes"))
+
+
+def test_korthikanti_row_under_tensor_parallelism(tmp_path):
+    rec = _tiny_tp(tmp_path, sp=False)
+    # s 32, b 2, h 64: sbh = 4,096; Table 2's TP row, fused attention (no 5as^2b/t term):
+    # 10 x 4,096 + 24 x 4,096 / 4 = 65,536 per layer, 2 layers: 131,072 (was 278,528, the
+    # no-parallelism row 34sbh x 2)
+    row = _korthikanti(rec)
+    assert row["predicted"] == 2 * (10 * 4096 + 24 * 4096 // 4) == 131072
+    assert "Table 2's TP row" in row["explanation"]
+
+
+def test_korthikanti_row_under_sequence_parallelism_is_pytorchs(tmp_path):
+    rec = _tiny_tp(tmp_path, sp=True)
+    # TP+SP row 34 x 4,096 / 4 = 34,816 plus what PyTorch keeps that Megatron re-gathers: the
+    # gathered attention and MLP inputs, 2 x (2 x 4,096 - 2 x 4,096 / 4) = 12,288: 47,104 per
+    # layer, 94,208 for 2
+    row = _korthikanti(rec)
+    assert row["predicted"] == 2 * (34 * 4096 // 4 + 2 * (8192 - 2048)) == 94208
+    assert "what PyTorch saves" in row["explanation"]
+    # and the Partial gradients of the 5 sequence-parallel RMSNorm weights (64 fp32 each) are
+    # all-reduced inside AdamW's foreach ops, 3 times each: 15 x 256 = 3,840 B in the optimizer
+    opt = [c for c in rec.collectives if c["phase"] == "optimizer"]
+    assert {c["op"] for c in opt} == {"all_reduce"} and sum(c["count"] for c in opt) == 15
+    assert rec.totals["comm_bytes"]["optimizer"] == 15 * 64 * 4 == 3840

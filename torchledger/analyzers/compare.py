@@ -10,7 +10,8 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 from __future__ import annotations
 
 from ..record import Finding, counts_samples
-from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
+from ..formulas.activations import (korthikanti_cross_attention_bytes, korthikanti_layer_bytes,
+                                    korthikanti_table2, pytorch_sp_layer_bytes)
 from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
 from ..formulas.flops import encoder_decoder_attention_flops
 from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_bytes_per_rank, static_memory
@@ -146,8 +147,17 @@ def predictions(record) -> dict:
                                                        cfg.n_heads, fused_attention=fused))
             out["activation_bytes_korthikanti_16bit"] = shape.n_enc * enc + shape.n_dec * dec
         else:
-            layer = korthikanti_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads, fused_attention=fused)
-            out["activation_bytes_korthikanti_16bit"] = cfg.n_layers * layer
+            tp, sp = _tp(t), _sequence_parallel(record)
+            if sp:      # what PyTorch saves (the gathered block inputs), not Megatron's TP+SP row
+                layer = pytorch_sp_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, fused_attention=fused)
+            elif tp > 1:
+                layer = korthikanti_table2(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, row="tp",
+                                           fused_attention=fused)
+            else:
+                layer = korthikanti_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads, fused_attention=fused)
+            out["activation_bytes_korthikanti_16bit"] = round(cfg.n_layers * layer)
+            if tp > 1:
+                out["activation_korthikanti_row"] = ("tp+sp (PyTorch)" if sp else "tp", tp)
     opt = record.optimizer or {}
     if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
         # trainable: params + grads + master + optimizer state; frozen: their weights only
@@ -267,12 +277,28 @@ def comparisons(record, p=None) -> list:
             layers = (f"L = {shape.n_enc} encoder layers at s = {lengths.t_enc:,} + {shape.n_dec} decoder "
                       f"layers at s = {lengths.t_dec:,}, each decoder layer with its cross-attention "
                       f"block (9*s_d*b*h + 4*s_e*b*h + 5*a*s_d*s_e*b; {lengths.how}); ")
+        kind = p.get("activation_korthikanti_row")
+        if kind and kind[0] == "tp":
+            layers += (f"tensor parallel {kind[1]}: Table 2's TP row sbh(10 + 24/t + 5as/(ht)) (LayerNorm and "
+                       f"block inputs and dropout masks, 10sbh, stay whole on every rank); ")
+        elif kind:
+            layers += (f"tensor + sequence parallel {kind[1]}: what PyTorch saves, Table 2's TP+SP row "
+                       f"sbh(34/t + 5as/(ht)) plus the all-gathered inputs of attention and MLP that its "
+                       f"column-parallel linears keep, 2 x 2sbh(1 - 1/t) (Megatron keeps the shard and "
+                       f"re-gathers in backward); ")
         rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
                          p["activation_bytes_korthikanti_16bit"],
                          layers + f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit "
                          f"activations and dropout masks; {_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
+
+
+def _sequence_parallel(record) -> bool:
+    """Sequence parallelism ran: a reduce-scatter in forward (FSDP's run in backward only), where
+    tensor parallelism without it all-reduces the row-parallel outputs."""
+    return _tp(record.totals) > 1 and any(c.get("op") == "reduce_scatter" and c.get("phase") == "forward"
+                                          for c in getattr(record, "collectives", None) or ())
 
 
 def _layout_text(lay) -> str:
