@@ -320,3 +320,36 @@ def test_korthikanti_row_under_sequence_parallelism_is_pytorchs(tmp_path):
     opt = [c for c in rec.collectives if c["phase"] == "optimizer"]
     assert {c["op"] for c in opt} == {"all_reduce"} and sum(c["count"] for c in opt) == 15
     assert rec.totals["comm_bytes"]["optimizer"] == 15 * 64 * 4 == 3840
+
+
+HEADS = """
+    import torch, torchledger
+    from torchledger.models import build_model, get_config
+
+    def tp_plan(model, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        tp = mesh["tp"]
+        for block in model.blocks:
+            parallelize_module(block, tp, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                                           "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel()})
+            block.attn.n_heads //= tp.size()
+            block.attn.n_kv_heads //= tp.size()
+        return model
+
+    def audit_spec():
+        cfg = get_config("llama-tiny").replace(d_model=80, n_heads=5, n_kv_heads=5)
+        idx = torch.randint(0, cfg.vocab_size, (2, 32))
+        return torchledger.AuditSpec(build_model(cfg), {"idx": idx, "targets": idx}, parallelize=tp_plan)
+"""
+
+
+def test_heads_not_divisible_by_tp_is_one_line(tmp_path):
+    from click.testing import CliRunner
+    from torchledger.cli import cli
+    from test_audit_cli import one_line_error
+    r = CliRunner().invoke(cli, ["audit", write(tmp_path, HEADS), "--mesh", "1x4", "--steps", "1"])
+    # 5 heads over tp 4: rank 0's q_proj has 80 / 4 = 20 columns, the model views them as
+    # 5 // 4 = 1 head of 16 (shape '[2, 32, 1, 16]' for 2 x 32 x 20 = 1,280 elements)
+    err = one_line_error(r, "5 attention heads (config.n_heads)", "tp mesh dimension (4)", "5 % 4 = 1")
+    assert "check the inputs" not in err
+    assert not dist.is_initialized()
