@@ -353,3 +353,24 @@ def test_heads_not_divisible_by_tp_is_one_line(tmp_path):
     err = one_line_error(r, "5 attention heads (config.n_heads)", "tp mesh dimension (4)", "5 % 4 = 1")
     assert "check the inputs" not in err
     assert not dist.is_initialized()
+
+
+def test_a_first_step_memory_verdict_uses_the_steady_step(tmp_path):
+    """--steps 1 traces the optimizer's first step: AdamW makes its state after backward, so
+    forward and backward ran without it. TL-MEM-002 judges the steady estimate (backward's
+    peak + the state) and says so; it equals the second step's measured peak."""
+    from torchledger.analyzers.fit import check_gpu_fit, first_step_state
+    from torchledger.units import fmt_bytes
+    path = write(tmp_path, TINY)
+    first, second = run_audit(path, world_size=8, steps=2).records
+    made = first_step_state(first)
+    # AdamW: m and v of rank 0's 20,776 fp32 params + 21 step scalars: 2 x 83,104 + 84
+    assert made == 2 * 83104 + 84 == 166292 and first_step_state(second) == 0
+    [f1] = check_gpu_fit([first], {"gpu": "h100"})
+    [f2] = check_gpu_fit([second], {"gpu": "h100"})
+    assert first.totals["peak_bytes"] < second.totals["peak_bytes"]
+    assert (f1.measured, f2.measured) == (first.totals["peak_bytes"], second.totals["peak_bytes"])
+    # the verdict's figure: backward's peak + the state = the second step's measured peak
+    assert first.memory["phase_peaks"]["backward"] + made == second.totals["peak_bytes"]
+    assert f"= {fmt_bytes(second.totals['peak_bytes'])}" in f1.message
+    assert "first step" in f1.message and "--steps 2" in f1.message and "first step" not in f2.message
