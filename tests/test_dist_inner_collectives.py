@@ -102,3 +102,32 @@ def test_tp_sp_adamw_all_reduces_partial_norm_grads(mesh4):
     # 2 blocks x (weight, bias) of 16 fp32 = 4 x 64 B, 3 all-reduces each: 12 x 64 = 768 B
     assert sum(c["count"] for c in opt_rows) == 12
     assert t.record.totals["comm_bytes"]["optimizer"] == 768
+
+
+def test_a_collective_the_dispatch_mode_cannot_see_is_named(mesh4):
+    """An all-reduce issued with torch dispatch disabled never reaches any dispatch mode
+    (CommDebugMode misses it too): the record says so instead of leaving it out silently."""
+    model = torch.nn.Linear(4, 4)
+    buf = torch.ones(256)                               # 1,024 B
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 4)).sum().backward()
+        dist.all_reduce(buf)                            # seen
+        with torch._C._DisableTorchDispatch():
+            dist.all_reduce(buf)                        # not seen
+    rows = [c for c in t.record.collectives if c["op"] == "all_reduce"]
+    assert sum(c["count"] for c in rows) == 1 and t.record.totals["comm_bytes"]["total"] == 1024
+    [w] = [w for w in t.record.warnings if w.startswith("collectives not seen")]
+    assert "all_reduce 2 time(s)" in w and "saw 1" in w
+    assert dist.all_reduce.__module__ == "torch.distributed.distributed_c10d"
+    assert not hasattr(dist.all_reduce, "__wrapped__") or "counted" not in dist.all_reduce.__qualname__
+
+
+def test_every_collective_seen_no_warning(mesh4):
+    model = torch.nn.Linear(4, 4)
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 4)).sum().backward()
+        dist.all_reduce(torch.ones(8))
+        out = torch.empty(32)
+        dist.all_gather_into_tensor(out, torch.ones(8))
+    assert not [w for w in t.record.warnings if w.startswith("collectives not seen")]
+    assert {c["op"] for c in t.record.collectives} == {"all_reduce", "all_gather"}

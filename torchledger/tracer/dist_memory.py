@@ -76,6 +76,44 @@ def install_distributed(tracer, life) -> None:
 
     mode.on_collective = on_collective
     _follow_fsdp_outputs(tracer, life, mode, tracker)
+    _count_api_calls(tracer, life, mode)
+
+
+#: ``torch.distributed`` functions -> the collective they issue (INTERFACE.md's plain names).
+_API = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+        "broadcast": "broadcast", "all_to_all_single": "all_to_all", "all_to_all": "all_to_all",
+        "send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
+def _count_api_calls(tracer, life, mode) -> None:
+    """Count the step's ``torch.distributed.<collective>(...)`` calls (``mode.api_calls``), so
+    that a collective that never reached the dispatch mode (issued with torch dispatch
+    disabled, from under another mode's handler, by code that talks to the process group
+    around the dispatcher) is named in ``record.warnings`` (``dist_record``) instead of
+    silently missing from ``comm_bytes``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    mode.api_calls = {}
+    for name, op in _API.items():
+        original = getattr(c10d, name, None)
+        if original is None or not callable(original):
+            continue
+
+        def counted(*args, __original=original, __op=op, **kwargs):
+            try:
+                if tracer._ours() and not mode.quiet:
+                    mode.api_calls[__op] = mode.api_calls.get(__op, 0) + 1
+            except Exception:  # noqa: BLE001  never raise into the user's step
+                pass
+            return __original(*args, **kwargs)
+
+        counted.__wrapped__ = original
+        counted.__name__ = getattr(original, "__name__", name)
+        counted.__doc__ = getattr(original, "__doc__", None)
+        for namespace in (c10d, dist):
+            if getattr(namespace, name, None) is original:
+                life.patch(namespace, name, counted)
 
 
 def _follow_fsdp_outputs(tracer, life, mode, tracker) -> None:
