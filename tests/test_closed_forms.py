@@ -410,3 +410,14 @@ def test_fsdp_and_tp_comm_closed_forms():
     # sequence parallel: all-gathers send X/8, reduce-scatters X; bus (n-1)/n x X each
     sp = tp_comm_per_layer(4096, 4096, tp=8, sequence_parallel=True)
     assert sp.sent["forward"] == 2 * x // 8 + 2 * x and sp.bus_bytes == 8 * x * 7 // 8
+
+
+def test_mesh_groups_feed_the_per_rank_forms():
+    # Llama-3.1-405B's layout: FSDP over dp x cp = 8, TP 8, PP 9 stages
+    g = memory.mesh_groups(dp=4, cp=2, tp=8, pp=9)
+    assert g == {"shard_group": 8, "replicate_group": 1, "tp": 8, "pp": 9, "ep": 1}
+    # a stage of 9 holding 1,000 split + 100 whole params: 16 x (1000/64 + 100/8) = 450
+    assert memory.static_per_rank_closed_form(1000, 100, shard_group=g["shard_group"], tp=g["tp"]) == 450
+    assert memory.mesh_groups(dp=2, dp_replicate=4)["replicate_group"] == 4
+    with pytest.raises(ValueError, match="mesh dimension tp"):
+        memory.mesh_groups(tp=0)

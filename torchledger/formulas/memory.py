@@ -44,7 +44,7 @@ from .flops import exact
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "WEIGHT_DTYPES", "bytes_per_param", "StaticMemory",
            "static_memory", "max_params", "fits", "weight_bytes", "naive_fp32_training_bytes",
-           "sharded_numel", "static_bytes_per_rank", "static_per_rank_closed_form"]
+           "sharded_numel", "static_bytes_per_rank", "static_per_rank_closed_form", "mesh_groups"]
 
 #: Optimizer -> number of state values per parameter.
 OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2,
@@ -227,3 +227,19 @@ def static_per_rank_closed_form(n_split, n_whole=0, *, shard_group: int = 1, rep
             raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
     bpp = sum(bytes_per_param(optimizer, precision).values())
     return bpp * (n_split / (tp * shard_group) + n_whole / shard_group)
+
+
+def mesh_groups(dp: int = 1, dp_replicate: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+    """The groups the references take, from a named mesh (``--mesh dp=..,cp=..,tp=..``):
+    FSDP shards over ``dp x cp`` (torchtitan's ``dp_shard_cp``: context-parallel ranks hold the
+    same weights, so FSDP shards over them too), ``dp_replicate`` replicates (DDP, HSDP's outer
+    dim), ``tp`` splits the weights its plan shards; ``pp`` stages each hold their own layers
+    (divide the parameters by stage before calling the per-rank forms); ``ep`` is passed on.
+
+    >>> mesh_groups(dp=4, cp=2, tp=8, pp=9)
+    {'shard_group': 8, 'replicate_group': 1, 'tp': 8, 'pp': 9, 'ep': 1}
+    """
+    for name, v in (("dp", dp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("pp", pp), ("ep", ep)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"mesh dimension {name} must be a whole number >= 1, got {v!r}")
+    return {"shard_group": dp * cp, "replicate_group": dp_replicate, "tp": tp, "pp": pp, "ep": ep}
