@@ -305,6 +305,14 @@ def test_korthikanti_row_under_tensor_parallelism(tmp_path):
     row = _korthikanti(rec)
     assert row["predicted"] == 2 * (10 * 4096 + 24 * 4096 // 4) == 131072
     assert "Table 2's TP row" in row["explanation"]
+    # TP's collectives, per layer: forward one all-reduce of X = 2 x 32 x 64 fp32 = 16,384 B after
+    # o_proj and after down_proj; backward one per column-parallel input conversion, and
+    # PyTorch's unfused q, k, v, gate, up make 5 (Megatron's fused QKV and gate/up: 2)
+    from torchledger.formulas.comm import tp_comm_per_layer
+    layer = tp_comm_per_layer(2 * 32, 64, tp=4, dtype_bytes=4, column_inputs=5)
+    comm = rec.totals["comm_bytes"]
+    assert comm["forward"] == 2 * layer.sent["forward"] == 2 * 2 * 16384
+    assert comm["backward"] == 2 * layer.sent["backward"] == 2 * 5 * 16384
 
 
 def test_korthikanti_row_under_sequence_parallelism_is_pytorchs(tmp_path):
