@@ -10,11 +10,11 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 from __future__ import annotations
 
 from ..record import Finding, counts_samples
-from ..formulas.activations import (korthikanti_cross_attention_bytes, korthikanti_layer_bytes,
-                                    korthikanti_table2, pytorch_sp_layer_bytes)
+from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
+from .compare_layout import korthikanti_layer, layout_static, layout_text, sequence_parallel
 from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
 from ..formulas.flops import encoder_decoder_attention_flops
-from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_bytes_per_rank, static_memory
+from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_memory
 from ..formulas.params import count_params, params_12ld2_encoder_decoder
 
 __all__ = ["predictions", "comparisons", "check_comparisons", "record_predictions"]
@@ -147,14 +147,8 @@ def predictions(record) -> dict:
                                                        cfg.n_heads, fused_attention=fused))
             out["activation_bytes_korthikanti_16bit"] = shape.n_enc * enc + shape.n_dec * dec
         else:
-            tp, sp = _tp(t), _sequence_parallel(record)
-            if sp:      # what PyTorch saves (the gathered block inputs), not Megatron's TP+SP row
-                layer = pytorch_sp_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, fused_attention=fused)
-            elif tp > 1:
-                layer = korthikanti_table2(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, row="tp",
-                                           fused_attention=fused)
-            else:
-                layer = korthikanti_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads, fused_attention=fused)
+            tp, sp = _tp(t), sequence_parallel(record)
+            layer = korthikanti_layer(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, sp=sp, fused=fused)
             out["activation_bytes_korthikanti_16bit"] = round(cfg.n_layers * layer)
             if tp > 1:
                 out["activation_korthikanti_row"] = ("tp+sp (PyTorch)" if sp else "tp", tp)
@@ -169,10 +163,7 @@ def predictions(record) -> dict:
         if layout.get("params") and (gpus > 1 or _tp(t) > 1 or layout.get("tp", 1) > 1):
             # the mesh as PyTorch laid it out: each parameter's shard on this rank (TP's split,
             # then FSDP2's padded dim 0), x bytes per parameter; replicate groups divide nothing
-            ref = static_bytes_per_rank(layout["params"], opt["kind"], opt["precision"])
-            out["static_bytes"] = ref["bytes"]
-            out["static_bytes_layout"] = {k: layout.get(k, 1) for k in ("shard_group", "replicate_group", "tp")}
-            out["static_bytes_layout"].update(numel=ref["numel"], numel_unpadded=round(ref["numel_unpadded"]))
+            out["static_bytes"], out["static_bytes_layout"] = layout_static(layout, opt)
         elif zero and _tp(t) > 1:
             # FSDP x TP: a tensor-parallel weight is split over every rank, a replicated one
             # (norms, embeddings, the head in most plans) over the data-parallel ranks only:
@@ -261,7 +252,7 @@ def comparisons(record, p=None) -> list:
         rows.append(_row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
                          f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes per "
                          + whole
-                         + (_layout_text(p["static_bytes_layout"]) if p.get("static_bytes_layout") else "")
+                         + (layout_text(p["static_bytes_layout"]) if p.get("static_bytes_layout") else "")
                          + (" / {} ranks (ZeRO-3: this rank's shards; padding to a multiple of {} "
                             "rows makes rank 0's larger)".format(p["static_bytes_zero"][0], p["static_bytes_zero"][0])
                             if p.get("static_bytes_zero") and not p.get("static_bytes_tp") else "")
@@ -292,32 +283,6 @@ def comparisons(record, p=None) -> list:
                          f"activations and dropout masks; {_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
-
-
-def _sequence_parallel(record) -> bool:
-    """Sequence parallelism ran: a reduce-scatter in forward (FSDP's run in backward only), where
-    tensor parallelism without it all-reduces the row-parallel outputs."""
-    return _tp(record.totals) > 1 and any(c.get("op") == "reduce_scatter" and c.get("phase") == "forward"
-                                          for c in getattr(record, "collectives", None) or ())
-
-
-def _layout_text(lay) -> str:
-    """How a mesh divides the static bytes (``static_bytes_layout``)."""
-    s, r, tp = lay["shard_group"], lay["replicate_group"], lay["tp"]
-    parts = []
-    if tp > 1:
-        parts.append(f"tensor parallel {tp} splits the weights its plan shards (the rest stay whole)")
-    if s > 1:
-        parts.append(f"FSDP shards over {s} ranks" + (f" and replicates over {r} (HSDP: / {s}, not / {s * r})"
-                                                        if r > 1 else ""))
-    elif r > 1:
-        parts.append(f"replicated on each of {r} ranks (DDP: nothing divided)")
-    pad = lay["numel"] - lay["numel_unpadded"]
-    return ("; this rank's shares: " + ", ".join(parts) + f": {lay['numel']:,} params on this rank"
-            + (f" ({pad:,} of them padding: FSDP2 pads dim 0 to a multiple of {s}, rank 0 holds "
-               f"the ceil)" if pad > 0 and s > 1 else "")
-            + (f" (uneven splits: rank 0 holds the ceil, {pad:,} params above an even split)"
-               if pad > 0 and s <= 1 else ""))
 
 
 def record_predictions(record) -> dict:
