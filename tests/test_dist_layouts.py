@@ -382,3 +382,34 @@ def test_a_first_step_memory_verdict_uses_the_steady_step(tmp_path):
     assert first.memory["phase_peaks"]["backward"] + made == second.totals["peak_bytes"]
     assert f"= {fmt_bytes(second.totals['peak_bytes'])}" in f1.message
     assert "first step" in f1.message and "--steps 2" in f1.message and "first step" not in f2.message
+
+
+def test_static_reference_is_each_ranks_own_share():
+    """Rank 7 of 8 holds the short end of a padded dimension: 130 rows in chunks of 17 leave it
+    130 - 7 x 17 = 11; the reference follows the rank's place in its FSDP group."""
+    from torch.distributed.fsdp import fully_shard
+    import torchledger
+    from torchledger.world import fake_world
+    with fake_world(8, (8,), rank=7) as mesh:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 130), torch.nn.ReLU(), torch.nn.Linear(130, 64),
+                                    torch.nn.LayerNorm(64))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(4, 64)
+
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        step()                                   # lazy init and AdamW's state
+        with torchledger.trace(model, optimizer=opt) as t:
+            step()
+    rec = t.record
+    assert rec.totals["rank"] == 7 and rec.totals["layout"]["shard_rank"] == 7
+    # W1 11 x 64 + b1 11 + W2 8 x 130 + b2 8 + LayerNorm 8 + 8 = 1,779 params on rank 7
+    assert rec.totals["param_bytes"] == 1779 * 4
+    row = _static_row(rec)
+    assert row["predicted"] == 16 * 1779 and abs(row["ratio"] - 1) < 0.01      # + 6 step scalars

@@ -16,7 +16,8 @@ __all__ = ["layout_static", "layout_text", "sequence_parallel", "korthikanti_lay
 def layout_static(layout: dict, opt: dict) -> tuple:
     """(bytes, detail): each parameter's shard on this rank (TP's split, then FSDP2's padded
     dim 0) x the optimizer x precision bytes per parameter; replicate groups divide nothing."""
-    ref = static_bytes_per_rank(layout["params"], opt["kind"], opt["precision"])
+    ref = static_bytes_per_rank(layout["params"], opt["kind"], opt["precision"],
+                                tp_rank=int(layout.get("tp_rank") or 0), shard_rank=int(layout.get("shard_rank") or 0))
     detail = {k: layout.get(k, 1) for k in ("shard_group", "replicate_group", "tp")}
     detail.update(numel=ref["numel"], numel_unpadded=round(ref["numel_unpadded"]))
     return ref["bytes"], detail

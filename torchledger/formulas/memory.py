@@ -164,32 +164,45 @@ def fits(memory: StaticMemory, gpu_memory_bytes: Optional[float]) -> Optional[bo
     return memory.per_gpu_bytes <= gpu_memory_bytes
 
 
-def sharded_numel(shape, *, tp: int = 1, tp_dim: int = -1, shard_group: int = 1) -> int:
-    """Elements rank 0 holds of a parameter of global ``shape``: tensor parallelism splits
+def _chunk(d: int, n: int, k: int) -> int:
+    """Rows chunk ``k`` of ``torch.chunk(d rows, n)`` holds: ceil(d/n), the last ones fewer or none."""
+    c = -(-d // n)
+    return max(0, min(c, d - k * c))
+
+
+def sharded_numel(shape, *, tp: int = 1, tp_dim: int = -1, shard_group: int = 1, tp_rank: int = 0,
+                  shard_rank: int = 0) -> int:
+    """Elements a rank holds of a parameter of global ``shape``: tensor parallelism splits
     dim ``tp_dim`` over ``tp`` ranks (``torch.chunk``: ceil(d / tp) on rank 0; -1: no split),
     then FSDP2 splits dim 0 of that over ``shard_group`` ranks (ceil: the padded shard).
+    ``tp_rank``/``shard_rank``: the rank's place in those groups (0 by default, whose share is
+    the ceil; a last rank may hold fewer rows, FSDP2 pads its storage, not its tensor).
 
     >>> sharded_numel((130, 64), shard_group=8)              # ceil(130 / 8) = 17 rows x 64
     1088
     >>> sharded_numel((130, 64), tp=4, tp_dim=0, shard_group=2)   # ceil(ceil(130/4)/2) = 17
     1088
+    >>> sharded_numel((130, 64), shard_group=8, shard_rank=7)     # 130 - 7 x 17 = 11 rows
+    704
     """
     dims = [int(d) for d in shape] or [1]
     if tp > 1 and 0 <= tp_dim < len(dims):
-        dims[tp_dim] = -(-dims[tp_dim] // tp)
+        dims[tp_dim] = _chunk(dims[tp_dim], tp, tp_rank)
     if shard_group > 1:
-        dims[0] = -(-dims[0] // shard_group)
+        dims[0] = _chunk(dims[0], shard_group, shard_rank)
     n = 1
     for d in dims:
         n *= d
     return n
 
 
-def static_bytes_per_rank(params, optimizer: str = "adamw", precision: str = "fp32") -> dict:
+def static_bytes_per_rank(params, optimizer: str = "adamw", precision: str = "fp32", *,
+                          tp_rank: int = 0, shard_rank: int = 0) -> dict:
     """Static bytes (params + grads + master + optimizer state) on rank 0 of a mesh, from
     ``params`` rows ``(shape, tp, tp_dim, shard_group, replicate_group, trainable, ..., count)``
     (``totals.layout["params"]``): each row's :func:`sharded_numel` x the bytes per parameter
-    of ``optimizer`` x ``precision`` (a frozen parameter: its weight only). Returns
+    of ``optimizer`` x ``precision`` (a frozen parameter: its weight only), on the rank at
+    ``tp_rank``/``shard_rank`` in its groups (rank 0 by default). Returns
     ``{"bytes", "numel", "numel_unpadded"}``: ``numel`` the padded shards,
     ``numel_unpadded`` the same split as if every dim divided (global numel / (tp x s)).
 
@@ -201,7 +214,8 @@ def static_bytes_per_rank(params, optimizer: str = "adamw", precision: str = "fp
     out = {"bytes": 0, "numel": 0, "numel_unpadded": 0.0}
     for row in params:
         shape, tp, tp_dim, s, trainable, count = row[0], row[1], row[2], row[3], row[5], row[-1]
-        n = sharded_numel(shape, tp=tp, tp_dim=tp_dim, shard_group=s) * count
+        n = sharded_numel(shape, tp=tp, tp_dim=tp_dim, shard_group=s, tp_rank=tp_rank,
+                          shard_rank=shard_rank) * count
         whole = 1
         for d in shape:
             whole *= int(d)

@@ -57,6 +57,7 @@ def layout_of(model):
          "tp": t,                   # the largest tensor-parallel split of a parameter
          "param_dtype": str|None, "reduce_dtype": str|None,   # FSDP2 MixedPrecisionPolicy
          "shard_span": int, "replicate_span": int,  # their groups' spans of global ranks
+         "shard_rank": int, "tp_rank": int,         # this rank's place in the FSDP and TP groups
          "params": [[global shape, tp, tp_dim, s, r, trainable, reshard, dtype bytes, count]]}
 
     One ``params`` row per distinct kind of parameter: ``tp`` ranks split dim ``tp_dim`` (-1:
@@ -84,6 +85,15 @@ def _tp_split(spec) -> tuple:
             t *= int(spec.mesh.size(mesh_dim))
             dim = int(placement.dim)
     return t, dim
+
+
+def _tp_rank(spec):
+    """This rank's coordinate on the (first) mesh dim a DTensor spec shards over, or None."""
+    for mesh_dim, placement in enumerate(spec.placements):
+        if placement.is_shard():
+            coordinate = spec.mesh.get_coordinate()
+            return int(coordinate[mesh_dim]) if coordinate is not None else None
+    return None
 
 
 def _layout(model):
@@ -120,6 +130,7 @@ def _layout(model):
         reshard = group_.post_forward_mesh_info is not None
         if "shard_span" not in spans and s > 1:
             spans["shard_span"] = group_span(info.shard_process_group)
+            spans["shard_rank"] = int(getattr(info, "shard_mesh_rank", 0) or 0)
         if "replicate_span" not in spans and r > 1:
             spans["replicate_span"] = group_span(info.replicate_process_group)
         mp = getattr(group_, "mp_policy", None)
@@ -131,12 +142,16 @@ def _layout(model):
             param = fp.sharded_param
             spec = getattr(fp, "_unsharded_dtensor_spec", None)
             t, dim = _tp_split(spec) if spec is not None else (1, -1)
+            if t > 1 and "tp_rank" not in spans:
+                spans["tp_rank"] = _tp_rank(spec)
             add(param, param.shape, t, dim, s, r, reshard)
     for param in model.parameters():
         if id(param) in seen:
             continue
         spec = getattr(param, "_spec", None)
         t, dim = _tp_split(spec) if spec is not None else (1, -1)
+        if t > 1 and "tp_rank" not in spans:
+            spans["tp_rank"] = _tp_rank(spec)
         add(param, param.shape, t, dim, 1, ddp, True)
     if not rows:
         return None
