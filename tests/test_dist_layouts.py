@@ -33,10 +33,11 @@ MLP = """
     import torch, torchledger
 
     HOOK = None
+    CAP_MB = 25
 
     def ddp(model, mesh):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, process_group=mesh.get_group())
+        model = DDP(model, process_group=mesh.get_group(), bucket_cap_mb=CAP_MB)
         if HOOK is not None:
             model.register_comm_hook(None, HOOK)
         return model
@@ -413,3 +414,14 @@ def test_static_reference_is_each_ranks_own_share():
     assert rec.totals["param_bytes"] == 1779 * 4
     row = _static_row(rec)
     assert row["predicted"] == 16 * 1779 and abs(row["ratio"] - 1) < 0.01      # + 6 step scalars
+
+
+def test_ddp_small_buckets_all_reduce_each_bucket(tmp_path):
+    """bucket_cap_mb=0.02 (20,971 B), the caps a real DDP cuts its buckets at after its first
+    step: in reverse order, b2 256 + W2 33,280 = 33,536 B closes the first bucket, b1 520 + W1
+    33,280 = 33,800 the second: two all-reduces in backward, on the first step as on the next."""
+    run = run_audit(write(tmp_path, MLP.replace("CAP_MB = 25", "CAP_MB = 0.02")), world_size=8, steps=2)
+    for rec in run.records:
+        ar = [c for c in rec.collectives if c["op"] == "all_reduce"]
+        assert sum(c["count"] for c in ar) == 2 and {c["phase"] for c in ar} == {"backward"}
+        assert sum(c["bytes"] for c in ar) == 33536 + 33800 == MLP_BYTES

@@ -26,8 +26,10 @@ Known limitations:
     are alike by construction) is skipped, and the gradient buckets are all-reduced by a
     Python comm hook doing the C++ default's work (divide by the group size, one
     ``all_reduce`` per bucket), because the fake group's futures carry no value and the C++
-    hook refuses that. A comm hook the model file registers still runs (its future's value,
-    None under the fake group, is replaced by the bucket).
+    hook refuses that; and its buckets are cut at ``bucket_cap_mb`` from the start (DDP starts
+    with one bucket and re-cuts them after the first step, reading bucket data fake tensors
+    lack). A comm hook the model file registers still runs (its future's value, None under
+    the fake group, is replaced by the bucket).
 """
 from __future__ import annotations
 
@@ -159,10 +161,13 @@ def _mesh_coordinates_real():
 
 class _KeepBuckets:
     """DDP's reducer, but for ``_rebuild_buckets``: after the first backward the C++ reducer
-    re-orders its buckets by when gradients became ready and broadcasts the new order from
-    rank 0, reading the bucket tensors' data, which fake tensors do not have. The simulated
-    world keeps the construction-time buckets (the same gradients, all-reduced once each, in
-    buckets of the same cap; the real run's order after its first step may differ)."""
+    re-orders its buckets by when gradients became ready, cut at ``bucket_cap_mb`` (the first
+    at 1 MiB by default), and broadcasts the new order from rank 0, reading the bucket tensors'
+    data, which fake tensors do not have. The simulated world builds those capped buckets at
+    construction instead (``simulated_ddp`` patches the cap DDP starts with, one bucket of
+    everything, and cuts the parameters in reverse order, the order a backward makes their
+    gradients) and keeps them: the same gradients, all-reduced once each, in buckets of the
+    same caps (the real rebuild follows the measured readiness, which may differ a little)."""
 
     __slots__ = ("_reducer",)
 
@@ -249,6 +254,28 @@ def simulated_ddp():
     def _register_builtin_comm_hook(self, comm_hook_type):
         sim_of(self).target = "fp16" if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS else None
 
+    config = getattr(ddp_mod, "_BucketCapacityConfig", None)
+    limits = config.__dict__.get("compute_bucket_size_limits") if config is not None else None
+    if limits is not None:
+        def capped_limits(self, static_graph, find_unused_parameters):
+            # the caps DDP's rebuild after the first step uses, from the start
+            if self.has_custom_per_bucket_caps:
+                return limits(self, static_graph, find_unused_parameters)
+            first = [self.first_bucket_bytes_cap] if self.first_bucket_bytes_cap < self.bucket_bytes_cap else []
+            return first + [self.bucket_bytes_cap], []
+        config.compute_bucket_size_limits = capped_limits
+    assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if assign is not None:
+        def by_ready_order(tensors, size_limits, expect_sparse=None, *args, **kwargs):
+            # DDP's rebuild cuts buckets in the order gradients become ready (about the reverse
+            # of the parameters'), its construction in parameter order: cut the reversed list,
+            # and hand the buckets back so that DDP's own reversal leaves the first-ready first
+            n = len(tensors)
+            rev_sparse = list(reversed(expect_sparse)) if expect_sparse is not None else None
+            buckets, caps = assign(list(reversed(tensors)), size_limits, rev_sparse, *args, **kwargs)
+            buckets = [[n - 1 - i for i in b] for b in buckets]
+            return list(reversed(buckets)), list(reversed(caps))
+        dist._compute_bucket_assignment_by_size = by_ready_order
     ddp_mod._verify_param_shape_across_processes = lambda *args, **kwargs: None
     DDP.__init__ = __init__
     DDP.register_comm_hook = register_comm_hook
@@ -260,3 +287,7 @@ def simulated_ddp():
             ddp_mod._verify_param_shape_across_processes = saved["verify"]
         for name in ("__init__", "register_comm_hook", "_register_builtin_comm_hook"):
             setattr(DDP, name, saved[name])
+        if limits is not None:
+            config.compute_bucket_size_limits = limits
+        if assign is not None:
+            dist._compute_bucket_assignment_by_size = assign
