@@ -285,6 +285,8 @@ def simulated_ddp():
     finally:
         if saved["verify"] is not None:
             ddp_mod._verify_param_shape_across_processes = saved["verify"]
+        else:                           # another torch without it: leave nothing of ours behind
+            ddp_mod.__dict__.pop("_verify_param_shape_across_processes", None)
         for name in ("__init__", "register_comm_hook", "_register_builtin_comm_hook"):
             setattr(DDP, name, saved[name])
         if limits is not None:
