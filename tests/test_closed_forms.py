@@ -313,3 +313,111 @@ def test_analyzers_are_pure_numbers():
     json.dumps(an.kv_cache(1, 1, 1, 1).to_dict())
     json.dumps(an.count_params(get_config("gpt2")).to_dict())
     assert math.isclose(an.get_gpu("h200").bandwidth_bytes_per_s, 4.8e12)
+
+
+# ----------------------------------------------------------------------------- Korthikanti Table 2
+
+
+def test_korthikanti_table2_rows_by_hand():
+    """Each row of Korthikanti et al. Table 2 at s=2048, b=1, h=4096, a=32, t=8 (GPT-3-ish):
+    sbh = 2048 x 4096 = 8,388,608; 5as/h = 5 x 32 x 2048 / 4096 = 80."""
+    s, b, h, a, t = 2048, 1, 4096, 32, 8
+    sbh = s * b * h
+    rows = {r: activations.korthikanti_table2(s, b, h, a, tp=t, row=r) for r in activations.TABLE2_ROWS}
+    assert rows["none"] == sbh * (34 + 80) == 956_301_312          # the module's doctest figure
+    assert rows["tp"] == sbh * (10 + 24 // 8 + 80 // 8) == sbh * 23 == 192_937_984
+    assert rows["tp+sp"] == sbh * 34 // 8 + sbh * 80 // 8 == 119_537_664
+    assert rows["tp+selective"] == sbh * (10 + 3) == 109_051_904
+    assert rows["tp+sp+selective"] == sbh * 34 // 8 == 35_651_584
+    assert rows["full"] == 2 * sbh == 16_777_216
+    # t = 1: the TP rows fall back to the no-parallelism row (selective drops the scores)
+    assert activations.korthikanti_table2(s, b, h, a, tp=1, row="tp") == rows["none"]
+    assert activations.korthikanti_table2(s, b, h, a, tp=1, row="tp+sp+selective") == 34 * sbh
+    # fused attention keeps no s x s scores: the 5as^2b/t term goes
+    assert activations.korthikanti_table2(s, b, h, a, tp=t, row="tp+sp", fused_attention=True) == sbh * 34 // 8
+
+
+def test_korthikanti_table2_through_activation_memory():
+    s, b, h, a, L = 2048, 1, 4096, 32, 4
+    sbh = s * b * h
+    assert activations.activation_memory(s, b, h, a, L).saved_bytes == L * sbh * 114
+    assert activations.activation_memory(s, b, h, a, L, tp=8).saved_bytes == L * sbh * 23
+    assert activations.activation_memory(s, b, h, a, L, tp=8, sequence_parallel=True).saved_bytes == L * 119_537_664
+    assert activations.activation_memory(s, b, h, a, L, tp=8, recompute="selective").saved_bytes == L * sbh * 13
+    assert activations.activation_memory(s, b, h, a, L, recompute="full").saved_bytes == L * 2 * sbh
+    with pytest.raises(ValueError, match="tp must be"):
+        activations.activation_memory(s, b, h, a, L, tp=0)
+    with pytest.raises(ValueError, match="row must be"):
+        activations.korthikanti_table2(s, b, h, a, row="pp")
+
+
+def test_pytorch_sequence_parallel_keeps_the_gathered_inputs():
+    s, b, h, a, t = 2048, 1, 4096, 32, 8
+    sbh = s * b * h
+    megatron = activations.korthikanti_table2(s, b, h, a, tp=t, row="tp+sp")
+    # two gathered block inputs kept whole (2sbh) instead of sharded (2sbh/8): + 2 x 1.75 sbh
+    assert activations.pytorch_sp_layer_bytes(s, b, h, a, tp=t) == megatron + 2 * (2 * sbh - 2 * sbh // 8)
+    assert activations.pytorch_sp_layer_bytes(s, b, h, a, tp=t) == megatron + 29_360_128
+    # a plan gathering per projection (q, k, v, gate, up) keeps five
+    assert activations.pytorch_sp_layer_bytes(s, b, h, a, tp=t, gathered_inputs=5) == megatron + 5 * 14_680_064
+
+
+# ----------------------------------------------------------------------------- references per mesh
+
+
+def test_sharded_numel_tp_then_fsdp():
+    # TP 4 splits 130 rows: rank 0 gets ceil(130/4) = 33; FSDP over 2 pads dim 0: ceil(33/2) = 17
+    assert memory.sharded_numel((130, 64), tp=4, tp_dim=0, shard_group=2) == 17 * 64
+    # a row-parallel weight (TP splits dim 1): 64 rows / 2 = 32 x ceil(130/4) = 33
+    assert memory.sharded_numel((64, 130), tp=4, tp_dim=1, shard_group=2) == 32 * 33
+    assert memory.sharded_numel((), shard_group=8) == 1                  # a scalar: one element
+    assert memory.sharded_numel((4096, 11008), shard_group=4096) == 11008   # one row each
+
+
+def test_static_bytes_per_rank_by_layout():
+    # HSDP 2x4 of a 1,000-param model: 16 x 1000 / 4 (the 2 replicas divide nothing)
+    assert memory.static_per_rank_closed_form(1000, shard_group=4, replicate_group=2) == 4000
+    # DDP over 8: every rank holds 16 x 1000
+    assert memory.static_per_rank_closed_form(1000, replicate_group=8) == 16000
+    # TP 4 x FSDP 2, 800 split + 200 whole params: 16 x (800 / 8 + 200 / 2) = 3,200
+    assert memory.static_per_rank_closed_form(800, 200, tp=4, shard_group=2) == 3200
+    # mixed precision AdamW is still 16 B per param (bf16 param + grad 4, fp32 master 4, m + v 8)
+    assert memory.static_per_rank_closed_form(800, 200, tp=4, shard_group=2, precision="mixed") == 3200
+    rows = [((130, 64), 1, -1, 8, 1, True, 1), ((64,), 1, -1, 8, 1, False, 2)]
+    # 17 x 64 trainable x 16 B + 2 frozen 8-element shards x 4 B = 17,408 + 64
+    assert memory.static_bytes_per_rank(rows) == {"bytes": 17408 + 64, "numel": 1088 + 16,
+                                                  "numel_unpadded": 130 * 64 / 8 + 16}
+    with pytest.raises(ValueError, match="shard_group"):
+        memory.static_per_rank_closed_form(10, shard_group=0)
+
+
+def test_fsdp_and_tp_comm_closed_forms():
+    from torchledger.formulas.comm import fsdp_comm_per_step, tp_comm_per_layer
+    # FSDP over 4, P = G = 800 B: forward 200, backward 200 + 800; bus (n-1)/n: 3 x 600
+    c = fsdp_comm_per_step(800, 800, shard_group=4)
+    assert c.sent == {"forward": 200, "backward": 1000, "optimizer": 0, "total": 1200} and c.bus_bytes == 1800
+    # the root kept gathered (regather 0) and HSDP x 2: + an all-reduce of 200 over 2 replicas
+    c = fsdp_comm_per_step(800, 800, shard_group=4, replicate_group=2, regather_bytes=0)
+    assert c.sent["backward"] == 800 + 200 and c.bus_bytes == 600 + 600 + 200 * 2 * 1 // 2
+    # bf16 gathers (P = 400), fp32 reduce (G = 800)
+    assert fsdp_comm_per_step(400, 800, shard_group=4).total == 100 + 100 + 800
+    # TP 8 per layer, 4,096 tokens x 4,096 hidden in bf16: X = 33,554,432 B
+    x = 4096 * 4096 * 2
+    assert tp_comm_per_layer(4096, 4096, tp=8).sent == {"forward": 2 * x, "backward": 2 * x,
+                                                        "optimizer": 0, "total": 4 * x}
+    # PyTorch's unfused q, k, v, gate, up: 5 backward all-reduces, 3 more than Megatron's
+    assert tp_comm_per_layer(4096, 4096, tp=8, column_inputs=5).sent["backward"] == 5 * x
+    # sequence parallel: all-gathers send X/8, reduce-scatters X; bus (n-1)/n x X each
+    sp = tp_comm_per_layer(4096, 4096, tp=8, sequence_parallel=True)
+    assert sp.sent["forward"] == 2 * x // 8 + 2 * x and sp.bus_bytes == 8 * x * 7 // 8
+
+
+def test_mesh_groups_feed_the_per_rank_forms():
+    # Llama-3.1-405B's layout: FSDP over dp x cp = 8, TP 8, PP 9 stages
+    g = memory.mesh_groups(dp=4, cp=2, tp=8, pp=9)
+    assert g == {"shard_group": 8, "replicate_group": 1, "tp": 8, "pp": 9, "ep": 1}
+    # a stage of 9 holding 1,000 split + 100 whole params: 16 x (1000/64 + 100/8) = 450
+    assert memory.static_per_rank_closed_form(1000, 100, shard_group=g["shard_group"], tp=g["tp"]) == 450
+    assert memory.mesh_groups(dp=2, dp_replicate=4)["replicate_group"] == 4
+    with pytest.raises(ValueError, match="mesh dimension tp"):
+        memory.mesh_groups(tp=0)

@@ -290,7 +290,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
             except AuditError:
                 raise
             except (Exception, SystemExit) as e:
-                raise _step_error(e, path, device) from None
+                raise _step_error(e, path, device, world, model) from None
 
         for _ in range(steps):
             with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
@@ -494,11 +494,14 @@ def _memory_format_call(e: BaseException) -> bool:
     return False
 
 
-def _step_error(e: BaseException, path: str, device: str) -> AuditError:
+def _step_error(e: BaseException, path: str, device: str, world=None, model=None) -> AuditError:
     name = type(e).__name__
     if isinstance(e, SystemExit):
         return AuditError(f"{_where(e, path)}: the training step {_raised(e)}; the model, loss_fn and "
                           f"step must return (or raise), not exit")
+    split = _mesh_split_hint(e, world, model)
+    if split:
+        return AuditError(f"{_where(e, path)}: {split} (the step raised {name}: {_msg(e)})")
     hint = _device_hint(e, device) or (
         "; try --device cpu (or --device meta)" if device == "fake" and "fake" in str(e).lower()[:200] else "")
     if hint:
@@ -506,6 +509,46 @@ def _step_error(e: BaseException, path: str, device: str) -> AuditError:
                           f"{_msg(e)}){hint}")
     return AuditError(f"{_where(e, path)}: the training step raised {name}: {_msg(e)}; check the "
                       f"inputs your audit_spec() returns against what the model expects")
+
+
+#: Config fields that tensor parallelism splits: (name, what it is). Ours, then Hugging Face's.
+_SPLIT_FIELDS = (("n_heads", "attention heads"), ("n_kv_heads", "key/value heads"),
+                 ("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads"),
+                 ("d_model", "hidden size"), ("hidden_size", "hidden size"), ("d_ff", "MLP width"),
+                 ("intermediate_size", "MLP width"))
+
+
+def _mesh_split_hint(e: BaseException, world, model) -> str:
+    """A shape error under tensor parallelism: which model dimension does not divide which mesh
+    dimension (one line), or "" when that is not what happened."""
+    text = str(e)
+    if world is None or model is None or not (
+            ("shape '[" in text and "is invalid for input of size" in text) or "view size is not compatible" in text
+            or "does not divide" in text):
+        return ""
+    try:
+        names = tuple(world[1].mesh_dim_names or ())
+        shape = tuple(world[0][1])
+    except Exception:  # noqa: BLE001
+        return ""
+    splits = [(n, d) for n, d in zip(names, shape) if n in ("tp", "cp", "ep") and d > 1]
+    if not splits:
+        return ""
+    inner = getattr(model, "module", model)          # DDP's wrapped module
+    cfg = getattr(inner, "config", None)
+    for dim_name, size in splits:
+        for field, what in _SPLIT_FIELDS:
+            value = getattr(cfg, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % size:
+                ok = [k for k in range(1, value + 1) if value % k == 0 and k <= size * 4][:6]
+                return (f"the model's {value} {what} (config.{field}) do not divide by the {dim_name} mesh "
+                        f"dimension ({size}): each {dim_name} rank must hold a whole share ({value} % {size} = "
+                        f"{value % size}); use a {dim_name} size that divides {value} "
+                        f"({', '.join(map(str, ok))}) or a model whose {what} divide by {size}")
+    dim_name, size = splits[0]
+    return (f"a reshape failed on a rank of the {dim_name} mesh dimension ({size}): a head count or width "
+            f"that does not divide by {size}, or a parallelize plan that leaves the modules' head counts "
+            f"at the whole model's (divide them by the {dim_name} size, as torchtitan does)")
 
 
 def _where(e: BaseException, path: str) -> str:

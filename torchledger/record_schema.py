@@ -190,6 +190,8 @@ TOTALS = _Obj({
     "comm_bytes": COUNTS,
     "rank": COUNT, "world_size": _Count(1), "mesh": _Null(_List(_Count(1))),
     "tensor_parallel": _Count(1),
+    "layout": _Null(_Obj({"shard_group": _Count(1), "replicate_group": _Count(1), "tp": _Count(1),
+                          "params": _List(_List(ANY))})),
 }, after=lambda totals, path: _rank_in_world(totals, path))
 
 COMPARISON = _Obj({"quantity": STR, "measured": _Null(REAL), "predicted": _Null(REAL),

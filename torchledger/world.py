@@ -19,7 +19,17 @@ Known limitations:
   - ranks are assumed alike: uneven shards (a dim not divisible by the mesh) differ by a
     padding row between ranks, and rank 0 is the one reported;
   - the fake process group moves no data: communication *time* is an estimate from
-    bandwidth tables (``torchledger.formulas.interconnect``), never a measurement.
+    bandwidth tables (``torchledger.formulas.interconnect``), never a measurement;
+  - DDP (``DistributedDataParallel``) runs as in a real world with two pieces swapped while
+    the world lasts (:func:`simulated_ddp`): the construction-time check that every rank's
+    parameters have the same shapes (it reads values fake tensors do not have; simulated ranks
+    are alike by construction) is skipped, and the gradient buckets are all-reduced by a
+    Python comm hook doing the C++ default's work (divide by the group size, one
+    ``all_reduce`` per bucket), because the fake group's futures carry no value and the C++
+    hook refuses that; and its buckets are cut at ``bucket_cap_mb`` from the start (DDP starts
+    with one bucket and re-cuts them after the first step, reading bucket data fake tensors
+    lack). A comm hook the model file registers still runs (its future's value, None under
+    the fake group, is replaced by the bucket).
 """
 from __future__ import annotations
 
@@ -27,7 +37,8 @@ import contextlib
 import re
 from typing import Optional
 
-__all__ = ["parse_mesh", "resolve_world", "fake_world", "mesh_dim_names", "SIMULATED_DEVICES"]
+__all__ = ["parse_mesh", "resolve_world", "fake_world", "mesh_dim_names", "SIMULATED_DEVICES",
+           "simulated_ddp"]
 
 #: Devices a simulated world runs on (the fake process group moves no data: real tensors
 #: would be read as if a collective had filled them).
@@ -129,7 +140,7 @@ def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0):
         # NB: the mesh is made before any FakeTensorMode is entered: its rank tensor is real.
         names = mesh_dim_names(len(mesh_shape))
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
-        with _mesh_coordinates_real(), _fsdp_padding_shared():
+        with _mesh_coordinates_real(), _fsdp_padding_shared(), simulated_ddp():
             yield mesh
     finally:
         if dist.is_initialized():
@@ -194,3 +205,139 @@ def _fsdp_padding_shared():
         yield
     finally:
         _fsdp_param._chunk_with_empty = original
+
+
+class _KeepBuckets:
+    """DDP's reducer, but for ``_rebuild_buckets``: after the first backward the C++ reducer
+    re-orders its buckets by when gradients became ready, cut at ``bucket_cap_mb`` (the first
+    at 1 MiB by default), and broadcasts the new order from rank 0, reading the bucket tensors'
+    data, which fake tensors do not have. The simulated world builds those capped buckets at
+    construction instead (``simulated_ddp`` patches the cap DDP starts with, one bucket of
+    everything, and cuts the parameters in reverse order, the order a backward makes their
+    gradients) and keeps them: the same gradients, all-reduced once each, in buckets of the
+    same caps (the real rebuild follows the measured readiness, which may differ a little)."""
+
+    __slots__ = ("_reducer",)
+
+    def __init__(self, reducer):
+        object.__setattr__(self, "_reducer", reducer)
+
+    def _rebuild_buckets(self):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_reducer"), name)
+
+
+class _SimulatedHook:
+    """The one comm hook a simulated DDP registers with its reducer: the C++ default's work,
+    or the hook the model file registers later (``target``)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.target = None          # (state, hook) of a Python hook, or "fp16" (builtin)
+
+
+def _simulated_hook(sim, bucket):
+    import torch
+    import torch.distributed as dist
+    buf = bucket.buffer()
+    if isinstance(sim.target, tuple):
+        state, hook = sim.target
+        fut = hook(state, bucket)
+        try:
+            value = fut.wait()
+        except Exception:  # noqa: BLE001  a hook chained on the fake group's None value
+            value = None
+        if isinstance(value, torch.Tensor) or (isinstance(value, list) and value
+                                               and isinstance(value[0], torch.Tensor)):
+            return fut
+    else:
+        n = dist.get_world_size(sim.group)
+        if sim.target == "fp16":                    # FP16_COMPRESS: reduce in half precision
+            half = buf.to(torch.float16).div_(n)
+            dist.all_reduce(half, group=sim.group)
+            buf.copy_(half)
+        else:                                       # the default: average, one all-reduce
+            buf.div_(n)
+            dist.all_reduce(buf, group=sim.group)
+    done = torch.futures.Future()
+    done.set_result(buf)
+    return done
+
+
+@contextlib.contextmanager
+def simulated_ddp():
+    """While the world lasts, ``DistributedDataParallel`` builds and steps on fake tensors
+    under the fake process group (see the module's known limitations); the originals are
+    put back on the way out."""
+    try:
+        import torch.distributed as dist
+        from torch.nn.parallel import distributed as ddp_mod
+    except ImportError:             # pragma: no cover - a torch without distributed
+        yield
+        return
+    DDP = ddp_mod.DistributedDataParallel
+    saved = {"verify": ddp_mod.__dict__.get("_verify_param_shape_across_processes"),
+             "__init__": DDP.__dict__["__init__"], "register_comm_hook": DDP.__dict__["register_comm_hook"],
+             "_register_builtin_comm_hook": DDP.__dict__["_register_builtin_comm_hook"]}
+
+    def sim_of(self):
+        sim = self.__dict__.get("_torchledger_sim")
+        if sim is None:
+            sim = self.__dict__["_torchledger_sim"] = _SimulatedHook(self.process_group)
+            reducer = self.reducer
+            dist._register_comm_hook(getattr(reducer, "_reducer", reducer), sim, _simulated_hook)
+        return sim
+
+    def __init__(self, *args, **kwargs):
+        saved["__init__"](self, *args, **kwargs)
+        if getattr(self, "reducer", None) is not None:
+            sim_of(self)
+            self.reducer = _KeepBuckets(self.reducer)
+
+    def register_comm_hook(self, state, hook):
+        sim_of(self).target = (state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        sim_of(self).target = "fp16" if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS else None
+
+    config = getattr(ddp_mod, "_BucketCapacityConfig", None)
+    limits = config.__dict__.get("compute_bucket_size_limits") if config is not None else None
+    if limits is not None:
+        def capped_limits(self, static_graph, find_unused_parameters):
+            # the caps DDP's rebuild after the first step uses, from the start
+            if self.has_custom_per_bucket_caps:
+                return limits(self, static_graph, find_unused_parameters)
+            first = [self.first_bucket_bytes_cap] if self.first_bucket_bytes_cap < self.bucket_bytes_cap else []
+            return first + [self.bucket_bytes_cap], []
+        config.compute_bucket_size_limits = capped_limits
+    assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if assign is not None:
+        def by_ready_order(tensors, size_limits, expect_sparse=None, *args, **kwargs):
+            # DDP's rebuild cuts buckets in the order gradients become ready (about the reverse
+            # of the parameters'), its construction in parameter order: cut the reversed list,
+            # and hand the buckets back so that DDP's own reversal leaves the first-ready first
+            n = len(tensors)
+            rev_sparse = list(reversed(expect_sparse)) if expect_sparse is not None else None
+            buckets, caps = assign(list(reversed(tensors)), size_limits, rev_sparse, *args, **kwargs)
+            buckets = [[n - 1 - i for i in b] for b in buckets]
+            return list(reversed(buckets)), list(reversed(caps))
+        dist._compute_bucket_assignment_by_size = by_ready_order
+    ddp_mod._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    DDP.__init__ = __init__
+    DDP.register_comm_hook = register_comm_hook
+    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
+    try:
+        yield
+    finally:
+        if saved["verify"] is not None:
+            ddp_mod._verify_param_shape_across_processes = saved["verify"]
+        else:                           # another torch without it: leave nothing of ours behind
+            ddp_mod.__dict__.pop("_verify_param_shape_across_processes", None)
+        for name in ("__init__", "register_comm_hook", "_register_builtin_comm_hook"):
+            setattr(DDP, name, saved[name])
+        if limits is not None:
+            config.compute_bucket_size_limits = limits
+        if assign is not None:
+            dist._compute_bucket_assignment_by_size = assign

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..record import Finding, counts_samples
 from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
+from .compare_layout import korthikanti_layer, layout_static, layout_text, sequence_parallel
 from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
 from ..formulas.flops import encoder_decoder_attention_flops
 from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_memory
@@ -148,8 +149,11 @@ def predictions(record) -> dict:
                                                        cfg.n_heads, fused_attention=fused))
             out["activation_bytes_korthikanti_16bit"] = shape.n_enc * enc + shape.n_dec * dec
         else:
-            layer = korthikanti_layer_bytes(T, D // T, cfg.d_model, cfg.n_heads, fused_attention=fused)
-            out["activation_bytes_korthikanti_16bit"] = cfg.n_layers * layer
+            tp, sp = _tp(t), sequence_parallel(record)
+            layer = korthikanti_layer(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, sp=sp, fused=fused)
+            out["activation_bytes_korthikanti_16bit"] = round(cfg.n_layers * layer)
+            if tp > 1:
+                out["activation_korthikanti_row"] = ("tp+sp (PyTorch)" if sp else "tp", tp)
     opt = record.optimizer or {}
     if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
         # trainable: params + grads + master + optimizer state; frozen: their weights only
@@ -157,7 +161,12 @@ def predictions(record) -> dict:
         gpus, zero = sharding(record)               # (1, 0) unless a distributed rank holds shards
         sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
         frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
-        if zero and _tp(t) > 1:
+        layout = t.get("layout") or {}
+        if layout.get("params") and (gpus > 1 or _tp(t) > 1 or layout.get("tp", 1) > 1):
+            # the mesh as PyTorch laid it out: each parameter's shard on this rank (TP's split,
+            # then FSDP2's padded dim 0), x bytes per parameter; replicate groups divide nothing
+            out["static_bytes"], out["static_bytes_layout"] = layout_static(layout, opt)
+        elif zero and _tp(t) > 1:
             # FSDP x TP: a tensor-parallel weight is split over every rank, a replicated one
             # (norms, embeddings, the head in most plans) over the data-parallel ranks only:
             # this rank's share lies between the two
@@ -239,9 +248,13 @@ def comparisons(record, p=None) -> list:
         opt = record.optimizer
         frozen = (f" + {p['static_bytes_frozen']:,} bytes of {_frozen_params(t):,} frozen params "
                   f"(their weights only: no gradient, no optimizer state)" if p.get("static_bytes_frozen") else "")
+        whole = (f"trainable param x {t['trainable_params']:,}{frozen} predicted" if not p.get("static_bytes_layout")
+                 else f"trainable param (a frozen one: its weight only), of the {t['trainable_params']:,} "
+                      f"trainable params")
         rows.append(_row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
                          f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes per "
-                         f"trainable param x {t['trainable_params']:,}{frozen} predicted"
+                         + whole
+                         + (layout_text(p["static_bytes_layout"]) if p.get("static_bytes_layout") else "")
                          + (" / {} ranks (ZeRO-3: this rank's shards; padding to a multiple of {} "
                             "rows makes rank 0's larger)".format(p["static_bytes_zero"][0], p["static_bytes_zero"][0])
                             if p.get("static_bytes_zero") and not p.get("static_bytes_tp") else "")
@@ -257,6 +270,15 @@ def comparisons(record, p=None) -> list:
             layers = (f"L = {shape.n_enc} encoder layers at s = {lengths.t_enc:,} + {shape.n_dec} decoder "
                       f"layers at s = {lengths.t_dec:,}, each decoder layer with its cross-attention "
                       f"block (9*s_d*b*h + 4*s_e*b*h + 5*a*s_d*s_e*b; {lengths.how}); ")
+        kind = p.get("activation_korthikanti_row")
+        if kind and kind[0] == "tp":
+            layers += (f"tensor parallel {kind[1]}: Table 2's TP row sbh(10 + 24/t + 5as/(ht)) (LayerNorm and "
+                       f"block inputs and dropout masks, 10sbh, stay whole on every rank); ")
+        elif kind:
+            layers += (f"tensor + sequence parallel {kind[1]}: what PyTorch saves, Table 2's TP+SP row "
+                       f"sbh(34/t + 5as/(ht)) plus the all-gathered inputs of attention and MLP that its "
+                       f"column-parallel linears keep, 2 x 2sbh(1 - 1/t) (Megatron keeps the shard and "
+                       f"re-gathers in backward); ")
         rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
                          p["activation_bytes_korthikanti_16bit"],
                          layers + f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit "

@@ -13,13 +13,19 @@ not a pass.
   it is (smaller batch, activation checkpointing, mixed precision, or sharding: ZeRO/FSDP);
 * warning: it fits with less than 10% to spare;
 * info: it fits, and by how much.
+
+A first step (``--steps 1``, or the first record of a run) is not the steady one: the
+optimizer makes its state (AdamW: 2 values per parameter) in its first ``step()``, after
+forward and backward, so they ran without it. The verdict is then made on the steady
+estimate, the forward and backward peaks plus that state (:func:`first_step_state`), and the
+message says so; ``--steps 2`` or more measures the steady step.
 """
 from __future__ import annotations
 
 from ..record import Finding
 from ..units import fmt_bytes
 
-__all__ = ["check_gpu_fit", "HEADROOM"]
+__all__ = ["check_gpu_fit", "HEADROOM", "first_step_state", "steady_peak"]
 
 HEADROOM = 0.10
 
@@ -38,10 +44,20 @@ def check_gpu_fit(records, options=None) -> list:
     if not peak or not memory:
         return []
     phase = rec.totals.get("peak_phase")
+    measured = peak                       # the finding's figure; the verdict may be the steady estimate's
+    made = first_step_state(rec)
+    first = ""
+    if made:
+        steady, phase = steady_peak(rec, made), steady_peak_phase(rec, made)
+        first = (f" (steady estimate: this is a first step, whose optimizer made its {fmt_bytes(made)} of "
+                 f"state after backward; later steps hold it from the start: measured {fmt_bytes(peak)}, "
+                 f"forward/backward peak + state = {fmt_bytes(steady)}; --steps 2 or more measures it)")
+        peak = steady                     # NB: the verdict is the steady step's; measured stays measured
     where = "the optimizer step" if phase == "optimizer" else phase
     share = peak / memory
     what = (f"its peak, {fmt_bytes(peak)}{f' in {where}' if where else ''}, is "
-            f"{f'{share:.1%}' if share >= 0.001 else 'under 0.1%'} of one {gpu.name}'s {fmt_bytes(memory)}")
+            f"{f'{share:.1%}' if share >= 0.001 else 'under 0.1%'} of one {gpu.name}'s {fmt_bytes(memory)}"
+            + first)
     static = sum(rec.totals.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
     world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
     where_not, fixes = "on one GPU", "shard them (ZeRO/FSDP), "
@@ -49,7 +65,7 @@ def check_gpu_fit(records, options=None) -> list:
         what = f"each rank's peak (rank {rec.totals.get('rank') or 0}'s), " + what[len("its peak, "):]
         where_not, fixes = f"at world size {world}", "shard over more ranks, "
     if peak > memory:
-        return [Finding("TL-MEM-002", "error", f"the step does not fit {where_not}: {what}", measured=peak,
+        return [Finding("TL-MEM-002", "error", f"the step does not fit {where_not}: {what}", measured=measured,
                         expected=memory,
                         hint=f"parameters, gradients and optimizer state alone are {fmt_bytes(static)}; "
                              f"{fixes}use mixed precision or a smaller optimizer state, "
@@ -58,7 +74,38 @@ def check_gpu_fit(records, options=None) -> list:
         return [Finding("TL-MEM-002", "warning",
                         f"the step fits with less than {HEADROOM:.0%} to spare: {what}; the CUDA "
                         f"context, allocator rounding and fragmentation need room on top",
-                        measured=peak, expected=memory,
+                        measured=measured, expected=memory,
                         hint="leave headroom: a smaller batch or activation checkpointing")]
     fits = f"the step fits at world size {world}" if world > 1 else "the step fits"
-    return [Finding("TL-MEM-002", "info", f"{fits}: {what}", measured=peak, expected=memory)]
+    return [Finding("TL-MEM-002", "info", f"{fits}: {what}", measured=measured, expected=memory)]
+
+
+def first_step_state(rec) -> int:
+    """Bytes of optimizer state the step made from none (its first ``optimizer.step()``), else
+    0: the record's memory timeline starts with no optimizer state and the optimizer holds
+    some at the end."""
+    state = int((getattr(rec, "optimizer", None) or {}).get("state_bytes") or 0)
+    timeline = (getattr(rec, "memory", None) or {}).get("timeline") or []
+    if not state or not timeline or "optimizer_state" not in timeline[0]:
+        return 0
+    return state if timeline[0]["optimizer_state"] == 0 else 0
+
+
+def _phase_peaks(rec) -> dict:
+    return (getattr(rec, "memory", None) or {}).get("phase_peaks") or {}
+
+
+def steady_peak(rec, made: int) -> int:
+    """The peak of a steady step, estimated from a first one: forward and backward peaks plus
+    the ``made`` bytes of optimizer state they will hold, or the measured peak if higher."""
+    peaks = _phase_peaks(rec)
+    before = [peaks[p] + made for p in ("forward", "backward", "recompute") if p in peaks]
+    return max([int(rec.totals.get("peak_bytes") or 0)] + before)
+
+
+def steady_peak_phase(rec, made: int):
+    peaks = _phase_peaks(rec)
+    best = max(((peaks[p] + made, p) for p in ("forward", "backward", "recompute") if p in peaks), default=None)
+    if best is None or best[0] <= int(rec.totals.get("peak_bytes") or 0):
+        return rec.totals.get("peak_phase")
+    return best[1]

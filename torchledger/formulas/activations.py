@@ -15,6 +15,26 @@ length; a decoder layer is one at the decoder length plus its cross-attention bl
 (:func:`korthikanti_cross_attention_bytes`), the paper's attention-block tensors with the
 queries on the decoder side and the keys and values on the encoder side.
 
+Table 2 of the paper, per layer, t the tensor-parallel size (:func:`korthikanti_table2`)::
+
+    no parallelism                              sbh(34 + 5as/h)
+    tensor parallel                             sbh(10 + 24/t + 5as/(ht))
+    tensor + sequence parallel                  sbh(34/t + 5as/(ht))
+    tensor parallel + selective recompute       sbh(10 + 24/t)
+    tensor + sequence parallel + selective      sbh(34/t)
+    full recompute                              sbh(2)
+
+Tensor parallelism alone leaves 10sbh replicated on every rank (the two LayerNorm inputs
+4sbh, the inputs of QKV and of the MLP's first linear 4sbh, the two dropout masks 2sbh);
+sequence parallelism splits those along the sequence too. **What PyTorch saves instead**
+(:func:`pytorch_sp_layer_bytes`): Megatron keeps the LayerNorm output sequence-sharded
+(2sbh/t) and all-gathers it again in backward for the weight gradient; PyTorch's
+``ColwiseParallel`` after ``SequenceParallel`` saves the all-gathered input itself (2sbh) for
+the linear's backward. With the block input gathered once per attention and once per MLP
+(torchtitan's ``PrepareModuleInput``), a PyTorch TP+SP layer keeps 2 x 2sbh(1 - 1/t) more:
+sbh(34/t + 4(1 - 1/t) + 5as/(ht)); a plan that gathers per projection (``ColwiseParallel(
+input_layouts=Shard(1))`` on each of q, k, v, gate, up) keeps one gathered copy each.
+
 Recomputation (activation checkpointing):
   - ``"full"``: keep only each layer's input, 2*s*b*h bytes (16-bit); recompute the layer in
     backward, so one layer's full activations are live again on top (``peak_bytes``).
@@ -33,11 +53,64 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 
 __all__ = ["korthikanti_layer_bytes", "korthikanti_cross_attention_bytes", "ActivationMemory", "activation_memory",
-           "RECOMPUTE_MODES", "tensor_bytes"]
+           "RECOMPUTE_MODES", "tensor_bytes", "korthikanti_table2", "TABLE2_ROWS", "pytorch_sp_layer_bytes"]
 
-RECOMPUTE_MODES = ("none", "full", "sqrt")
+RECOMPUTE_MODES = ("none", "full", "sqrt", "selective")
+
+#: Korthikanti et al. Table 2's rows (see the module docstring).
+TABLE2_ROWS = ("none", "tp", "tp+sp", "tp+selective", "tp+sp+selective", "full")
+
+
+def _whole(x: Fraction):
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def korthikanti_table2(seq_len: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                       row: str = "none", fused_attention: bool = False):
+    """Bytes of one layer (16-bit) by Table 2's ``row`` (:data:`TABLE2_ROWS`), exact: an int
+    when t divides, else a float. ``fused_attention=True`` drops the 5as^2b/t score term
+    (flash/SDPA kernels keep no s x s matrix; the selective rows drop it by recomputing).
+
+    s=2, b=1, h=4, a=2, t=2: sbh = 8; no parallelism 8 x (34 + 5*2*2/4) = 312; TP
+    8 x (10 + 12) + 5*2*4*1/2 = 196; TP+SP 8 x 17 + 20 = 156; selective 176 and 136; full 16.
+
+    >>> [korthikanti_table2(2, 1, 4, 2, tp=2, row=r) for r in TABLE2_ROWS]
+    [312, 196, 156, 176, 136, 16]
+    """
+    if row not in TABLE2_ROWS:
+        raise ValueError(f"row must be one of {', '.join(TABLE2_ROWS)}, got {row!r}")
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a whole number >= 1, got {tp!r}")
+    sbh = seq_len * batch * hidden
+    t = Fraction(1, 1) if row == "none" else Fraction(tp)
+    scores = 0 if fused_attention else Fraction(5 * heads * seq_len * seq_len * batch) / t
+    linear = {"none": 34 * sbh, "tp": 10 * sbh + Fraction(24 * sbh) / t, "tp+sp": Fraction(34 * sbh) / t,
+              "tp+selective": 10 * sbh + Fraction(24 * sbh) / t, "tp+sp+selective": Fraction(34 * sbh) / t,
+              "full": 2 * sbh}[row]
+    if row in ("tp+selective", "tp+sp+selective", "full"):
+        scores = 0
+    return _whole(linear + scores)
+
+
+def pytorch_sp_layer_bytes(seq_len: int, batch: int, hidden: int, heads: int, *, tp: int,
+                           gathered_inputs: int = 2, fused_attention: bool = False):
+    """One layer under PyTorch's tensor + sequence parallelism (16-bit): Table 2's TP+SP row
+    plus, for each of ``gathered_inputs`` all-gathered block inputs a column-parallel linear
+    saves, 2sbh - 2sbh/t (it keeps the gathered tensor; Megatron keeps the shard and
+    re-gathers in backward). 2 with torchtitan's plan (one gather per attention, one per MLP).
+
+    s=2, b=1, h=4, a=2, t=2: TP+SP 156 + 2 x (16 - 8) = 172.
+
+    >>> pytorch_sp_layer_bytes(2, 1, 4, 2, tp=2)
+    172
+    """
+    base = Fraction(korthikanti_table2(seq_len, batch, hidden, heads, tp=tp, row="tp+sp",
+                                       fused_attention=fused_attention))
+    sbh = seq_len * batch * hidden
+    return _whole(base + gathered_inputs * (2 * sbh - Fraction(2 * sbh, tp)))
 
 
 def tensor_bytes(*shape: int, element_size: int = 2) -> int:
@@ -112,10 +185,17 @@ def _saved(per_layer: int, inputs_per_layer: int, n_layers: int, recompute: str)
 
 
 def activation_memory(seq_len: int, batch: int, hidden: int, heads: int, n_layers: int, *,
-                      recompute: str = "none", fused_attention: bool = False) -> ActivationMemory:
-    """Activation bytes over ``n_layers`` layers (16-bit) under ``recompute`` (none/full/sqrt).
+                      recompute: str = "none", fused_attention: bool = False, tp: int = 1,
+                      sequence_parallel: bool = False) -> ActivationMemory:
+    """Activation bytes over ``n_layers`` layers (16-bit) under ``recompute``
+    (none/selective/full/sqrt), on one rank of ``tp`` tensor-parallel ranks, with or without
+    ``sequence_parallel``: the rows of Korthikanti's Table 2 (:func:`korthikanti_table2`).
 
-    ``recompute="full"`` keeps 2*s*b*h bytes per layer, the layer inputs only.
+    ``recompute="full"`` keeps 2*s*b*h bytes per layer, the layer inputs only;
+    ``"selective"`` recomputes attention's score ops (the 5as^2b/t term goes).
+
+    >>> activation_memory(2, 1, 4, 2, 3, tp=2, sequence_parallel=True).saved_bytes   # 3 x 156
+    468
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
@@ -124,9 +204,20 @@ def activation_memory(seq_len: int, batch: int, hidden: int, heads: int, n_layer
                         ("heads", heads), ("n_layers", n_layers)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
-    per_layer = korthikanti_layer_bytes(seq_len, batch, hidden, heads,
-                                        fused_attention=fused_attention)
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a whole number >= 1, got {tp!r}")
+    if tp == 1 and not sequence_parallel and recompute != "selective":
+        per_layer = korthikanti_layer_bytes(seq_len, batch, hidden, heads, fused_attention=fused_attention)
+    else:
+        prefix = "tp+sp" if sequence_parallel else "tp"
+        row = prefix + "+selective" if recompute == "selective" else prefix
+        per_layer = korthikanti_table2(seq_len, batch, hidden, heads, tp=tp, row=row,
+                                       fused_attention=fused_attention)
+    if recompute == "selective":
+        recompute_kind = "none"         # what is kept is the row's; nothing more comes back at once
+    else:
+        recompute_kind = recompute
     inputs = tensor_bytes(batch, seq_len, hidden)
-    saved, peak = _saved(per_layer, inputs, n_layers, recompute)
+    saved, peak = _saved(per_layer, inputs, n_layers, recompute_kind)
     return ActivationMemory(per_layer_bytes=per_layer, n_layers=n_layers, recompute=recompute,
                             saved_bytes=saved, peak_bytes=peak)

@@ -23,17 +23,34 @@ ZeRO-3: the 1.5x of the ZeRO paper.
     >>> comm_per_step(4096, gpus=4, strategy="ddp").bus_bytes      # 4096 * 2 * 3 / 4
     6144
 
-Known limitations: FSDP2 pads each parameter's first dimension to a multiple of n
-(``fsdp_padded_bytes``) and does not re-gather the root module's parameters in backward
-(``reshard_after_forward`` is False for the root); mixed precision gathers params in
-``param_dtype`` and reduces grads in ``reduce_dtype`` (pass P and G in those dtypes);
-tensor/pipeline parallel traffic is not modelled.
+FSDP2 and HSDP exactly (:func:`fsdp_comm_per_step`): P is the parameters padded to a multiple
+of the shard group s in dim 0 (``fsdp_padded_bytes``) in ``param_dtype`` (mixed precision
+gathers bf16: half the bytes), re-gathered in backward only for groups with
+``reshard_after_forward=True`` (FSDP2's root keeps its parameters from forward to backward);
+G the padded gradients in ``reduce_dtype`` (default ``param_dtype``). HSDP (replicate r x
+shard s) adds one all-reduce of G/s over the r replicas.
+
+Tensor parallelism, per layer, X = b x s x h x bytes of one activation
+(:func:`tp_comm_per_layer`): forward one all-reduce of X after each row-parallel output (the
+attention output projection and the MLP's down projection: 2); backward one all-reduce of X per
+column-parallel *input conversion*. Megatron fuses Q/K/V and gate/up (2 per layer); PyTorch's
+``ColwiseParallel`` on unfused q, k, v, gate and up projections converts each input on its
+own, so its backward issues 5 all-reduces per layer, 3 more than Megatron: PyTorch's real
+cost, not an accounting error. With sequence parallelism each all-reduce becomes an
+all-gather (X/t sent) before a column-parallel block and a reduce-scatter (X sent) after a
+row-parallel one, mirrored in backward; Megatron re-gathers the block input in backward for
+the weight gradient, PyTorch keeps the gathered input saved instead (no backward re-gather;
+its activation memory is larger: ``activations.pytorch_sp_layer_bytes``).
+
+Known limitations: pipeline parallel, context parallel and expert parallel traffic is not
+modelled here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["STRATEGIES", "bus_factor", "CommStep", "comm_per_step", "fsdp_padded_bytes"]
+__all__ = ["STRATEGIES", "bus_factor", "CommStep", "comm_per_step", "fsdp_padded_bytes",
+           "fsdp_comm_per_step", "tp_comm_per_layer"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -125,3 +142,70 @@ def fsdp_padded_bytes(shapes, itemsize: int, gpus: int) -> int:
             rest *= int(d)
         total += -(-int(shape[0]) // gpus) * gpus * rest * itemsize
     return total
+
+
+def _step(strategy: str, n: int, ops: list) -> CommStep:
+    sent = {"forward": 0, "backward": 0, "optimizer": 0}
+    for _, phase, s, _, _ in ops:
+        sent[phase] += s
+    sent["total"] = sum(sent.values())
+    return CommStep(strategy=strategy, gpus=n, sent=sent, algo_bytes=sum(o[3] for o in ops),
+                    bus_bytes=sum(o[4] for o in ops), ops=tuple(ops))
+
+
+def fsdp_comm_per_step(gather_bytes: int, grad_bytes: int, *, shard_group: int, replicate_group: int = 1,
+                       regather_bytes: int | None = None) -> CommStep:
+    """FSDP2 (or HSDP with ``replicate_group`` > 1) per rank and step.
+
+    ``gather_bytes``: P, the parameters as all-gathered (padded to a multiple of the shard
+    group in dim 0, in ``param_dtype``); ``regather_bytes``: the part gathered again in
+    backward (default P: every group reshards after forward; FSDP2's root does not);
+    ``grad_bytes``: G, the padded gradients in ``reduce_dtype``. Sent: P/s forward, the
+    regathered/s and G (the reduce-scatter's input) in backward, and under HSDP G/s once more
+    (the all-reduce of this rank's reduced shard over the replicas).
+
+    >>> fsdp_comm_per_step(800, 800, shard_group=4, replicate_group=2).sent
+    {'forward': 200, 'backward': 1200, 'optimizer': 0, 'total': 1400}
+    """
+    s, r = int(shard_group), int(replicate_group)
+    if s < 1 or r < 1:
+        raise ValueError(f"shard_group and replicate_group must be >= 1, got {shard_group!r}, {replicate_group!r}")
+    p, g = int(gather_bytes), int(grad_bytes)
+    again = p if regather_bytes is None else int(regather_bytes)
+    ops = [_op("all_gather", "forward", -(-p // s), p, s)]
+    if again:
+        ops.append(_op("all_gather", "backward", -(-again // s), again, s))
+    ops.append(_op("reduce_scatter", "backward", g, g, s))
+    if r > 1:
+        ops.append(_op("all_reduce", "backward", -(-g // s), -(-g // s), r))
+    return _step("hsdp" if r > 1 else "fsdp", s * r, ops)
+
+
+def tp_comm_per_layer(tokens: int, hidden: int, *, tp: int, dtype_bytes: int = 2,
+                      sequence_parallel: bool = False, column_inputs: int = 2,
+                      row_outputs: int = 2) -> CommStep:
+    """Tensor-parallel collectives of one Transformer layer on one rank (module docstring).
+
+    ``tokens``: b x s on this rank's data-parallel share; ``column_inputs``: column-parallel
+    input conversions per layer (2 Megatron, fused; 5 PyTorch's unfused q, k, v, gate, up);
+    ``row_outputs``: row-parallel outputs (2). X = tokens x hidden x dtype_bytes.
+
+    >>> tp_comm_per_layer(4, 8, tp=2, dtype_bytes=4).sent     # X = 128: 2 fwd + 2 bwd all-reduces
+    {'forward': 256, 'backward': 256, 'optimizer': 0, 'total': 512}
+    >>> tp_comm_per_layer(4, 8, tp=2, dtype_bytes=4, column_inputs=5).sent["backward"]   # PyTorch unfused
+    640
+    """
+    t = int(tp)
+    if t < 1:
+        raise ValueError(f"tp must be >= 1, got {tp!r}")
+    x = int(tokens) * int(hidden) * int(dtype_bytes)
+    ops = []
+    if not sequence_parallel:
+        ops += [_op("all_reduce", "forward", x, x, t)] * row_outputs
+        ops += [_op("all_reduce", "backward", x, x, t)] * column_inputs
+    else:
+        ops += [_op("all_gather", "forward", x // t, x, t)] * column_inputs
+        ops += [_op("reduce_scatter", "forward", x, x, t)] * row_outputs
+        ops += [_op("all_gather", "backward", x // t, x, t)] * row_outputs
+        ops += [_op("reduce_scatter", "backward", x, x, t)] * column_inputs
+    return _step("tp+sp" if sequence_parallel else "tp", t, ops)

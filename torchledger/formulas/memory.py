@@ -17,6 +17,16 @@ adam8bit 2 values of 1 byte each whatever the precision.
 ZeRO over G data-parallel GPUs (per-GPU bytes): stage 1 shards the optimizer state and the
 master weights, stage 2 also the gradients, stage 3 also the parameters.
 
+Per rank under a mesh (:func:`static_bytes_per_rank`, :func:`sharded_numel`), with ``s`` the
+FSDP shard group (``dp``/torchtitan's dp_shard), ``r`` the replicate group (``dp_replicate``:
+DDP, or HSDP's outer dim) and ``t`` the tensor-parallel group: a weight TP splits holds
+16/(t*s) bytes per parameter on each rank (fp32 or mixed AdamW), one TP leaves whole
+(norms, embeddings, often the head) 16/s; ``r`` divides nothing (HSDP 2x4: 16N/4, not 16N/8;
+DDP: 16N). FSDP2 pads each parameter's dim 0 to a multiple of s, so rank 0 holds
+ceil(d0/s) rows: at 4,096 ranks a 4,096 x 11,008 weight is one row each, a 32,000-row
+embedding 8 rows (32,768 padded, +2.4%). Mixed precision under FSDP2 changes nothing here
+(sharded parameters, gradients and optimizer state stay fp32; the bf16 copy is gathered).
+
     >>> static_memory(7e9).total_bytes            # fp32 + AdamW: 16 B/param
     112000000000
 
@@ -33,7 +43,8 @@ from typing import Mapping, Optional
 from .flops import exact
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "WEIGHT_DTYPES", "bytes_per_param", "StaticMemory",
-           "static_memory", "max_params", "fits", "weight_bytes", "naive_fp32_training_bytes"]
+           "static_memory", "max_params", "fits", "weight_bytes", "naive_fp32_training_bytes",
+           "sharded_numel", "static_bytes_per_rank", "static_per_rank_closed_form", "mesh_groups"]
 
 #: Optimizer -> number of state values per parameter.
 OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2,
@@ -151,3 +162,98 @@ def fits(memory: StaticMemory, gpu_memory_bytes: Optional[float]) -> Optional[bo
     if gpu_memory_bytes is None:
         return None
     return memory.per_gpu_bytes <= gpu_memory_bytes
+
+
+def _chunk(d: int, n: int, k: int) -> int:
+    """Rows chunk ``k`` of ``torch.chunk(d rows, n)`` holds: ceil(d/n), the last ones fewer or none."""
+    c = -(-d // n)
+    return max(0, min(c, d - k * c))
+
+
+def sharded_numel(shape, *, tp: int = 1, tp_dim: int = -1, shard_group: int = 1, tp_rank: int = 0,
+                  shard_rank: int = 0) -> int:
+    """Elements a rank holds of a parameter of global ``shape``: tensor parallelism splits
+    dim ``tp_dim`` over ``tp`` ranks (``torch.chunk``: ceil(d / tp) on rank 0; -1: no split),
+    then FSDP2 splits dim 0 of that over ``shard_group`` ranks (ceil: the padded shard).
+    ``tp_rank``/``shard_rank``: the rank's place in those groups (0 by default, whose share is
+    the ceil; a last rank may hold fewer rows, FSDP2 pads its storage, not its tensor).
+
+    >>> sharded_numel((130, 64), shard_group=8)              # ceil(130 / 8) = 17 rows x 64
+    1088
+    >>> sharded_numel((130, 64), tp=4, tp_dim=0, shard_group=2)   # ceil(ceil(130/4)/2) = 17
+    1088
+    >>> sharded_numel((130, 64), shard_group=8, shard_rank=7)     # 130 - 7 x 17 = 11 rows
+    704
+    """
+    dims = [int(d) for d in shape] or [1]
+    if tp > 1 and 0 <= tp_dim < len(dims):
+        dims[tp_dim] = _chunk(dims[tp_dim], tp, tp_rank)
+    if shard_group > 1:
+        dims[0] = _chunk(dims[0], shard_group, shard_rank)
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def static_bytes_per_rank(params, optimizer: str = "adamw", precision: str = "fp32", *,
+                          tp_rank: int = 0, shard_rank: int = 0) -> dict:
+    """Static bytes (params + grads + master + optimizer state) on rank 0 of a mesh, from
+    ``params`` rows ``(shape, tp, tp_dim, shard_group, replicate_group, trainable, ..., count)``
+    (``totals.layout["params"]``): each row's :func:`sharded_numel` x the bytes per parameter
+    of ``optimizer`` x ``precision`` (a frozen parameter: its weight only), on the rank at
+    ``tp_rank``/``shard_rank`` in its groups (rank 0 by default). Returns
+    ``{"bytes", "numel", "numel_unpadded"}``: ``numel`` the padded shards,
+    ``numel_unpadded`` the same split as if every dim divided (global numel / (tp x s)).
+
+    >>> static_bytes_per_rank([((130, 64), 1, -1, 8, 1, True, 1)])["bytes"]   # 17*64 x 16
+    17408
+    """
+    per = bytes_per_param(optimizer, precision)
+    trained, frozen = sum(per.values()), per["params"]
+    out = {"bytes": 0, "numel": 0, "numel_unpadded": 0.0}
+    for row in params:
+        shape, tp, tp_dim, s, trainable, count = row[0], row[1], row[2], row[3], row[5], row[-1]
+        n = sharded_numel(shape, tp=tp, tp_dim=tp_dim, shard_group=s, tp_rank=tp_rank,
+                          shard_rank=shard_rank) * count
+        whole = 1
+        for d in shape:
+            whole *= int(d)
+        out["numel"] += n
+        out["numel_unpadded"] += whole * count / (max(tp, 1) * max(s, 1))
+        out["bytes"] += n * (trained if trainable else frozen)
+    return out
+
+
+def static_per_rank_closed_form(n_split, n_whole=0, *, shard_group: int = 1, replicate_group: int = 1,
+                                tp: int = 1, optimizer: str = "adamw", precision: str = "fp32") -> float:
+    """Static bytes per rank without padding: ``bpp x (n_split / (tp x s) + n_whole / s)``,
+    ``n_split`` the parameters tensor parallelism splits, ``n_whole`` those it leaves whole.
+    ``replicate_group`` (DDP, HSDP's outer dim) holds full copies and divides nothing.
+
+    >>> static_per_rank_closed_form(1000, shard_group=4, replicate_group=2)   # HSDP 2x4: 16 x 1000 / 4
+    4000.0
+    >>> static_per_rank_closed_form(800, 200, tp=4)                           # TP 4 only: 16 x (200 + 200)
+    6400.0
+    """
+    for name, v in (("shard_group", shard_group), ("replicate_group", replicate_group), ("tp", tp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+    bpp = sum(bytes_per_param(optimizer, precision).values())
+    return bpp * (n_split / (tp * shard_group) + n_whole / shard_group)
+
+
+def mesh_groups(dp: int = 1, dp_replicate: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+    """The groups the references take, from a named mesh (``--mesh dp=..,cp=..,tp=..``):
+    FSDP shards over ``dp x cp`` (torchtitan's ``dp_shard_cp``: context-parallel ranks hold the
+    same weights, so FSDP shards over them too), ``dp_replicate`` replicates (DDP, HSDP's outer
+    dim), ``tp`` splits the weights its plan shards; ``pp`` stages each hold their own layers
+    (divide the parameters by stage before calling the per-rank forms); ``ep`` is passed on.
+
+    >>> mesh_groups(dp=4, cp=2, tp=8, pp=9)
+    {'shard_group': 8, 'replicate_group': 1, 'tp': 8, 'pp': 9, 'ep': 1}
+    """
+    for name, v in (("dp", dp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("pp", pp), ("ep", ep)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"mesh dimension {name} must be a whole number >= 1, got {v!r}")
+    return {"shard_group": dp * cp, "replicate_group": dp_replicate, "tp": tp, "pp": pp, "ep": ep}

@@ -2,7 +2,13 @@
 
 ``torch.distributed`` collectives are dispatcher ops (``c10d.allreduce_`` from DDP's reducer,
 ``c10d._allgather_base_`` and ``c10d._reduce_scatter_base_`` from FSDP2, ``_c10d_functional.*``
-from DTensor and compiled code), so ``dispatch.LedgerMode`` sees every one. Each becomes one
+from DTensor and compiled code), so ``dispatch.LedgerMode`` sees every one issued outside an
+op. Those a DTensor issues *inside* an op (sharding propagation redistributing an input: a
+matmul of two ``Shard(0)`` operands all-gathers one; AdamW's foreach ops on ``Partial``
+gradients all-reduce them) run while LedgerMode is popped for that op's own handler; for the
+length of each DTensor op ``InnerCollectives`` sits on the mode stack and hands the
+collectives of its desugaring to LedgerMode (PyTorch's ``CommDebugMode`` sees them the same
+way: it lets DTensor desugar first, by answering ``NotImplemented`` for DTensor ops). Each becomes one
 event, aggregated by (op, group size, phase, module, source line) into ``record.collectives``
 and ``totals.comm_bytes``. Collectives are never FLOPs, never uncounted ops, never copies.
 
@@ -32,15 +38,19 @@ Known limitations: ``reduce``, ``gather`` and ``scatter`` (rooted, rare in train
 those names (beyond INTERFACE.md's seven) and are recorded with the root's view (sent =
 input, received = output); bytes of a collective run asynchronously count when it is issued,
 not when ``wait()`` returns; a collective whose process group cannot be resolved is not
-recorded (the record's warnings name it: "op not recorded: ...").
+recorded (the record's warnings name it: "op not recorded: ..."); collectives that never
+reach the dispatcher (a compiled region's fused kernels, NCCL calls from C++ extensions) are
+invisible to any dispatch mode: torch.compile'd steps are traced by ``tracer/compiled.py``.
 """
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..formulas.comm import bus_factor
 
-__all__ = ["COLLECTIVES", "IGNORED", "lookup", "collective_bytes", "bus_factor", "describe"]
+__all__ = ["COLLECTIVES", "IGNORED", "lookup", "collective_bytes", "bus_factor", "describe",
+           "InnerCollectives"]
 
 #: (namespace, op) -> (plain op name, index of the input argument(s), index of the output
 #: argument(s) or None for the op's return value, index of the group argument, kind of group
@@ -200,3 +210,29 @@ def describe(func, args, kwargs, out) -> tuple:
     if op == "recv" and i_out is None:  # functional irecv fills (and returns) its argument
         filled = _nbytes(args[0])
     return op, n, span, collective_bytes(op, sent_in, filled, n)
+
+
+class InnerCollectives(TorchDispatchMode):
+    """On the mode stack for the length of one DTensor op that ``ledger`` (a LedgerMode) is
+    running: lets DTensor desugar (``NotImplemented`` for ops on DTensors, as
+    ``CommDebugMode`` does), and hands each collective of the desugared ops to
+    ``ledger.inner_collective`` under the outer op's phase and module. Everything else passes
+    through untouched: the outer op's FLOPs and bytes are LedgerMode's, counted once."""
+
+    def __init__(self, ledger, phase, mod, is_wrapper):
+        super().__init__()
+        self.ledger, self.phase, self.mod, self.is_wrapper = ledger, phase, mod, is_wrapper
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if types and any(self.is_wrapper(t) for t in types):
+            return NotImplemented       # DTensor first: its local ops and comms come back here
+        out = func(*args, **kwargs)
+        if id(func) in self.ledger.collective_ids:
+            try:
+                self.ledger.inner_collective(func, args, kwargs, out, self.phase, self.mod)
+            except Exception as e:  # noqa: BLE001  a hook must never kill training
+                self.ledger._error(func, e)
+        return out

@@ -18,7 +18,7 @@ from bisect import bisect_right
 
 from torch._C._autograd import _get_sequence_nr
 
-from .collectives import FSDP_COPY_OUT, IGNORED, describe, lookup
+from .collectives import FSDP_COPY_OUT, IGNORED, InnerCollectives, describe, lookup
 from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
@@ -182,7 +182,11 @@ class LedgerMode(TorchDispatchMode):
         except Exception as e:  # a hook must never kill training
             node, phase, mod = None, FORWARD, NO_MODULE
             self._error(func, e)
-        out = func(*args, **kwargs)
+        if types and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
+            with InnerCollectives(self, phase, mod, _is_wrapper):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         try:
             self._record(func, args, kwargs, out, node, phase, mod)
         except Exception as e:
@@ -320,6 +324,11 @@ class LedgerMode(TorchDispatchMode):
                     for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
                         st.add(s, TEMP, at=idx, op=func)
         return read, written
+
+    def inner_collective(self, func, args, kwargs, out, phase, mod) -> None:
+        """A collective a DTensor op issued inside itself (``collectives.InnerCollectives``):
+        recorded under that op's phase and module, at the index it is about to take."""
+        self._collective(func, args, kwargs, out, phase, mod, self.n_ops)
 
     def _collective(self, func, args, kwargs, out, phase, mod, idx) -> None:
         """One collective (or a wait on one): its output storages are tracked like any op's
@@ -566,6 +575,13 @@ def _is_wrapper(cls) -> bool:
             and "__tensor_flatten__" in {k for c in cls.__mro__ for k in vars(c)}
             and cls.__module__.startswith("torch.distributed"))
     return hit
+
+
+def _has_wrapper(types) -> bool:
+    for cls in types:
+        if _is_wrapper(cls):
+            return True
+    return False
 
 
 def _local_flops(fc, out):

@@ -11,6 +11,10 @@ follows ``UntypedStorage.resize_`` while the step is traced.
 
 Installed only when a process group is initialised (single-process steps are untouched).
 
+The gathered weights a forward op saves for backward (a matmul's weight) are parameters, not
+activations: the saved-tensor hook leaves every storage in ``gathered_params`` out of
+``activation_bytes`` (as it leaves out the sharded parameters themselves).
+
 Known limitations: any storage grown by ``resize_`` during a distributed step is counted as
 unsharded parameters (FSDP is the one user of that idiom in PyTorch); the padded unsharded
 gradients FSDP builds for the reduce-scatter (``fsdp.chunk_cat``) are temporaries.
@@ -43,6 +47,11 @@ def install_distributed(tracer, life) -> None:
         try:
             if tracer._ours() and not tracker.closed:
                 tracker.resized(self, UNSHARDED)
+                if self.nbytes():
+                    # FSDP2's unsharded parameter buffer grown back: at world size 1 FSDP
+                    # copies the shard into it with no collective (no copy-out to see), so
+                    # this is where its matmul weights (N of 6ND) are first known
+                    mode.gathered_params.setdefault(self._cdata, 0)
         except Exception as e:              # never raise into the user's step
             tracer._warn(f"storage resize: {type(e).__name__}: {e}")
         return out
@@ -66,6 +75,73 @@ def install_distributed(tracer, life) -> None:
                     mode.gathered_params.setdefault(s._cdata, 0)
 
     mode.on_collective = on_collective
+    _follow_fsdp_outputs(tracer, life, mode, tracker)
+    _count_api_calls(tracer, life, mode)
+
+
+#: ``torch.distributed`` functions -> the collective they issue (INTERFACE.md's plain names).
+_API = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+        "broadcast": "broadcast", "all_to_all_single": "all_to_all", "all_to_all": "all_to_all",
+        "send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
+def _count_api_calls(tracer, life, mode) -> None:
+    """Count the step's ``torch.distributed.<collective>(...)`` calls (``mode.api_calls``), so
+    that a collective that never reached the dispatch mode (issued with torch dispatch
+    disabled, from under another mode's handler, by code that talks to the process group
+    around the dispatcher) is named in ``record.warnings`` (``dist_record``) instead of
+    silently missing from ``comm_bytes``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    mode.api_calls = {}
+    for name, op in _API.items():
+        original = getattr(c10d, name, None)
+        if original is None or not callable(original):
+            continue
+
+        def counted(*args, __original=original, __op=op, **kwargs):
+            try:
+                if tracer._ours() and not mode.quiet:
+                    mode.api_calls[__op] = mode.api_calls.get(__op, 0) + 1
+            except Exception:  # noqa: BLE001  never raise into the user's step
+                pass
+            return __original(*args, **kwargs)
+
+        counted.__wrapped__ = original
+        counted.__name__ = getattr(original, "__name__", name)
+        counted.__doc__ = getattr(original, "__doc__", None)
+        for namespace in (c10d, dist):
+            if getattr(namespace, name, None) is original:
+                life.patch(namespace, name, counted)
+
+
+def _follow_fsdp_outputs(tracer, life, mode, tracker) -> None:
+    """FSDP2 makes each parameter's unsharded buffer in ``FSDPParam.init_all_gather_outputs``
+    (its first unshard); at world size 1 it then copies the shard in with no collective and no
+    copy-out, so the buffer is known here or nowhere."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:             # another torch: the copy-out and resize_ paths remain
+        return
+    original = FSDPParam.__dict__.get("init_all_gather_outputs")
+    if original is None:
+        return
+
+    def init_all_gather_outputs(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        try:
+            if tracer._ours() and not tracker.closed:
+                for t in getattr(self, "all_gather_outputs", ()) or ():
+                    for s in storages(t):
+                        tracker.promote(s, UNSHARDED, only_from=TEMP)
+                        mode.gathered_params.setdefault(s._cdata, 0)
+        except Exception as e:              # never raise into the user's step
+            tracer._warn(f"FSDP unsharded buffers: {type(e).__name__}: {e}")
+        return out
+
+    init_all_gather_outputs.__wrapped__ = original
+    life.patch(FSDPParam, "init_all_gather_outputs", init_all_gather_outputs)
 
 
 _FSDP_DIR = os.path.join("distributed", "fsdp", "")

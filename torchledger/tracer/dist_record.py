@@ -1,5 +1,7 @@
 """The distributed part of a record: its collectives and the bytes this rank sends per phase
 (zeros in a single process). Where the rank sits (rank, world size, mesh): :mod:`.ranks`.
+Collectives the step issued through ``torch.distributed`` that the dispatch mode did not see
+are named in ``record.warnings`` (``dist_memory`` counts the calls).
 """
 from __future__ import annotations
 
@@ -30,3 +32,19 @@ def add_collectives(rec, mode, scope) -> None:
     rows.sort(key=lambda r: (-r["bytes"], r["op"], r["phase"], r["module"] or "", r["location"] or ""))
     rec.collectives = rows
     rec.totals["comm_bytes"] = comm
+    _unseen(rec, getattr(mode, "api_calls", None) or {}, rows)
+
+
+def _unseen(rec, api_calls: dict, rows: list) -> None:
+    """Say so when the step called ``torch.distributed.<op>`` more often than the dispatch
+    mode saw that collective: the difference moved bytes that ``comm_bytes`` leaves out."""
+    seen: dict = {}
+    for r in rows:
+        seen[r["op"]] = seen.get(r["op"], 0) + r["count"]
+    for op, calls in sorted(api_calls.items()):
+        if calls > seen.get(op, 0):
+            rec.warnings.append(
+                f"collectives not seen: the step called torch.distributed {op} {calls} time(s) but the "
+                f"dispatch mode saw {seen.get(op, 0)}; the bytes of the other {calls - seen.get(op, 0)} are "
+                f"not in comm_bytes or collectives (issued with torch dispatch disabled, under another "
+                f"mode's handler, or around the dispatcher); trace them outside that context to count them")

@@ -272,8 +272,8 @@ class StepTracer:
         try:
             forward = _current_node() is None
             for s in self._storages(t, "saved tensor"):
-                if s._cdata in self._param_storages:
-                    continue
+                if s._cdata in self._param_storages or s._cdata in self.mode.gathered_params:
+                    continue                # a weight (FSDP2's gathered ones too), not an activation
                 # keyed by lifetime, not address: a storage freed by micro-batch 1's backward and
                 # one that micro-batch 2 makes at the same address are two activations
                 k = self.storages.promote(s, ACT, only_from=TEMP) if forward else self.storages.add(s, TEMP)
