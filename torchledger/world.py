@@ -12,6 +12,8 @@ here shards anything. Ranks of an SPMD step run the same ops on same-sized shard
 Mesh dimension names, for ``mesh["dp"]``-style indexing in ``parallelize``: one dim
 ``("dp",)``; two ``("dp", "tp")`` (``--mesh 8x8``: the last dim is the inner one, the ranks
 of one node: TP inside 8, FSDP across 8); three ``("pp", "dp", "tp")``; more ``dim0..``.
+A named mesh (``--mesh dp=4,cp=2,tp=8,pp=9``, :mod:`torchledger.parallel.layout`) has the
+names it gives, outermost first in the order pp, dp_replicate, dp, cp, tp.
 
 Known limitations:
   - only ``--device fake``: real or meta tensors at N ranks would need N processes
@@ -66,6 +68,9 @@ def resolve_world(world_size: Optional[int], mesh, device: str) -> Optional[tupl
     audit (neither flag given). ``mesh`` alone implies the world size; both must agree."""
     if world_size is None and mesh is None:
         return None
+    if isinstance(mesh, str) and "=" in mesh:       # named: dp=4,cp=2,tp=8,pp=9
+        from .parallel.layout import parse_layout
+        mesh = parse_layout(mesh).shape
     shape = parse_mesh(mesh) if mesh is not None and not isinstance(mesh, tuple) else mesh
     if world_size is not None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -90,11 +95,12 @@ def resolve_world(world_size: Optional[int], mesh, device: str) -> Optional[tupl
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0):
+def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0, names: Optional[tuple] = None):
     """Rank ``rank`` of a fake process group of ``world_size`` ranks, and its CPU
     ``DeviceMesh`` (yielded). The process group is destroyed on the way out, whatever happens
     inside (an error, a KeyboardInterrupt): the next audit, or the user's own code in the same
-    process, starts with none."""
+    process, starts with none. ``names``: the mesh's dim names (default :func:`mesh_dim_names`;
+    a named ``--mesh dp=4,tp=8`` gives its own)."""
     import torch.distributed as dist
     if not dist.is_available():
         raise WorldError("--world-size: this torch build has no torch.distributed; install a "
@@ -112,7 +118,7 @@ def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         # NB: the mesh is made before any FakeTensorMode is entered: its rank tensor is real.
-        names = mesh_dim_names(len(mesh_shape))
+        names = tuple(names) if names else mesh_dim_names(len(mesh_shape))
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
         with _mesh_coordinates_real():
             yield mesh

@@ -1,0 +1,168 @@
+"""The named ``--mesh`` and the standard plan (no AuditSpec.parallelize): FSDP2, HSDP, DDP,
+TP with sequence parallelism, context parallelism, mixed precision and checkpointing on
+llama-tiny at small world sizes under the fake process group, checked by hand."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch built without torch.distributed", allow_module_level=True)
+
+from click.testing import CliRunner  # noqa: E402
+
+from torchledger.audit import run_audit  # noqa: E402
+from torchledger.cli import cli  # noqa: E402
+from torchledger.parallel.layout import parse_layout  # noqa: E402
+from torchledger.world import WorldError, resolve_world  # noqa: E402
+from test_audit_cli import one_line_error  # noqa: E402
+
+# llama-tiny with 4 KV heads: V 512, d 64, L 2, h 4 (d_h 16), d_ff 176, batch 2 x 32 tokens.
+# Per block: q, k, v, o 4 x 4,096 = 16,384; gate, up, down 3 x 11,264 = 33,792; two norms 128.
+# tok_emb and lm_head 32,768 each; final norm 64. In all 166,208 params, 664,832 B of fp32.
+TINY = """
+    import torch, torchledger
+    from torchledger.models import build_model, get_config
+
+    def audit_spec():
+        cfg = get_config("llama-tiny").replace(n_kv_heads=4)
+        model = build_model(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (2, 32))
+        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
+"""
+FULL = 166_208 * 4
+FLOPS_1 = 54_263_808          # the unsharded step's matmul FLOPs (one process)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    p = tmp_path_factory.mktemp("layouts") / "tiny.py"
+    p.write_text(textwrap.dedent(TINY))
+    return str(p)
+
+
+def audit(path, mesh=None, **plan):
+    run = run_audit(path, steps=1, mesh=mesh, plan=plan)
+    assert not dist.is_initialized()
+    return run.record
+
+
+# -- parsing -----------------------------------------------------------------------------------
+def test_named_mesh_is_made_outermost_first():
+    lay = parse_layout("dp=4,cp=2,tp=8,pp=9")
+    assert lay.names == ("pp", "dp", "cp", "tp") and lay.shape == (9, 4, 2, 8)
+    assert lay.world_size == 576 and lay.size("dp_replicate") == 1
+    assert parse_layout("tp=2,dp_shard=3,ddp=2").dims == (("dp_replicate", 2), ("dp", 3), ("tp", 2))
+    assert parse_layout("8x8").dims == (("dp", 8), ("tp", 8))     # the unnamed form keeps its meaning
+    assert resolve_world(None, "dp=4,cp=2,tp=8,pp=9", "fake") == (576, (9, 4, 2, 8))
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("dp=4,xp=2", "unknown dimension 'xp'"), ("dp=4,dp=2", "given twice"), ("dp=four", "dp=four"),
+    ("dp=0", ">= 1"), ("dp=4,ep=2", "ep (expert parallel) is not simulated"), ("dp4", "expected")])
+def test_bad_named_mesh_is_one_line(text, needle):
+    with pytest.raises(WorldError, match=None) as e:
+        parse_layout(text)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pipeline_options_without_pp_are_one_line(tiny):
+    one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "dp=2", "--micro-batches", "4"]),
+                   "--micro-batches", "no pp dimension")
+
+
+# -- the standard plan ------------------------------------------------------------------------
+def test_fsdp_standard_plan_shards_by_hand(tiny):
+    rec = audit(tiny, "dp=8")
+    # every dim 0 divides by 8: 664,832 / 8 = 83,104 B of parameters and of gradients
+    assert rec.totals["param_bytes"] == rec.totals["grad_bytes"] == FULL // 8
+    # forward all-gathers each shard once: 83,104 B
+    assert rec.totals["comm_bytes"]["forward"] == FULL // 8
+    assert rec.totals["flops"]["total"] == FLOPS_1
+    assert rec.meta["audit"]["plan"][0].startswith("FSDP2 over 8 ranks")
+
+
+def test_hsdp_2x4_replicates_then_shards(tiny):
+    rec = audit(tiny, "dp_replicate=2,dp=4")
+    # shards over dp=4 only: 664,832 / 4 = 166,208 B
+    assert rec.totals["param_bytes"] == FULL // 4
+    # forward all-gather of the shards 166,208; backward: all-gather 166,208 + reduce-scatter of
+    # the full gradients 664,832 + all-reduce of the gradient shards over the 2 replicas 166,208
+    assert rec.totals["comm_bytes"]["forward"] == 166_208
+    assert rec.totals["comm_bytes"]["backward"] == 166_208 + 664_832 + 166_208
+    reduce = [c for c in rec.collectives if c["op"] == "all_reduce"]
+    assert reduce and {c["group_size"] for c in reduce} == {2}
+
+
+def test_ddp_replicates_and_all_reduces_gradients(tiny):
+    rec = audit(tiny, "dp_replicate=8")
+    assert rec.totals["param_bytes"] == FULL
+    # gradients all-reduced once, whole: 664,832 B; nothing in forward
+    assert rec.totals["comm_bytes"]["forward"] == 0
+    assert rec.totals["comm_bytes"]["backward"] == FULL
+
+
+def test_tp_with_sequence_parallel_by_hand(tiny):
+    rec = audit(tiny, "tp=4")
+    assert rec.totals["flops"]["total"] == FLOPS_1 // 4
+    # per block: attention and MLP each all-gather their Shard(1) input (2 x 8 x 64 fp32 =
+    # 4,096) and reduce-scatter their output (2 x 32 x 64 fp32 = 16,384): 2 x 20,480 = 40,960;
+    # 2 blocks 81,920. Root: the embedding reduce-scatters 16,384, the head all-gathers its
+    # input 4,096 and its Shard(-1) logits to Replicate (2 x 32 x 128 fp32 = 32,768).
+    assert rec.totals["comm_bytes"]["forward"] == 81_920 + 16_384 + 4_096 + 32_768
+    assert "sequence parallel" in rec.meta["audit"]["plan"][0]
+
+
+def test_tp_x_fsdp_params_by_hand(tiny):
+    rec = audit(tiny, "dp=2,tp=4")
+    # per block TP'd weights 50,176 / (4 x 2) = 6,272, norms 128 / 2 = 64: 6,336 x 2 = 12,672;
+    # embedding and head split by TP (4) and FSDP (2): 2 x 4,096; final norm 64 / 2 = 32
+    assert rec.totals["param_bytes"] == (12_672 + 8_192 + 32) * 4           # 83,584
+    assert rec.meta["audit"]["mesh_dims"] == ["dp", "tp"]
+
+
+def test_heads_not_dividing_tp_is_one_line(tiny):
+    one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "tp=8", "--steps", "1"]),
+                   "4 attention heads", "tp=8")
+
+
+def test_context_parallel_by_hand(tiny):
+    rec = audit(tiny, "cp=4")
+    assert rec.totals["tokens"] == 2 * 32 // 4                     # this rank's quarter: 16
+    assert rec.totals["flops"]["total"] == FLOPS_1 // 4            # matmuls and attention (T/4 x T)
+    # FSDP over the 4 cp ranks (they hold the same weights): forward all-gather 166,208; K and V
+    # all-gathered per layer: local 2 x 4 heads x 8 x 16 fp32 = 4,096 each, 2 layers: 16,384
+    assert rec.totals["comm_bytes"]["forward"] == 166_208 + 16_384
+    # backward: FSDP all-gather 166,208 + reduce-scatter 664,832; dK, dV reduce-scattered
+    # (their full 2 x 4 x 32 x 16 fp32 = 16,384 each, 2 per layer, 2 layers)
+    assert rec.totals["comm_bytes"]["backward"] == 166_208 + 664_832 + 4 * 16_384
+
+
+def test_mixed_precision_gathers_in_bf16_reduces_in_fp32(tiny):
+    rec = audit(tiny, "dp=8", precision="bf16-mixed")
+    assert rec.totals["param_bytes"] == FULL // 8                  # fp32 shards kept
+    assert rec.totals["comm_bytes"]["forward"] == FULL // 8 // 2   # all-gathered in bf16: 41,552
+    rs = sum(c["bytes"] * 1 for c in rec.collectives if c["op"] == "reduce_scatter")
+    assert rs == FULL                                              # reduced in fp32: 664,832
+
+
+def test_checkpointing_full_keeps_less(tiny):
+    plain = audit(tiny)
+    full = audit(tiny, checkpointing="full")
+    assert full.totals["activation_bytes"] < plain.totals["activation_bytes"]
+    assert full.totals["flops"]["total"] == plain.totals["flops"]["total"]     # recompute is not counted twice
+    assert "checkpointing full: 2 of 2 blocks" in full.meta["audit"]["plan"][0]
+
+
+def test_unknown_model_with_tp_is_one_line(tmp_path):
+    p = tmp_path / "mlp.py"
+    p.write_text(textwrap.dedent("""
+        import torch, torchledger
+        def audit_spec():
+            return torchledger.AuditSpec(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.randn(4, 8))
+    """))
+    one_line_error(CliRunner().invoke(cli, ["audit", str(p), "--mesh", "tp=2", "--steps", "1"]),
+                   "tp=2", "Sequential", "parallelize")
