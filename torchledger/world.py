@@ -125,6 +125,26 @@ def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0, names: Optiona
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding and redistribution caches: they hold meshes of this world
+    (a DeviceMesh equals another of the same shape), whose groups are gone with it; the next
+    world (another pipeline rank) would be handed them."""
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+        prop = DTensor._op_dispatcher.sharding_propagator
+        for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+            fn = getattr(prop, name, None)
+            fn = getattr(fn, "cache", fn)
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import _redistribute
+        fn = getattr(_redistribute, "_gen_transform_infos", None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
 
 
 
@@ -148,7 +168,19 @@ def _mesh_coordinates_real():
             return original(self)
 
     DeviceMesh._compute_coordinate_on_dim = coordinates
+    # the same for the rank's row of a mesh of three or more dims (FSDP2 under TP with pp or
+    # cp in the mesh): torch finds it with ``nonzero`` too, on the rank map remapped
+    mesh_of = DeviceMesh.__dict__.get("mesh")
+
+    def mesh_tensor(self):
+        with unset_fake_temporarily():
+            return mesh_of.fget(self)
+
+    if isinstance(mesh_of, property):
+        DeviceMesh.mesh = property(mesh_tensor)
     try:
         yield
     finally:
         DeviceMesh._compute_coordinate_on_dim = original
+        if isinstance(mesh_of, property):
+            DeviceMesh.mesh = mesh_of
