@@ -166,3 +166,31 @@ def test_unknown_model_with_tp_is_one_line(tmp_path):
     """))
     one_line_error(CliRunner().invoke(cli, ["audit", str(p), "--mesh", "tp=2", "--steps", "1"]),
                    "tp=2", "Sequential", "parallelize")
+
+
+HF_LLAMA = """
+    import torch, torchledger
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def audit_spec():
+        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                          attn_implementation="sdpa")
+        idx = torch.randint(0, 512, (2, 32))
+        return torchledger.AuditSpec(LlamaForCausalLM(cfg), {"input_ids": idx, "labels": idx})
+"""
+
+
+def test_hf_llama_standard_plan_tp_x_fsdp(tmp_path):
+    pytest.importorskip("transformers")
+    p = tmp_path / "hf.py"
+    p.write_text(textwrap.dedent(HF_LLAMA))
+    rec = audit(str(p), "dp=2,tp=2")
+    # the same shapes as llama-tiny; TP on the blocks only (no SP for HF decoders): per block
+    # 50,176 / (2 x 2) = 12,544 + norms 128 / 2 = 64; embedding, head 32,768 / 2 each, final
+    # norm 64 / 2: 2 x 12,608 + 2 x 16,384 + 32 = 58,016 params
+    assert rec.totals["param_bytes"] == 58_016 * 4
+    # forward: FSDP2 all-gathers each shard once (232,064 B) and TP all-reduces o_proj's and
+    # down_proj's outputs, 2 x 32 x 64 fp32 = 16,384 B each, once each per block: 4 x 16,384
+    assert rec.totals["comm_bytes"]["forward"] == 58_016 * 4 + 4 * 16_384
+    assert "no sequence parallelism: a Hugging Face decoder" in rec.meta["audit"]["plan"][0]

@@ -91,7 +91,8 @@ def find_decoder(model) -> Optional[Decoder]:
     head = getattr(model, "lm_head", None)
     if layers is None or head is None or not len(layers):
         return None
-    first = layers[0]
+    # a pipeline stage's model has Identity in place of the blocks other ranks hold
+    first = next((b for b in layers if hasattr(b, "self_attn")), layers[0])
     attn, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
     if attn is None or mlp is None:
         return None
