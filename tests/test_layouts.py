@@ -122,6 +122,7 @@ def test_tp_x_fsdp_params_by_hand(tiny):
     # embedding and head split by TP (4) and FSDP (2): 2 x 4,096; final norm 64 / 2 = 32
     assert rec.totals["param_bytes"] == (12_672 + 8_192 + 32) * 4           # 83,584
     assert rec.meta["audit"]["mesh_dims"] == ["dp", "tp"]
+    assert rec.totals["layout"] == {"dp": 2, "tp": 4}
 
 
 def test_heads_not_dividing_tp_is_one_line(tiny):
@@ -194,3 +195,13 @@ def test_hf_llama_standard_plan_tp_x_fsdp(tmp_path):
     # down_proj's outputs, 2 x 32 x 64 fp32 = 16,384 B each, once each per block: 4 x 16,384
     assert rec.totals["comm_bytes"]["forward"] == 58_016 * 4 + 4 * 16_384
     assert "no sequence parallelism: a Hugging Face decoder" in rec.meta["audit"]["plan"][0]
+
+
+def test_selective_op_says_its_saved_outputs_are_unseen(tiny):
+    full = audit(tiny, checkpointing="full")
+    sel = audit(tiny, checkpointing="selective-op")
+    # the policy saves every other matmul's output: less is recomputed than under full
+    blocks = lambda rec: next(m for m in rec.modules if m["name"] == "blocks.0")["flops_recompute"]
+    assert 0 < blocks(sel) < blocks(full)
+    assert any("selective-op are a lower bound" in w for w in sel.warnings)
+    assert not any("selective-op" in w for w in full.warnings)

@@ -89,6 +89,7 @@ def _stage(rec, r):
 def test_1f1b_stages_flops_and_p2p(one_f_one_b):
     pp = one_f_one_b.totals["pipeline"]
     assert (pp["stages"], pp["virtual_stages"], pp["micro_batches"], pp["schedule"]) == (2, 1, 4, "1f1b")
+    assert one_f_one_b.totals["layout"] == {"pp": 2}
     assert pp["bubble_fraction"] == 1 / 4
     s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
     assert s0["blocks"] == s1["blocks"] == 2 and s0["chunks"] == [0] and s1["chunks"] == [1]
@@ -119,6 +120,7 @@ def test_1f1b_collective_rows_are_sends_and_receives(one_f_one_b):
     assert rows[("send", "forward")]["bytes"] == 4 * ACT and rows[("send", "forward")]["count"] == 4
     assert rows[("recv", "backward")]["bytes_received"] == 4 * ACT
     assert not [c for c in one_f_one_b.collectives if c["phase"] == "other"]
+    assert {c["location"] for c in one_f_one_b.collectives} == {None}     # torchledger's runner
 
 
 def test_interleaved_by_hand(interleaved):

@@ -352,11 +352,15 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
                            "loss": loss_source[0] if loss_source else None}
         if plan_notes:
             r.meta["audit"]["plan"] = list(plan_notes)
+            if spec.parallelize is None:
+                from .parallel.plan import plan_warnings
+                r.warnings.extend(w for w in plan_warnings(layout) if w not in r.warnings)
         if world is not None:        # simulated: rank 0 of n (the report says so)
             (n, shape), _ = world
             r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)
             if layout is not None:
                 r.meta["audit"]["mesh_dims"] = list(layout.names)
+                r.totals["layout"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
             # NB: set, not defaulted: a tracer that reads the process group finds the same
             # rank and size, but no mesh unless one is current
             r.totals.update(rank=0, world_size=n, mesh=list(shape))

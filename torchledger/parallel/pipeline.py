@@ -102,8 +102,10 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
                          "loss": "the last chunk's cross-entropy (pipeline stage)",
                          "world_size": n, "mesh": list(shape), "rank": bound["rank"] * per_rank,
                          "mesh_dims": list(layout.names), "plan": notes}
-    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape))
+    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape), layout=dict(layout.dims))
     rec.meta["device"] = "fake (cpu)"
+    from .plan import plan_warnings
+    rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
     run = AuditRun([rec], None, "fake", path)
     run.snapshot, run.untraced_seconds = None, []
     return run
@@ -176,6 +178,10 @@ def _trace_in_child(path, entry, world, layout, r, sizes, m):
     if "error" in data:
         raise _error(data["error"])
     traced = {k: StepRecord.from_dict(v) for k, v in data["records"].items()}
+    for rec in traced.values():         # the p2p torchledger's stage runner issues: no user line
+        for c in rec.collectives:
+            if str(c.get("location") or "").startswith("<string>"):
+                c["location"] = None
     return traced, data["notes"], data["meta"]
 
 

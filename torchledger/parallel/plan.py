@@ -40,7 +40,18 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs"]
+__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings"]
+
+#: What the record cannot see under a plan option (``record.warnings``).
+SELECTIVE_OP_UNSEEN = ("activation bytes under --checkpointing selective-op are a lower bound: the "
+                       "outputs its policy saves are held in PyTorch's selective-checkpoint storage, "
+                       "outside the saved-tensor hooks the tracer counts (its recompute FLOPs are "
+                       "measured); compare with --checkpointing full or none")
+
+
+def plan_warnings(layout) -> list:
+    """Lines for ``record.warnings`` about what a plan hides from the tracer."""
+    return [SELECTIVE_OP_UNSEEN] if layout is not None and layout.checkpointing == "selective-op" else []
 
 
 class PlanError(ValueError):
