@@ -57,12 +57,13 @@ def test_named_mesh_is_made_outermost_first():
     assert lay.world_size == 576 and lay.size("dp_replicate") == 1
     assert parse_layout("tp=2,dp_shard=3,ddp=2").dims == (("dp_replicate", 2), ("dp", 3), ("tp", 2))
     assert parse_layout("8x8").dims == (("dp", 8), ("tp", 8))     # the unnamed form keeps its meaning
+    assert parse_layout("ep=2,pp=2,dp=2").names == ("pp", "dp", "ep")
     assert resolve_world(None, "dp=4,cp=2,tp=8,pp=9", "fake") == (576, (9, 4, 2, 8))
 
 
 @pytest.mark.parametrize("text,needle", [
     ("dp=4,xp=2", "unknown dimension 'xp'"), ("dp=4,dp=2", "given twice"), ("dp=four", "dp=four"),
-    ("dp=0", ">= 1"), ("dp=4,ep=2", "ep (expert parallel) is not simulated"), ("dp4", "expected")])
+    ("dp=0", ">= 1"), ("dp4", "expected")])
 def test_bad_named_mesh_is_one_line(text, needle):
     with pytest.raises(WorldError, match=None) as e:
         parse_layout(text)
@@ -205,3 +206,59 @@ def test_selective_op_says_its_saved_outputs_are_unseen(tiny):
     assert 0 < blocks(sel) < blocks(full)
     assert any("selective-op are a lower bound" in w for w in sel.warnings)
     assert not any("selective-op" in w for w in full.warnings)
+
+
+# MoE-tiny: d 64, 2 layers, 4 SwiGLU experts of width 32, top-2, capacity factor 1. Per layer:
+# attention 16,384, router 256, norms 128 (dense 16,768); experts 3 x 4 x 64 x 32 = 24,576.
+# Dense in all: 2 x 16,768 + embedding, head 2 x 32,768 + norm 64 = 99,136 params.
+# Capacity: ceil(1.0 x 64 tokens x 2 / 4) = 32; dispatch buffer 4 x 32 x 64 fp32 = 32,768 B.
+MOE = """
+    import torch, torchledger
+    from torchledger.models import build_model
+    from torchledger.models.moe import MoEConfig
+
+    def audit_spec():
+        cfg = MoEConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=32, mlp="swiglu",
+                        norm="rmsnorm", bias=False, tie_embeddings=False, n_experts=4, top_k=2,
+                        capacity_factor=1.0, name="moe-tiny")
+        idx = torch.randint(0, 512, (2, 32))
+        return torchledger.AuditSpec(build_model(cfg), {"idx": idx, "targets": idx})
+"""
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    p = tmp_path_factory.mktemp("moe") / "moe.py"
+    p.write_text(textwrap.dedent(MOE))
+    return str(p)
+
+
+def test_expert_parallel_by_hand(moe):
+    single = audit(moe)
+    assert single.totals["params"] == 99_136 + 2 * 24_576          # 148,288
+    rec = audit(moe, "ep=4")
+    # each rank keeps 1 of 4 experts per layer (3 x 64 x 32 x 2 layers = 12,288, whole: not
+    # sharded over ranks holding other experts) and a quarter of the dense weights (24,784)
+    assert rec.totals["params"] == 99_136 + 12_288
+    assert rec.totals["param_bytes"] == (99_136 // 4 + 12_288) * 4
+    a2a = [c for c in rec.collectives if c["op"] == "all_to_all"]
+    # per layer: dispatch and combine in forward, their transposes in backward: 32,768 B each
+    assert sum(c["count"] for c in a2a) == 2 * 2 * 2
+    assert {c["bytes"] // c["count"] for c in a2a} == {32_768}
+    assert {c["group_size"] for c in a2a} == {4}
+    assert rec.totals["flops"]["total"] == single.totals["flops"]["total"]   # the same work, moved
+    assert rec.meta["audit"]["plan"][0].startswith("ep=4: each rank holds 1 of 4 experts")
+
+
+def test_expert_parallel_with_fsdp_shards_experts_over_dp(moe):
+    rec = audit(moe, "dp=2,ep=2")
+    # 2 of 4 experts per layer (24,576 params), sharded over dp=2; dense over dp x ep = 4
+    assert rec.totals["param_bytes"] == (99_136 // 4 + 24_576 // 2) * 4
+    experts = [c for c in rec.collectives if c["module"] and c["module"].endswith("mlp.experts")
+               and c["op"] == "reduce_scatter"]
+    assert experts and {c["group_size"] for c in experts} == {2}
+
+
+def test_ep_on_a_dense_model_is_one_line(tiny):
+    one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "ep=2", "--steps", "1"]),
+                   "ep=2", "no mixture-of-experts layers")

@@ -98,7 +98,11 @@ class Block(nn.Module):
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = MLP(cfg)
+        if getattr(cfg, "n_experts", 0):
+            from .moe import MoE
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x, rope=None):
         x = x + self.attn(self.attn_norm(x), rope)

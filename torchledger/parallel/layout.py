@@ -4,9 +4,10 @@ plan and the pipeline schedule (``--virtual-stages``, ``--micro-batches``, ``--g
 
 Dimension names (INTERFACE.md): ``dp`` shards (FSDP2, torchtitan's dp_shard),
 ``dp_replicate`` replicates (DDP; HSDP together with ``dp``), ``cp`` context parallel,
-``tp`` tensor parallel, ``pp`` pipeline stages, ``ep`` expert parallel. Their product is the
+``tp`` tensor parallel, ``pp`` pipeline stages, ``ep`` expert parallel (MoE models). Their product is the
 world size. The mesh is made in torchtitan's order, outermost first: pp, dp_replicate, dp,
-cp, tp (ranks of one tp group are neighbours: one node). The unnamed ``8x8`` keeps its
+ep, cp, tp (ranks of one tp group are neighbours: one node). ``ep`` ranks hold different
+experts and see different data: for the dense weights they are data-parallel ranks too. The unnamed ``8x8`` keeps its
 meaning (dims dp, tp; three dims pp, dp, tp).
 
     >>> parse_layout("dp=4,cp=2,tp=8,pp=9").names
@@ -21,7 +22,7 @@ from typing import Optional
 __all__ = ["Layout", "parse_layout", "DIM_ORDER", "SCHEDULES", "CHECKPOINTING", "PRECISIONS"]
 
 #: Mesh dims, outermost first (torchtitan's ParallelDims order).
-DIM_ORDER = ("pp", "dp_replicate", "dp", "cp", "tp")
+DIM_ORDER = ("pp", "dp_replicate", "dp", "ep", "cp", "tp")
 #: Accepted aliases of the dims' names.
 ALIASES = {"dp_shard": "dp", "fsdp": "dp", "ddp": "dp_replicate", "replicate": "dp_replicate"}
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero-bubble")
@@ -98,8 +99,8 @@ class Layout:
 
     @property
     def dp_degree(self) -> int:
-        """Data-parallel ranks (replicas of the batch): dp x dp_replicate."""
-        return self.size("dp") * self.size("dp_replicate")
+        """Data-parallel ranks (each its own batch): dp x dp_replicate x ep."""
+        return self.size("dp") * self.size("dp_replicate") * self.size("ep")
 
     @property
     def schedule_name(self) -> str:
@@ -141,9 +142,6 @@ def parse_layout(text, world_size: Optional[int] = None) -> Layout:
         if not eq or not name or not value:
             raise _error(f"--mesh: expected name=size pairs joined by commas, e.g. dp=4,cp=2,tp=8,pp=9, "
                          f"got {text!r}")
-        if name == "ep":
-            raise _error(f"--mesh {text}: ep (expert parallel) is not simulated yet: the reference models "
-                         f"have no experts; drop ep=")
         if name not in DIM_ORDER:
             raise _error(f"--mesh: unknown dimension {name!r} in {text!r}; known: "
                          f"{', '.join(DIM_ORDER)}")

@@ -31,7 +31,8 @@ In torchtitan's order (``parallelize_llama``), per transformer block:
 Known limitations: the model is recognised by its structure (torchledger's ``Transformer``;
 a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
 ``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
-parallelism only (FSDP2 on the root as one unit); ``ep`` is not simulated.
+parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
+(:mod:`torchledger.models.moe`) without tp or cp.
 """
 from __future__ import annotations
 
@@ -227,6 +228,35 @@ def cp_inputs(inputs, cp: int, rank: int, seq_len: int):
     return cut(inputs)
 
 
+# -- expert parallelism ------------------------------------------------------------------------
+def _apply_ep(dec, blocks, mesh, layout, notes) -> None:
+    """Each ep rank keeps E / ep of every MoE layer's experts; tokens reach them by all-to-all."""
+    ep = layout.size("ep")
+    moes = [getattr(b, dec.mlp) for _, b in blocks] if dec is not None else []
+    moes = [m for m in moes if hasattr(m, "experts") and hasattr(m, "n_experts")]
+    if not moes:
+        raise PlanError(f"--mesh {layout.text()}: ep={ep} shards experts, and the model has no "
+                        f"mixture-of-experts layers (torchledger.models.moe.MoEConfig); drop ep")
+    for name in ("tp", "cp"):
+        if layout.size(name) > 1:
+            raise PlanError(f"--mesh {layout.text()}: ep with {name} is not simulated yet (the experts "
+                            f"would need their own {name} plan); drop one of them")
+    import torch
+    ep_mesh = mesh["ep"]
+    r = ep_mesh.get_local_rank()
+    for moe in moes:
+        if moe.n_experts % ep:
+            raise PlanError(f"--mesh {layout.text()}: the model's {moe.n_experts} experts do not divide by "
+                            f"ep={ep}; choose an ep that divides {moe.n_experts}")
+        local = moe.n_experts // ep
+        for name in ("w_gate", "w_up", "w_down"):
+            w = getattr(moe.experts, name)
+            setattr(moe.experts, name, torch.nn.Parameter(w.detach()[r * local:(r + 1) * local].clone()))
+        moe.ep_mesh = ep_mesh
+    notes.append(f"ep={ep}: each rank holds {moes[0].n_experts // ep} of {moes[0].n_experts} experts per "
+                 f"MoE layer; tokens dispatched and combined by all-to-all")
+
+
 # -- checkpointing -----------------------------------------------------------------------------
 def _op_policy():
     """torchtitan's selective op policy: save matmul outputs (all but every second mm),
@@ -301,14 +331,15 @@ def _autocast_forward(model, dtype) -> None:
 # -- data parallelism --------------------------------------------------------------------------
 def _dp_mesh(mesh, layout):
     """(mesh for fully_shard or replicate, kind) of the data-parallel dims, or (None, None)."""
-    rep, dp, cp = layout.size("dp_replicate") > 1, layout.size("dp") > 1, layout.size("cp") > 1
+    rep = layout.size("dp_replicate") > 1
     names = mesh.mesh_dim_names or ()
-    shard = [n for n in ("dp", "cp") if n in names and (layout.size(n) > 1)]
-    if dp and cp:
+    # ep and cp ranks hold the same dense weights and see other tokens: FSDP shards over them too
+    shard = [n for n in ("dp", "ep", "cp") if n in names and (layout.size(n) > 1)]
+    if len(shard) > 1:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
+        shard_name = "_".join(shard)
         with unset_fake_temporarily():      # the flattened mesh's rank map is a real tensor
-            mesh["dp", "cp"]._flatten("dp_cp")
-        shard_name = "dp_cp"
+            mesh[tuple(shard)]._flatten(shard_name)
     elif shard:
         shard_name = shard[0]
     else:
@@ -335,7 +366,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     dec = find_decoder(model)
     tp, cp = layout.size("tp"), layout.size("cp")
     if dec is None:
-        needs = [n for n in ("tp", "cp", "pp") if layout.size(n) > 1]
+        needs = [n for n in ("tp", "cp", "pp", "ep") if layout.size(n) > 1]
         if needs or layout.checkpointing != "none":
             what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
             raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
@@ -361,6 +392,8 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
             getattr(block, dec.attn).sdpa = sdpa
         notes.append(f"cp={cp}: each rank holds T/{cp} of the sequence; attention all-gathers K and V "
                      f"over the cp group (reduce-scatters their gradients in backward)")
+    if layout.size("ep") > 1:
+        _apply_ep(dec, chosen, mesh, layout, notes)
     if dec is not None:
         _apply_checkpointing(chosen, layout.checkpointing, notes)
     dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
@@ -369,9 +402,20 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         kw = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}
         if mixed is not None:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
+        ep = layout.size("ep") > 1
+        experts_mesh = mesh["dp"] if ep and layout.size("dp") > 1 else None
+        local_experts = set()
         for _, block in chosen:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+            moe = getattr(block, dec.mlp, None) if dec is not None else None
+            if ep and getattr(moe, "ep_mesh", None) is not None:
+                # each ep rank's own experts: sharded over dp only (their gradients reduce
+                # there); with no dp they stay whole on their rank, outside FSDP2
+                if experts_mesh is not None:
+                    fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
+                else:
+                    local_experts.update(moe.experts.parameters())
+            fully_shard(block, **kw, **({"ignored_params": local_experts} if local_experts else {}))
+        fully_shard(model, **kw, **({"ignored_params": local_experts} if local_experts else {}))
         n = dp_mesh.size()
         notes.append(f"{'HSDP' if kind == 'hsdp' else 'FSDP2'} over {n} ranks "
                      f"({' x '.join(map(str, dp_mesh.shape))}): fully_shard per block and the root"
