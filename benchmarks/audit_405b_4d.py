@@ -2,7 +2,7 @@
 `torchledger audit` command in a fresh process, its wall and CPU time, and each distinct
 pipeline rank's figures from the record's ``totals.pipeline``.
 
-    python benchmarks/audit_405b_4d.py [--micro-batches 18] [--json OUT]
+    python benchmarks/audit_405b_4d.py [--micro-batches 18] [--checkpointing full] [--json OUT]
 
 CPU seconds are the audit's and its children's (each distinct pipeline rank is traced in its
 own process), user + system: steadier than wall on a shared machine.
@@ -27,13 +27,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro-batches", type=int, default=18)
     ap.add_argument("--virtual-stages", type=int, default=7)
+    ap.add_argument("--checkpointing", default="none",
+                    choices=["none", "full", "selective-op", "selective-layer"])
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "405b.json")
         cmd = [sys.executable, "-m", "torchledger", "audit", MODEL, "--mesh", MESH,
                "--virtual-stages", str(args.virtual_stages), "--micro-batches", str(args.micro_batches),
-               "--precision", "bf16-mixed", "--gpu", "h100", "--format", "json", "--output", out]
+               "--precision", "bf16-mixed", "--checkpointing", args.checkpointing, "--gpu", "h100",
+               "--format", "json", "--output", out]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -46,7 +49,7 @@ def main():
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     pp = rec["totals"]["pipeline"]
     print(f"audit {os.path.relpath(MODEL, ROOT)} --mesh {MESH} --virtual-stages {pp['virtual_stages']} "
-          f"--micro-batches {pp['micro_batches']} --precision bf16-mixed")
+          f"--micro-batches {pp['micro_batches']} --precision bf16-mixed --checkpointing {args.checkpointing}")
     print(f"wall {wall:.1f} s, CPU {cpu:.1f} s (audit and its rank processes), "
           f"{pp['ranks_traced']} distinct pipeline ranks traced of {pp['stages']}")
     print(f"schedule {pp['schedule']}, bubble (p-1)/(v m) = {pp['bubble_fraction']:.4f}, "

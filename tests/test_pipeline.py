@@ -86,6 +86,7 @@ def _stage(rec, r):
     return next(s for s in rec.totals["pipeline"]["per_stage"] if s["rank"] == r)
 
 
+@pytest.mark.slow
 def test_1f1b_stages_flops_and_p2p(one_f_one_b):
     pp = one_f_one_b.totals["pipeline"]
     assert (pp["stages"], pp["virtual_stages"], pp["micro_batches"], pp["schedule"]) == (2, 1, 4, "1f1b")
@@ -101,6 +102,7 @@ def test_1f1b_stages_flops_and_p2p(one_f_one_b):
     assert s0["p2p_bytes"] == s1["p2p_bytes"] == 2 * 4 * ACT
 
 
+@pytest.mark.slow
 def test_1f1b_first_stage_holds_p_micro_batches(one_f_one_b):
     s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
     assert (s0["in_flight"], s1["in_flight"]) == (2, 1)
@@ -115,6 +117,7 @@ def test_1f1b_first_stage_holds_p_micro_batches(one_f_one_b):
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_1f1b_collective_rows_are_sends_and_receives(one_f_one_b):
     rows = {(c["op"], c["phase"]): c for c in one_f_one_b.collectives}
     assert rows[("send", "forward")]["bytes"] == 4 * ACT and rows[("send", "forward")]["count"] == 4
@@ -123,6 +126,7 @@ def test_1f1b_collective_rows_are_sends_and_receives(one_f_one_b):
     assert {c["location"] for c in one_f_one_b.collectives} == {None}     # torchledger's runner
 
 
+@pytest.mark.slow
 def test_interleaved_by_hand(interleaved):
     pp = interleaved.totals["pipeline"]
     assert pp["schedule"] == "interleaved" and pp["bubble_fraction"] == 1 / 8
@@ -145,6 +149,7 @@ def test_interleaved_by_hand(interleaved):
     assert sends["forward"]["bytes"] == 4 * fwd * ACT and sends["backward"]["bytes"] == 4 * bwd * ACT
 
 
+@pytest.mark.slow
 def test_interleaved_fsdp_gathers_and_reduces_once_per_step(interleaved):
     # FSDP2 units on a rank: its 2 blocks and the root; parameters stay gathered across the
     # micro-batches and gradients are reduced on the last one only (as PipelineStage drives it)
@@ -152,3 +157,23 @@ def test_interleaved_fsdp_gathers_and_reduces_once_per_step(interleaved):
     reduces = sum(c["count"] for c in interleaved.collectives if c["op"] == "reduce_scatter")
     assert gathers == 3 and reduces == 3
     assert interleaved.meta["audit"]["plan"][-1].endswith("reshard_after_forward=False (pipelined)")
+
+
+def test_micro_batches_from_the_global_batch():
+    from torchledger.parallel.layout import parse_layout
+    from torchledger.parallel.pipeline import _micro_batches
+    from torchledger.spec import AuditError
+    lay = parse_layout("dp=2,pp=4")
+    assert _micro_batches(lay, 2, 4) == 4                                   # default: pp
+    assert _micro_batches(lay.with_options(global_batch=32), 2, 4) == 8     # 32 / (2 x 2)
+    assert _micro_batches(lay.with_options(micro_batches=6), 2, 4) == 6
+    with pytest.raises(AuditError, match="not a multiple of dp x the spec's batch"):
+        _micro_batches(lay.with_options(global_batch=30), 2, 4)
+
+
+def test_more_stages_than_blocks_is_one_line(tiny4):
+    from click.testing import CliRunner
+    from torchledger.cli import cli
+    from test_audit_cli import one_line_error
+    one_line_error(CliRunner().invoke(cli, ["audit", tiny4, "--mesh", "pp=4", "--virtual-stages", "2"]),
+                   "4 blocks cannot fill 8 pipeline chunks", "fewer stages")
