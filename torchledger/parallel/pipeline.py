@@ -554,6 +554,8 @@ def _composed_record(traced, stage, m):
             for k in ("count", "bytes", "bytes_received", "algo_bytes", "bus_bytes"):
                 row[k] += w[kind] * (c.get(k) or 0)
     rec.collectives = sorted(rows.values(), key=lambda c: -c["bytes"] - c["bytes_received"])
+    # the rank's own modules: the placeholders of what other ranks hold are not its rows
+    rec.modules = [row for row in rec.modules if not (row.get("type") == "Identity" and not row.get("params"))]
     for row in rec.modules:
         for k in ("flops_forward", "flops_backward", "flops_recompute"):
             if isinstance(row.get(k), int):
