@@ -262,3 +262,62 @@ def test_expert_parallel_with_fsdp_shards_experts_over_dp(moe):
 def test_ep_on_a_dense_model_is_one_line(tiny):
     one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "ep=2", "--steps", "1"]),
                    "ep=2", "no mixture-of-experts layers")
+
+
+# What failed before (issue 22, items 1 and 2): PyTorch's own schedules and context_parallel on
+# fake tensors ended in a misleading line ("try --device cpu", "check the inputs").
+USER_PIPELINE = """
+import torch, torchledger
+import torch.distributed as dist
+
+def step(model, inputs, opt):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    stage = PipelineStage(model, dist.get_rank(), 2, torch.device("cpu"))
+    sched = Schedule1F1B(stage, n_microbatches=2, loss_fn=lambda out, tgt: out.float().mean())
+    sched.step(inputs)
+    opt.step(); opt.zero_grad()
+
+def audit_spec():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    return torchledger.AuditSpec(model, torch.randn(4, 16), step=step, parallelize=lambda m, mesh: m)
+"""
+
+USER_CONTEXT_PARALLEL = """
+import torch, torchledger
+import torch.nn.functional as F
+
+class Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.qkv = torch.nn.Linear(64, 192)
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+MESH = {}
+def parallelize(model, mesh):
+    MESH["m"] = mesh
+    return model
+
+def step(model, inputs, opt):
+    from torch.distributed.tensor.experimental import context_parallel
+    with context_parallel(MESH["m"], buffers=[inputs], buffer_seq_dims=[1]):
+        loss = model(inputs)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+def audit_spec():
+    return torchledger.AuditSpec(Attn(), torch.randn(2, 32, 64), step=step, parallelize=parallelize)
+"""
+
+
+@pytest.mark.parametrize("body,needles", [
+    (USER_PIPELINE, ("pipelining schedules cannot run on fake tensors", "--mesh with pp=N")),
+    (USER_CONTEXT_PARALLEL, ("context_parallel has no sharding rule", "--mesh with cp=N"))],
+    ids=["pipelining", "context_parallel"])
+def test_torch_pipelining_and_context_parallel_say_what_to_do(tmp_path, body, needles):
+    p = tmp_path / "user.py"
+    p.write_text(body)
+    err = one_line_error(CliRunner().invoke(cli, ["audit", str(p), "--world-size", "2", "--steps", "1"]),
+                         *needles)
+    assert "check the inputs" not in err and "try --device cpu" not in err
+    assert not dist.is_initialized()

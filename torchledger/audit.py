@@ -514,11 +514,34 @@ def _memory_format_call(e: BaseException) -> bool:
     return False
 
 
+def _layout_hint(e: BaseException, device: str) -> str:
+    """What to do when PyTorch's own pipeline schedules or context parallelism fail on fake
+    tensors: torchledger simulates both itself (``--mesh ...,pp=N`` / ``cp=N``)."""
+    text = str(e)
+    frames = traceback.extract_tb(e.__traceback__)
+    if device == "fake" and any("distributed" + os.sep + "pipelining" in fr.filename for fr in frames):
+        return ("; PyTorch's pipelining schedules cannot run on fake tensors (their p2p reads values): "
+                "drop the schedule from the step and give --mesh with pp=N (e.g. --mesh dp=2,pp=4 "
+                "--micro-batches 8): torchledger cuts the blocks into stages and composes the schedule")
+    if "does not have a sharding strategy registered" in text:
+        if "scaled_dot_product" in text:
+            return ("; PyTorch's context_parallel has no sharding rule for the CPU attention kernel fake "
+                    "tensors run: drop context_parallel from the step and give --mesh with cp=N and no "
+                    "AuditSpec.parallelize (the standard plan all-gathers K/V over cp)")
+        return ("; DTensor has no sharding rule for this op: keep it out of DTensor regions (to_local() "
+                "around it) or run the plan without that parallel dimension")
+    return ""
+
+
 def _step_error(e: BaseException, path: str, device: str) -> AuditError:
     name = type(e).__name__
     if isinstance(e, SystemExit):
         return AuditError(f"{_where(e, path)}: the training step {_raised(e)}; the model, loss_fn and "
                           f"step must return (or raise), not exit")
+    layout = _layout_hint(e, device)
+    if layout:
+        return AuditError(f"{_where(e, path)}: the step cannot run on {device} tensors ({name}: "
+                          f"{_msg(e)}){layout}")
     hint = _device_hint(e, device) or (
         "; try --device cpu (or --device meta)" if device == "fake" and "fake" in str(e).lower()[:200] else "")
     if hint:
