@@ -198,6 +198,18 @@ def test_hf_llama_standard_plan_tp_x_fsdp(tmp_path):
     assert "no sequence parallelism: a Hugging Face decoder" in rec.meta["audit"]["plan"][0]
 
 
+def test_hf_llama_context_parallel_equals_the_reference_model(tmp_path, tiny):
+    pytest.importorskip("transformers")
+    p = tmp_path / "hf.py"
+    p.write_text(textwrap.dedent(HF_LLAMA))
+    hf, ref = audit(str(p), "cp=4"), audit(tiny, "cp=4")
+    # the same shapes, the same plan: a quarter of the sequence per rank, K/V all-gathered
+    for key in ("tokens", "param_bytes", "activation_bytes"):
+        assert hf.totals[key] == ref.totals[key], key
+    assert hf.totals["flops"]["total"] == ref.totals["flops"]["total"] == FLOPS_1 // 4
+    assert hf.totals["comm_bytes"] == ref.totals["comm_bytes"]
+
+
 def test_selective_op_says_its_saved_outputs_are_unseen(tiny):
     full = audit(tiny, checkpointing="full")
     sel = audit(tiny, checkpointing="selective-op")

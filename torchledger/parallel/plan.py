@@ -14,7 +14,9 @@ In torchtitan's order (``parallelize_llama``), per transformer block:
 - **CP** (``cp``): each rank holds T/cp of the sequence (its inputs are narrowed); attention
   all-gathers K and V over the cp group (backward reduce-scatters their gradients), the
   all-gather variant Llama 3 was trained with, and attends its own queries to all keys
-  under the causal mask shifted by its offset. Reference models only.
+  under the causal mask shifted by its offset. Hugging Face decoders: the same as an
+  attention function registered in transformers' ``AttentionInterface`` (``torchledger_cp``)
+  that the model's config selects.
 - **Checkpointing**: ``full`` every block; ``selective-layer`` every second block
   (torchtitan's ``selective_ac_option="2"``); ``selective-op`` every block, saving the
   outputs of matmuls (all but every second one), attention and reduce-scatters and
@@ -211,6 +213,41 @@ def _cp_attention(cp_mesh):
     return sdpa
 
 
+#: The name the Hugging Face attention function of context parallelism is registered under.
+HF_CP_ATTENTION = "torchledger_cp"
+
+
+def _hf_cp_attention(model, layers, cp_mesh) -> None:
+    """Context parallelism for a Hugging Face decoder: an attention function (registered once in
+    transformers' AttentionInterface, with the sdpa mask) that all-gathers K and V over the
+    layer's cp group and calls transformers' own sdpa attention under the shifted causal mask;
+    the model's config selects it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        mesh = getattr(module, "_torchledger_cp", None)
+        if mesh is None:                      # a layer the plan did not touch
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        import torch
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+        key = all_gather_single_autograd(key.contiguous(), gather_dim=2, group=mesh)
+        value = all_gather_single_autograd(value.contiguous(), gather_dim=2, group=mesh)
+        tq, tk = query.shape[2], key.shape[2]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(
+            diagonal=mesh.get_local_rank() * tq)
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
+
+    if HF_CP_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(HF_CP_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(HF_CP_ATTENTION, attention)
+    for _, layer in layers:
+        layer.self_attn._torchledger_cp = cp_mesh
+    model.config._attn_implementation = HF_CP_ATTENTION
+
+
 def cp_inputs(inputs, cp: int, rank: int, seq_len: int):
     """This cp rank's part of the inputs: every tensor whose dim 1 is the sequence, narrowed
     to its ``seq_len / cp`` positions (rank r holds [r T/cp, (r+1) T/cp))."""
@@ -383,13 +420,12 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     if dec is not None and tp > 1:
         _apply_tp(model, dec, mesh["tp"], chosen, notes)
     if dec is not None and cp > 1:
-        if dec.family != "torchledger":
-            raise PlanError(f"--mesh {layout.text()}: context parallel is simulated on torchledger's "
-                            f"reference models only (their attention takes a ring/all-gather hook), not "
-                            f"{type(model).__name__}; use a reference model config or drop cp")
-        sdpa = _cp_attention(mesh["cp"])
-        for _, block in chosen:
-            getattr(block, dec.attn).sdpa = sdpa
+        if dec.family == "hf":
+            _hf_cp_attention(model, chosen, mesh["cp"])
+        else:
+            sdpa = _cp_attention(mesh["cp"])
+            for _, block in chosen:
+                getattr(block, dec.attn).sdpa = sdpa
         notes.append(f"cp={cp}: each rank holds T/{cp} of the sequence; attention all-gathers K and V "
                      f"over the cp group (reduce-scatters their gradients in backward)")
     if layout.size("ep") > 1:
