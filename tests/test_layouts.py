@@ -71,8 +71,15 @@ def test_bad_named_mesh_is_one_line(text, needle):
 
 
 def test_pipeline_options_without_pp_are_one_line(tiny):
-    one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "dp=2", "--micro-batches", "4"]),
-                   "--micro-batches", "no pp dimension")
+    one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "dp=2", "--virtual-stages", "2"]),
+                   "--virtual-stages", "no pp dimension")
+
+
+def test_micro_batches_without_pp_are_gradient_accumulation(tiny):
+    rec = audit(tiny, "dp=2", global_batch=16)
+    assert rec.totals["micro_batches"] == 16 // (2 * 2)       # G / (dp x the spec's batch of 2)
+    assert rec.totals["tokens"] == 2 * 32                     # the record is one micro-batch
+    assert "micro_batches" not in audit(tiny, "dp=2").totals
 
 
 # -- the standard plan ------------------------------------------------------------------------

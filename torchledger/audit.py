@@ -215,8 +215,9 @@ def _layout(world, mesh, plan):
         layout = parse_layout(mesh if mesh is not None else None, world[0] if world else 1)
         layout = layout.with_options(**options)
         if not layout.pipelined:
-            given = [f for f, k in (("--virtual-stages", "virtual_stages"), ("--micro-batches", "micro_batches"),
-                                    ("--global-batch", "global_batch"), ("--schedule", "schedule"))
+            # NB: --micro-batches/--global-batch without pp are gradient accumulation: the
+            # record is one micro-batch's step and says how many the step accumulates
+            given = [f for f, k in (("--virtual-stages", "virtual_stages"), ("--schedule", "schedule"))
                      if k in options and not (k == "virtual_stages" and options[k] == 1)]
             if given:
                 raise WorldError(f"{', '.join(given)}: pipeline options, and the mesh has no pp dimension; "
@@ -268,6 +269,22 @@ def _parallelize(spec, model, world, path: str, layout=None, seq_len=None):
         raise AuditError(f"{path}: AuditSpec.parallelize(model, mesh) returned {type(out).__name__}, "
                          f"expected the nn.Module (fully_shard returns it: end with `return model`)")
     return out, ["AuditSpec.parallelize (the model file's own plan)"]
+
+
+def _accumulated(layout, count) -> Optional[int]:
+    """Micro-batches a step accumulates without pipeline parallelism (``--micro-batches M`` or
+    ``--global-batch G`` = M x dp x the spec's batch): ``totals.micro_batches``; the record is
+    one micro-batch's forward and backward and the optimizer step."""
+    if layout is None or layout.pipelined or (layout.micro_batches is None and layout.global_batch is None):
+        return None
+    if layout.micro_batches is not None:
+        return layout.micro_batches
+    batch = count.tokens // count.seq_len if count.tokens and count.seq_len else 1
+    per = layout.dp_degree * batch
+    if layout.global_batch % per:
+        raise AuditError(f"--global-batch {layout.global_batch}: not a multiple of dp x the spec's batch "
+                         f"({layout.dp_degree} x {batch} = {per}); the spec's inputs are one micro-batch")
+    return layout.global_batch // per
 
 
 def _cp_part(inputs, spec, layout, world):
@@ -361,6 +378,9 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
             if layout is not None:
                 r.meta["audit"]["mesh_dims"] = list(layout.names)
                 r.totals["layout"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
+        accumulate = _accumulated(layout, count)
+        if accumulate:
+            r.totals["micro_batches"] = accumulate
             # NB: set, not defaulted: a tracer that reads the process group finds the same
             # rank and size, but no mesh unless one is current
             r.totals.update(rank=0, world_size=n, mesh=list(shape))
