@@ -130,7 +130,7 @@ def test_tp_x_fsdp_params_by_hand(tiny):
     # embedding and head split by TP (4) and FSDP (2): 2 x 4,096; final norm 64 / 2 = 32
     assert rec.totals["param_bytes"] == (12_672 + 8_192 + 32) * 4           # 83,584
     assert rec.meta["audit"]["mesh_dims"] == ["dp", "tp"]
-    assert rec.totals["layout"] == {"dp": 2, "tp": 4}
+    assert rec.totals["parallel_dims"] == {"dp": 2, "tp": 4}
 
 
 def test_heads_not_dividing_tp_is_one_line(tiny):

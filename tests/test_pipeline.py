@@ -90,7 +90,7 @@ def _stage(rec, r):
 def test_1f1b_stages_flops_and_p2p(one_f_one_b):
     pp = one_f_one_b.totals["pipeline"]
     assert (pp["stages"], pp["virtual_stages"], pp["micro_batches"], pp["schedule"]) == (2, 1, 4, "1f1b")
-    assert one_f_one_b.totals["layout"] == {"pp": 2}
+    assert one_f_one_b.totals["parallel_dims"] == {"pp": 2}
     assert pp["bubble_fraction"] == 1 / 4
     s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
     assert s0["blocks"] == s1["blocks"] == 2 and s0["chunks"] == [0] and s1["chunks"] == [1]

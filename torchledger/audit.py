@@ -377,10 +377,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
             r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)
             if layout is not None:
                 r.meta["audit"]["mesh_dims"] = list(layout.names)
-                r.totals["layout"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
-        accumulate = _accumulated(layout, count)
-        if accumulate:
-            r.totals["micro_batches"] = accumulate
+                r.totals["parallel_dims"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
             # NB: set, not defaulted: a tracer that reads the process group finds the same
             # rank and size, but no mesh unless one is current
             r.totals.update(rank=0, world_size=n, mesh=list(shape))
@@ -389,6 +386,9 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
                 # a DTensor (not a FakeTensor) around its fake shard; the step was fake, so no
                 # MFU is read from its time
                 r.meta["device"] = "fake (cpu)"
+        accumulate = _accumulated(layout, count)
+        if accumulate:
+            r.totals["micro_batches"] = accumulate
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)

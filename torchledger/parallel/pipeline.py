@@ -102,7 +102,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
                          "loss": "the last chunk's cross-entropy (pipeline stage)",
                          "world_size": n, "mesh": list(shape), "rank": bound["rank"] * per_rank,
                          "mesh_dims": list(layout.names), "plan": notes}
-    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape), layout=dict(layout.dims))
+    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape), parallel_dims=dict(layout.dims))
     rec.meta["device"] = "fake (cpu)"
     from .plan import plan_warnings
     rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
