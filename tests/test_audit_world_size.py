@@ -200,10 +200,13 @@ def test_parallelize_not_callable_is_one_line(tmp_path):
     assert not dist.is_initialized()
 
 
-def test_no_parallelize_at_world_size_above_1_is_one_line(tmp_path):
+def test_no_parallelize_at_world_size_above_1_applies_the_standard_plan(tmp_path):
+    # without AuditSpec.parallelize, torchledger shards the model itself (FSDP2 per block and
+    # the root): the same shards as the file's own fsdp plan
     path = write(tmp_path, TINY.replace("PARALLELIZE = fsdp", "PARALLELIZE = None"))
-    one_line_error(run("audit", path, "--world-size", "8", "--steps", "1"),
-                   "--world-size 8", "no parallelize", "every rank")
+    data = audit_json(path, "--world-size", "8")
+    assert data["totals"]["param_bytes"] == FSDP8_LOCAL * 4
+    assert data["meta"]["audit"]["plan"][0].startswith("FSDP2 over 8 ranks")
     assert not dist.is_initialized()
 
 

@@ -24,7 +24,7 @@ LAYERS = {
     "analyzers": 3,         # judge records (and the closed forms)
     "lint": 3,              # judge source files
     "render": 4,            # records and findings -> text
-    "ledger": 5, "audit": 5, "world": 5,  # compose tracer, analyzers and renderers
+    "ledger": 5, "audit": 5, "world": 5, "parallel": 5,  # compose tracer, analyzers and renderers
     "cli": 6, "__main__": 6,
     "testing": 6, "pytest_plugin": 6, "integrations": 6,   # where users already work
 }

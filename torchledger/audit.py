@@ -177,6 +177,8 @@ def quiet_torch_logs(enabled: bool = True):
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
               peak_flops=None, timing_steps: Optional[int] = None, torch_logs: bool = False,
               world_size: Optional[int] = None, mesh=None) -> AuditRun:
+              peak_flops=None, timing_steps: int = 2, torch_logs: bool = False,
+              world_size: Optional[int] = None, mesh=None, plan: Optional[dict] = None) -> AuditRun:
     """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``.
 
     torch's own error logs of a failing fake kernel are silenced meanwhile (the failure comes
@@ -192,15 +194,43 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
     """
     with quiet_torch_logs(not torch_logs):
         world = _resolve_world(world_size, mesh, device)
+        layout = _layout(world, mesh, plan)
         if world is None:
-            return _run_audit(path, entry, device, steps, peak_flops, timing_steps)
+            return _run_audit(path, entry, device, steps, peak_flops, timing_steps, layout=layout)
         from .world import WorldError, fake_world
         try:
-            with fake_world(*world) as device_mesh:
+            if layout.pipelined:
+                from .parallel.pipeline import run_pipeline_audit
+                return run_pipeline_audit(path, entry, world, layout)
+            with fake_world(*world, names=layout.names) as device_mesh:
                 return _run_audit(path, entry, device, steps, peak_flops, timing_steps,
-                                  world=(world, device_mesh))
+                                  world=(world, device_mesh), layout=layout)
         except WorldError as e:
             raise AuditError(str(e)) from None
+
+
+def _layout(world, mesh, plan):
+    """The run's :class:`~torchledger.parallel.layout.Layout` (named dims and plan options), or
+    None for a plain single-process audit with no plan options."""
+    options = {k: v for k, v in (plan or {}).items() if v is not None}
+    if world is None and not options:
+        return None
+    from .parallel.layout import parse_layout
+    from .world import WorldError
+    try:
+        layout = parse_layout(mesh if mesh is not None else None, world[0] if world else 1)
+        layout = layout.with_options(**options)
+        if not layout.pipelined:
+            # NB: --micro-batches/--global-batch without pp are gradient accumulation: the
+            # record is one micro-batch's step and says how many the step accumulates
+            given = [f for f, k in (("--virtual-stages", "virtual_stages"), ("--schedule", "schedule"))
+                     if k in options and not (k == "virtual_stages" and options[k] == 1)]
+            if given:
+                raise WorldError(f"{', '.join(given)}: pipeline options, and the mesh has no pp dimension; "
+                                 f"give --mesh with pp=N (e.g. --mesh dp=2,pp=4) or drop them")
+    except WorldError as e:
+        raise AuditError(str(e)) from None
+    return layout
 
 
 def _resolve_world(world_size, mesh, device):
@@ -213,18 +243,28 @@ def _resolve_world(world_size, mesh, device):
         raise AuditError(str(e)) from None
 
 
-def _parallelize(spec, model, world, path: str):
-    """``AuditSpec.parallelize(model, mesh)`` at a simulated world size; its model."""
+def _standard_plan(model, device_mesh, layout, path: str, seq_len=None, **kw):
+    """The standard plan of ``layout`` (:mod:`torchledger.parallel.plan`); (model, notes)."""
+    from .parallel.plan import PlanError, apply_standard_plan
+    try:
+        return apply_standard_plan(model, device_mesh, layout, seq_len=seq_len, **kw)
+    except PlanError as e:
+        raise AuditError(f"{path}: {e}") from None
+    except (Exception, SystemExit) as e:
+        raise AuditError(f"{path}: the standard plan for --mesh {layout.text()} {_raised(e)}; give "
+                         f"AuditSpec(parallelize=fn) with your own plan") from None
+
+
+def _parallelize(spec, model, world, path: str, layout=None, seq_len=None):
+    """``AuditSpec.parallelize(model, mesh)`` at a simulated world size, else the standard
+    plan of the layout; (model, plan notes)."""
     import torch
     (n, shape), device_mesh = world
     fn = spec.parallelize
     if fn is None:
-        if n == 1:
-            return model
-        raise AuditError(f"{path}: --world-size {n}: the AuditSpec has no parallelize, so every rank "
-                         f"would hold and step the whole model; add AuditSpec(parallelize=fn), fn(model, "
-                         f"mesh) applying fully_shard/parallelize_module and returning the model (see "
-                         f"examples/llama2_7b_fsdp.py)")
+        if n == 1 and (layout is None or (layout.checkpointing == "none" and layout.precision == "fp32")):
+            return model, []
+        return _standard_plan(model, device_mesh, layout, path, seq_len)
     try:
         out = fn(model, device_mesh)
     except (Exception, SystemExit) as e:
@@ -234,10 +274,35 @@ def _parallelize(spec, model, world, path: str):
     if not isinstance(out, torch.nn.Module):
         raise AuditError(f"{path}: AuditSpec.parallelize(model, mesh) returned {type(out).__name__}, "
                          f"expected the nn.Module (fully_shard returns it: end with `return model`)")
-    return out
+    return out, ["AuditSpec.parallelize (the model file's own plan)"]
 
 
-def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None) -> AuditRun:
+def _accumulated(layout, count) -> Optional[int]:
+    """Micro-batches a step accumulates without pipeline parallelism (``--micro-batches M`` or
+    ``--global-batch G`` = M x dp x the spec's batch): ``totals.micro_batches``; the record is
+    one micro-batch's forward and backward and the optimizer step."""
+    if layout is None or layout.pipelined or (layout.micro_batches is None and layout.global_batch is None):
+        return None
+    if layout.micro_batches is not None:
+        return layout.micro_batches
+    batch = count.tokens // count.seq_len if count.tokens and count.seq_len else 1
+    per = layout.dp_degree * batch
+    if layout.global_batch % per:
+        raise AuditError(f"--global-batch {layout.global_batch}: not a multiple of dp x the spec's batch "
+                         f"({layout.dp_degree} x {batch} = {per}); the spec's inputs are one micro-batch")
+    return layout.global_batch // per
+
+
+def _cp_part(inputs, spec, layout, world):
+    """Rank 0's part of the sequence under the standard plan's context parallelism."""
+    if layout is None or spec.parallelize is not None or layout.size("cp") == 1:
+        return inputs
+    from .parallel.plan import cp_inputs
+    seq = infer_tokens(inputs).seq_len
+    return cp_inputs(inputs, layout.size("cp"), 0, seq) if seq else inputs
+
+
+def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None, layout=None) -> AuditRun:
     import torch
     from .spec import as_spec
     from .ledger import Ledger
@@ -264,9 +329,13 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
         model = spec.model
         if device in ("meta", "cuda"):
             model = model.to(device)
-        if world is not None:
-            model = _parallelize(spec, model, world, path)
         inputs = _to_device(spec.inputs, device)
+        plan_notes = []
+        if world is not None:
+            model, plan_notes = _parallelize(spec, model, world, path, layout, infer_tokens(inputs).seq_len)
+            inputs = _cp_part(inputs, spec, layout, world)
+        elif layout is not None and spec.parallelize is None:      # --checkpointing/--precision alone
+            model, plan_notes = _standard_plan(model, None, layout, path)
         count = infer_tokens(inputs)
         tokens = spec.tokens or count.tokens
         source = TOKENS_FROM_SPEC if spec.tokens else count.source
@@ -304,9 +373,17 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq, "spec_line": spec_line,
                            "loss": loss_source[0] if loss_source else None}
+        if plan_notes:
+            r.meta["audit"]["plan"] = list(plan_notes)
+            if spec.parallelize is None:
+                from .parallel.plan import plan_warnings
+                r.warnings.extend(w for w in plan_warnings(layout) if w not in r.warnings)
         if world is not None:        # simulated: rank 0 of n (the report says so)
             (n, shape), _ = world
             r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)
+            if layout is not None:
+                r.meta["audit"]["mesh_dims"] = list(layout.names)
+                r.totals["parallel_dims"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
             # NB: set, not defaulted: a tracer that reads the process group finds the same
             # rank and size, but no mesh unless one is current
             r.totals.update(rank=0, world_size=n, mesh=list(shape))
@@ -315,6 +392,9 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None)
                 # a DTensor (not a FakeTensor) around its fake shard; the step was fake, so no
                 # MFU is read from its time
                 r.meta["device"] = "fake (cpu)"
+        accumulate = _accumulated(layout, count)
+        if accumulate:
+            r.totals["micro_batches"] = accumulate
     run = AuditRun(ledger.records, spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)
@@ -494,6 +574,25 @@ def _memory_format_call(e: BaseException) -> bool:
     return False
 
 
+def _layout_hint(e: BaseException, device: str) -> str:
+    """What to do when PyTorch's own pipeline schedules or context parallelism fail on fake
+    tensors: torchledger simulates both itself (``--mesh ...,pp=N`` / ``cp=N``)."""
+    text = str(e)
+    frames = traceback.extract_tb(e.__traceback__)
+    if device == "fake" and any("distributed" + os.sep + "pipelining" in fr.filename for fr in frames):
+        return ("; PyTorch's pipelining schedules cannot run on fake tensors (their p2p reads values): "
+                "drop the schedule from the step and give --mesh with pp=N (e.g. --mesh dp=2,pp=4 "
+                "--micro-batches 8): torchledger cuts the blocks into stages and composes the schedule")
+    if "does not have a sharding strategy registered" in text:
+        if "scaled_dot_product" in text:
+            return ("; PyTorch's context_parallel has no sharding rule for the CPU attention kernel fake "
+                    "tensors run: drop context_parallel from the step and give --mesh with cp=N and no "
+                    "AuditSpec.parallelize (the standard plan all-gathers K/V over cp)")
+        return ("; DTensor has no sharding rule for this op: keep it out of DTensor regions (to_local() "
+                "around it) or run the plan without that parallel dimension")
+    return ""
+
+
 def _step_error(e: BaseException, path: str, device: str, world=None, model=None) -> AuditError:
     name = type(e).__name__
     if isinstance(e, SystemExit):
@@ -502,6 +601,10 @@ def _step_error(e: BaseException, path: str, device: str, world=None, model=None
     split = _mesh_split_hint(e, world, model)
     if split:
         return AuditError(f"{_where(e, path)}: {split} (the step raised {name}: {_msg(e)})")
+    layout = _layout_hint(e, device)
+    if layout:
+        return AuditError(f"{_where(e, path)}: the step cannot run on {device} tensors ({name}: "
+                          f"{_msg(e)}){layout}")
     hint = _device_hint(e, device) or (
         "; try --device cpu (or --device meta)" if device == "fake" and "fake" in str(e).lower()[:200] else "")
     if hint:

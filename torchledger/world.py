@@ -12,6 +12,8 @@ here shards anything. Ranks of an SPMD step run the same ops on same-sized shard
 Mesh dimension names, for ``mesh["dp"]``-style indexing in ``parallelize``: one dim
 ``("dp",)``; two ``("dp", "tp")`` (``--mesh 8x8``: the last dim is the inner one, the ranks
 of one node: TP inside 8, FSDP across 8); three ``("pp", "dp", "tp")``; more ``dim0..``.
+A named mesh (``--mesh dp=4,cp=2,tp=8,pp=9``, :mod:`torchledger.parallel.layout`) has the
+names it gives, outermost first in the order pp, dp_replicate, dp, cp, tp.
 
 Known limitations:
   - only ``--device fake``: real or meta tensors at N ranks would need N processes
@@ -92,6 +94,9 @@ def resolve_world(world_size: Optional[int], mesh, device: str) -> Optional[tupl
     audit (neither flag given). ``mesh`` alone implies the world size; both must agree."""
     if world_size is None and mesh is None:
         return None
+    if isinstance(mesh, str) and "=" in mesh:       # named: dp=4,cp=2,tp=8,pp=9
+        from .parallel.layout import parse_layout
+        mesh = parse_layout(mesh).shape
     shape = parse_mesh(mesh) if mesh is not None and not isinstance(mesh, tuple) else mesh
     if world_size is not None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -116,11 +121,12 @@ def resolve_world(world_size: Optional[int], mesh, device: str) -> Optional[tupl
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0):
+def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0, names: Optional[tuple] = None):
     """Rank ``rank`` of a fake process group of ``world_size`` ranks, and its CPU
     ``DeviceMesh`` (yielded). The process group is destroyed on the way out, whatever happens
     inside (an error, a KeyboardInterrupt): the next audit, or the user's own code in the same
-    process, starts with none."""
+    process, starts with none. ``names``: the mesh's dim names (default :func:`mesh_dim_names`;
+    a named ``--mesh dp=4,tp=8`` gives its own)."""
     import torch.distributed as dist
     if not dist.is_available():
         raise WorldError("--world-size: this torch build has no torch.distributed; install a "
@@ -138,13 +144,33 @@ def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         # NB: the mesh is made before any FakeTensorMode is entered: its rank tensor is real.
-        names = mesh_dim_names(len(mesh_shape))
+        names = tuple(names) if names else mesh_dim_names(len(mesh_shape))
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
         with _mesh_coordinates_real(), _fsdp_padding_shared(), simulated_ddp():
             yield mesh
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding and redistribution caches: they hold meshes of this world
+    (a DeviceMesh equals another of the same shape), whose groups are gone with it; the next
+    world (another pipeline rank) would be handed them."""
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+        prop = DTensor._op_dispatcher.sharding_propagator
+        for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+            fn = getattr(prop, name, None)
+            fn = getattr(fn, "cache", fn)
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import _redistribute
+        fn = getattr(_redistribute, "_gen_transform_infos", None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
 
 
 
@@ -168,10 +194,22 @@ def _mesh_coordinates_real():
             return original(self)
 
     DeviceMesh._compute_coordinate_on_dim = coordinates
+    # the same for the rank's row of a mesh of three or more dims (FSDP2 under TP with pp or
+    # cp in the mesh): torch finds it with ``nonzero`` too, on the rank map remapped
+    mesh_of = DeviceMesh.__dict__.get("mesh")
+
+    def mesh_tensor(self):
+        with unset_fake_temporarily():
+            return mesh_of.fget(self)
+
+    if isinstance(mesh_of, property):
+        DeviceMesh.mesh = property(mesh_tensor)
     try:
         yield
     finally:
         DeviceMesh._compute_coordinate_on_dim = original
+        if isinstance(mesh_of, property):
+            DeviceMesh.mesh = mesh_of
 
 
 @contextlib.contextmanager

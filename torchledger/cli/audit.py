@@ -150,8 +150,22 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--world-size", type=int, default=None,
               help="Simulate this many ranks (fake tensors, fake process group; AuditSpec(parallelize=fn) "
                    "shards the model); the report is rank 0's.")
-@click.option("--mesh", default=None, metavar="DxD",
-              help="Device mesh shape for the simulated world, e.g. 8x8 (dims dp, tp); implies --world-size.")
+@click.option("--mesh", default=None, metavar="DxD|dp=..,tp=..",
+              help="Device mesh of the simulated world: 8x8 (dims dp, tp) or named dims dp (FSDP2), "
+                   "dp_replicate (DDP; HSDP with dp), cp, tp, pp, e.g. dp=4,cp=2,tp=8,pp=9; implies "
+                   "--world-size. Without AuditSpec(parallelize=fn) the standard plan applies it.")
+@click.option("--virtual-stages", type=POS_INT, default=None,
+              help="Pipeline: model chunks per pp rank (interleaved schedule) [default: 1].")
+@click.option("--micro-batches", type=POS_INT, default=None,
+              help="Pipeline: micro-batches per step, each the AuditSpec's inputs [default: pp].")
+@click.option("--global-batch", type=POS_INT, default=None,
+              help="Pipeline: sequences per step over all data-parallel ranks (micro-batches = G / (dp x B)).")
+@click.option("--schedule", type=click.Choice(["1f1b", "interleaved", "gpipe", "zero-bubble"]), default=None,
+              help="Pipeline schedule [default: 1f1b; interleaved with --virtual-stages > 1].")
+@click.option("--checkpointing", type=click.Choice(["none", "full", "selective-op", "selective-layer"]),
+              default=None, help="Standard plan: activation checkpointing per block (torchtitan's policies).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed", "bf16"]), default=None,
+              help="Standard plan: FSDP2's MixedPrecisionPolicy (autocast without FSDP), or bf16 parameters.")
 @click.option("--link-bandwidth", type=BANDWIDTH, default=None, metavar="450GB/s",
               help="Bus bandwidth per rank for the communication time (default: --gpu's NVLink, or its "
                    "node's InfiniBand when the world spans nodes); B is bytes, b bits (400Gb/s = 50 GB/s).")
@@ -171,6 +185,7 @@ def _exit_code(findings, fail_on: str) -> int:
               help="cpu/cuda: untraced steps timed for MFU, after one untimed warm-up step; 0 times none "
                    "[default: 3 to 20, until they add up to 0.5 s].")
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
+          virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision,
           link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
@@ -202,7 +217,10 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         with stdout_to_stderr():        # stdout is the report's alone
             run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
                             torch_logs=_debug(), world_size=world_size, mesh=mesh,
-                            timing_steps=timing_steps)
+                            timing_steps=timing_steps,
+                            plan={"virtual_stages": virtual_stages, "micro_batches": micro_batches,
+                                  "global_batch": global_batch, "schedule": schedule,
+                                  "checkpointing": checkpointing, "precision": precision})
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:

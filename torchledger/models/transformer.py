@@ -45,6 +45,10 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
+    #: Attention function in place of ``F.scaled_dot_product_attention`` (same signature);
+    #: context parallelism sets one that gathers K/V over its group (``torchledger.parallel.plan``).
+    sdpa = None
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -61,14 +65,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attend = self.sdpa or F.scaled_dot_product_attention
         if self.n_kv_heads == self.n_heads:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = attend(q, k, v, is_causal=True)
         elif _SDPA_HAS_GQA:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = attend(q, k, v, is_causal=True, enable_gqa=True)
         else:  # NB: torch < 2.5 has no enable_gqa: repeating K/V is a real copy
             rep = self.n_heads // self.n_kv_heads
-            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                               v.repeat_interleave(rep, 1), is_causal=True)
+            y = attend(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)                                        # (B, T, d)
         return self.o_proj(y)
 
@@ -94,7 +98,11 @@ class Block(nn.Module):
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = MLP(cfg)
+        if getattr(cfg, "n_experts", 0):
+            from .moe import MoE
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x, rope=None):
         x = x + self.attn(self.attn_norm(x), rope)

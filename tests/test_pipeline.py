@@ -1,0 +1,182 @@
+"""Pipeline parallelism: the schedule's closed forms (bubble, in-flight micro-batches, the
+cut into chunks) by hand, and two composed audits of a 4-block llama-tiny (1F1B at pp=2;
+interleaved at pp=2 x v=2 with FSDP2 over dp=2) checked against hand arithmetic: p2p bytes,
+FLOPs per stage, per-stage peaks, FSDP2's collectives once per step."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from torchledger.formulas.pipeline import bubble_fraction, chunk_sizes, in_flight, rank_chunks
+
+# -- closed forms ------------------------------------------------------------------------------
+
+
+def test_bubble_by_hand():
+    assert bubble_fraction(4, 1, 8, "1f1b") == 3 / 8            # (p - 1) / m
+    assert bubble_fraction(4, 2, 8, "interleaved") == 3 / 16    # (p - 1) / (v m)
+    assert bubble_fraction(4, 1, 8, "gpipe") == 3 / 8
+    assert bubble_fraction(4, 1, 8, "zero-bubble") == 3 / 24    # ZB-H1: a third of 1F1B's
+    assert bubble_fraction(9, 7, 18, "interleaved") == 8 / 126
+    with pytest.raises(ValueError):
+        bubble_fraction(4, 1, 0, "1f1b")
+
+
+def test_in_flight_by_hand():
+    # 1F1B: the first stage holds p micro-batches (Korthikanti App. B), the last one
+    assert [in_flight(4, 1, 8, r, "1f1b") for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight(4, 1, 2, 0, "1f1b") == 2                   # never more than m
+    # interleaved: 2 (p - 1 - r) + (v - 1) p + 1 chunk-micro-batches: r0 2*3 + 4 + 1 = 11
+    assert in_flight(4, 2, 8, 0, "interleaved") == 11
+    assert in_flight(4, 2, 8, 3, "interleaved") == 5
+    assert in_flight(9, 7, 18, 0, "interleaved") == 2 * 8 + 6 * 9 + 1      # 71
+    assert in_flight(4, 2, 8, 1, "gpipe") == 16                 # every forward first: m v
+
+
+def test_chunks_by_hand():
+    assert chunk_sizes(126, 63) == [2] * 63
+    assert chunk_sizes(10, 4) == [3, 3, 2, 2]
+    assert rank_chunks(9, 7, 2) == [2, 11, 20, 29, 38, 47, 56]
+    with pytest.raises(ValueError):
+        chunk_sizes(3, 4)
+
+
+# -- composed audits ---------------------------------------------------------------------------
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+# llama-tiny, 4 blocks, 4 KV heads, batch 2 x 32 (one micro-batch), fp32. A block's forward:
+# 2 x 64 tokens x 50,176 matmul weights = 6,422,528 + attention 4 x 2 x 4 x 32 x 32 x 16 =
+# 524,288: 6,946,816 FLOPs. An activation sent between stages: 2 x 32 x 64 x 4 B = 16,384 B.
+TINY4 = """
+    import torch, torchledger
+    from torchledger.models import build_model, get_config
+
+    def audit_spec():
+        cfg = get_config("llama-tiny").replace(n_kv_heads=4, n_layers=4)
+        model = build_model(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (2, 32))
+        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
+"""
+BLOCK_FWD = 6_946_816
+ACT = 2 * 32 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory):
+    p = tmp_path_factory.mktemp("pp") / "tiny4.py"
+    p.write_text(textwrap.dedent(TINY4))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(tiny4):
+    from torchledger.audit import run_audit
+    return run_audit(tiny4, mesh="pp=2", plan={"micro_batches": 4}).record
+
+
+@pytest.fixture(scope="module")
+def interleaved(tiny4):
+    from torchledger.audit import run_audit
+    return run_audit(tiny4, mesh="dp=2,pp=2", plan={"micro_batches": 4, "virtual_stages": 2}).record
+
+
+def _stage(rec, r):
+    return next(s for s in rec.totals["pipeline"]["per_stage"] if s["rank"] == r)
+
+
+@pytest.mark.slow
+def test_1f1b_stages_flops_and_p2p(one_f_one_b):
+    pp = one_f_one_b.totals["pipeline"]
+    assert (pp["stages"], pp["virtual_stages"], pp["micro_batches"], pp["schedule"]) == (2, 1, 4, "1f1b")
+    assert one_f_one_b.totals["parallel_dims"] == {"pp": 2}
+    assert pp["bubble_fraction"] == 1 / 4
+    s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
+    assert s0["blocks"] == s1["blocks"] == 2 and s0["chunks"] == [0] and s1["chunks"] == [1]
+    # rank 0: 2 blocks x 4 micro-batches forward (the embedding multiplies nothing)
+    assert s0["flops"]["forward"] == 4 * 2 * BLOCK_FWD
+    # rank 0 sends its output forward and receives its gradient: 4 x 16,384 each way
+    assert s0["comm_bytes"]["forward"] == 4 * ACT and s0["comm_bytes"]["backward"] == 0
+    assert s1["comm_bytes"]["backward"] == 4 * ACT and s1["comm_bytes"]["forward"] == 0
+    assert s0["p2p_bytes"] == s1["p2p_bytes"] == 2 * 4 * ACT
+
+
+@pytest.mark.slow
+def test_1f1b_first_stage_holds_p_micro_batches(one_f_one_b):
+    s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
+    assert (s0["in_flight"], s1["in_flight"]) == (2, 1)
+    # one more micro-batch's activations than the traced micro-step on the first stage
+    assert s0["peak_bytes"] == s0["traced_peak_bytes"] + s0["chunk_activation_bytes"]
+    assert s1["peak_bytes"] == s1["traced_peak_bytes"]
+    assert s0["chunk_activation_bytes"] > 0
+    # rank 0's parameters: 2 blocks x 50,304 + the embedding 32,768 = 133,376 fp32
+    assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 0
+    assert one_f_one_b.totals["param_bytes"] == 133_376 * 4
+    assert one_f_one_b.totals["peak_bytes"] == s0["peak_bytes"]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_1f1b_collective_rows_are_sends_and_receives(one_f_one_b):
+    rows = {(c["op"], c["phase"]): c for c in one_f_one_b.collectives}
+    assert rows[("send", "forward")]["bytes"] == 4 * ACT and rows[("send", "forward")]["count"] == 4
+    assert rows[("recv", "backward")]["bytes_received"] == 4 * ACT
+    assert not [c for c in one_f_one_b.collectives if c["phase"] == "other"]
+    assert {c["location"] for c in one_f_one_b.collectives} == {None}     # torchledger's runner
+    # rank 0's rows: its blocks and embedding, not the placeholders of rank 1's
+    names = {m["name"] for m in one_f_one_b.modules}
+    assert {"blocks.0", "blocks.1", "tok_emb"} <= names and not names & {"blocks.2", "lm_head"}
+
+
+@pytest.mark.slow
+def test_interleaved_by_hand(interleaved):
+    pp = interleaved.totals["pipeline"]
+    assert pp["schedule"] == "interleaved" and pp["bubble_fraction"] == 1 / 8
+    s0, s1 = _stage(interleaved, 0), _stage(interleaved, 1)
+    assert s0["chunks"] == [0, 2] and s1["chunks"] == [1, 3]
+    # in flight: r0 2 (p - 1) + (v - 1) p + 1 = 5, r1 3 chunk-micro-batches; the traced
+    # micro-step holds v = 2 of them
+    assert (s0["in_flight"], s1["in_flight"]) == (5, 3)
+    assert s0["peak_bytes"] == s0["traced_peak_bytes"] + 3 * s0["chunk_activation_bytes"]
+    # rank 0's parameters, FSDP2-sharded over dp=2: (2 x 50,304 + 32,768) / 2 = 66,688 fp32
+    assert _stage(interleaved, 0)["static_bytes"] >= 66_688 * 4
+    assert s1["peak_bytes"] == s1["traced_peak_bytes"] + 1 * s1["chunk_activation_bytes"]
+    rec = interleaved
+    sends = {c["phase"]: c for c in rec.collectives if c["op"] == "send"}
+    r = pp["bounding_rank"]
+    # rank 0 sends chunk 0's and chunk 2's outputs forward (2 per micro-batch), chunk 2's
+    # input gradient back; rank 1 sends chunk 1's output forward, chunks 1's and 3's input
+    # gradients back
+    fwd, bwd = (2, 1) if r == 0 else (1, 2)
+    assert sends["forward"]["bytes"] == 4 * fwd * ACT and sends["backward"]["bytes"] == 4 * bwd * ACT
+
+
+@pytest.mark.slow
+def test_interleaved_fsdp_gathers_and_reduces_once_per_step(interleaved):
+    # FSDP2 units on a rank: its 2 blocks and the root; parameters stay gathered across the
+    # micro-batches and gradients are reduced on the last one only (as PipelineStage drives it)
+    gathers = sum(c["count"] for c in interleaved.collectives if c["op"] == "all_gather")
+    reduces = sum(c["count"] for c in interleaved.collectives if c["op"] == "reduce_scatter")
+    assert gathers == 3 and reduces == 3
+    assert interleaved.meta["audit"]["plan"][-1].endswith("reshard_after_forward=False (pipelined)")
+
+
+def test_micro_batches_from_the_global_batch():
+    from torchledger.parallel.layout import parse_layout
+    from torchledger.parallel.pipeline import _micro_batches
+    from torchledger.spec import AuditError
+    lay = parse_layout("dp=2,pp=4")
+    assert _micro_batches(lay, 2, 4) == 4                                   # default: pp
+    assert _micro_batches(lay.with_options(global_batch=32), 2, 4) == 8     # 32 / (2 x 2)
+    assert _micro_batches(lay.with_options(micro_batches=6), 2, 4) == 6
+    with pytest.raises(AuditError, match="not a multiple of dp x the spec's batch"):
+        _micro_batches(lay.with_options(global_batch=30), 2, 4)
+
+
+def test_more_stages_than_blocks_is_one_line(tiny4):
+    from click.testing import CliRunner
+    from torchledger.cli import cli
+    from test_audit_cli import one_line_error
+    one_line_error(CliRunner().invoke(cli, ["audit", tiny4, "--mesh", "pp=4", "--virtual-stages", "2"]),
+                   "4 blocks cannot fill 8 pipeline chunks", "fewer stages")

@@ -1,0 +1,160 @@
+"""A layout: the named mesh of ``--mesh dp=4,cp=2,tp=8,pp=9`` and the options of the standard
+plan and the pipeline schedule (``--virtual-stages``, ``--micro-batches``, ``--global-batch``,
+``--schedule``, ``--checkpointing``, ``--precision``).
+
+Dimension names (INTERFACE.md): ``dp`` shards (FSDP2, torchtitan's dp_shard),
+``dp_replicate`` replicates (DDP; HSDP together with ``dp``), ``cp`` context parallel,
+``tp`` tensor parallel, ``pp`` pipeline stages, ``ep`` expert parallel (MoE models). Their product is the
+world size. The mesh is made in torchtitan's order, outermost first: pp, dp_replicate, dp,
+ep, cp, tp (ranks of one tp group are neighbours: one node). ``ep`` ranks hold different
+experts and see different data: for the dense weights they are data-parallel ranks too. The unnamed ``8x8`` keeps its
+meaning (dims dp, tp; three dims pp, dp, tp).
+
+    >>> parse_layout("dp=4,cp=2,tp=8,pp=9").names
+    ('pp', 'dp', 'cp', 'tp')
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Layout", "parse_layout", "DIM_ORDER", "SCHEDULES", "CHECKPOINTING", "PRECISIONS"]
+
+#: Mesh dims, outermost first (torchtitan's ParallelDims order).
+DIM_ORDER = ("pp", "dp_replicate", "dp", "ep", "cp", "tp")
+#: Accepted aliases of the dims' names.
+ALIASES = {"dp_shard": "dp", "fsdp": "dp", "ddp": "dp_replicate", "replicate": "dp_replicate"}
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero-bubble")
+CHECKPOINTING = ("none", "full", "selective-op", "selective-layer")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+
+
+def _error(message: str):
+    from ..world import WorldError
+    return WorldError(message)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: mesh dims (name, size), outermost first, and the plan's options."""
+
+    dims: tuple = ()
+    """((name, size), ...) in :data:`DIM_ORDER`; dims of size 1 are kept (a named dim given)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedules); the model is split into pp x v."""
+    micro_batches: Optional[int] = None
+    """Micro-batches per step and pipeline; None: from ``global_batch``, else pp (1 without pp)."""
+    global_batch: Optional[int] = None
+    """Sequences per step over all data-parallel ranks; micro-batches = G / (dp x B)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule; ``interleaved`` when ``virtual_stages`` > 1 and 1f1b is asked."""
+    checkpointing: str = "none"
+    """Activation checkpointing of the standard plan (torchtitan's policies)."""
+    precision: str = "fp32"
+    """fp32; bf16-mixed / fp16-mixed (FSDP2's MixedPrecisionPolicy, autocast without FSDP);
+    bf16 (parameters in bf16)."""
+    named: bool = True
+    """False for the unnamed ``8x8`` form."""
+
+    def __post_init__(self):
+        for key in ("virtual_stages",):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise _error(f"--virtual-stages: expected a whole number >= 1, got {v!r}")
+        for key, flag in (("micro_batches", "--micro-batches"), ("global_batch", "--global-batch")):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise _error(f"{flag}: expected a whole number >= 1, got {v!r}")
+        if self.micro_batches is not None and self.global_batch is not None:
+            raise _error("--micro-batches and --global-batch both given; give one (the global batch "
+                         "implies the micro-batches: G / (dp x the spec's batch))")
+        for key, choices, flag in (("schedule", SCHEDULES, "--schedule"),
+                                   ("checkpointing", CHECKPOINTING, "--checkpointing"),
+                                   ("precision", PRECISIONS, "--precision")):
+            if getattr(self, key) not in choices:
+                raise _error(f"{flag}: expected one of {', '.join(choices)}, got {getattr(self, key)!r}")
+
+    def size(self, name: str) -> int:
+        return dict(self.dims).get(name, 1)
+
+    @property
+    def names(self) -> tuple:
+        return tuple(n for n, _ in self.dims)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(s for _, s in self.dims)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def pipelined(self) -> bool:
+        return self.size("pp") > 1
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel ranks (each its own batch): dp x dp_replicate x ep."""
+        return self.size("dp") * self.size("dp_replicate") * self.size("ep")
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule run: ``1f1b`` with virtual stages > 1 is the interleaved 1F1B."""
+        if self.virtual_stages > 1 and self.schedule == "1f1b":
+            return "interleaved"
+        return self.schedule
+
+    def text(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in self.dims) if self.named else "x".join(map(str, self.shape))
+
+    def replace(self, **kw) -> "Layout":
+        return dataclasses.replace(self, **kw)
+
+    def with_options(self, **options) -> "Layout":
+        """This layout with the plan options that are not None."""
+        return self.replace(**{k: v for k, v in options.items() if v is not None})
+
+
+def parse_layout(text, world_size: Optional[int] = None) -> Layout:
+    """``"dp=4,cp=2,tp=8,pp=9"`` (named) or ``"8x8"`` (unnamed) -> :class:`Layout`; None with a
+    world size -> ``dp=N``. WorldError (one line) on anything else."""
+    from ..world import mesh_dim_names, parse_mesh
+    if text is None:
+        n = world_size or 1
+        return Layout(dims=(("dp", n),), named=False)
+    if isinstance(text, Layout):
+        return text
+    if isinstance(text, tuple):
+        return Layout(dims=tuple(zip(mesh_dim_names(len(text)), text)), named=False)
+    s = str(text).strip().lower().replace(" ", "")
+    if "=" not in s:
+        shape = parse_mesh(text)
+        return Layout(dims=tuple(zip(mesh_dim_names(len(shape)), shape)), named=False)
+    sizes = {}
+    for part in s.split(","):
+        name, eq, value = part.partition("=")
+        name = ALIASES.get(name, name)
+        if not eq or not name or not value:
+            raise _error(f"--mesh: expected name=size pairs joined by commas, e.g. dp=4,cp=2,tp=8,pp=9, "
+                         f"got {text!r}")
+        if name not in DIM_ORDER:
+            raise _error(f"--mesh: unknown dimension {name!r} in {text!r}; known: "
+                         f"{', '.join(DIM_ORDER)}")
+        if name in sizes:
+            raise _error(f"--mesh: dimension {name} given twice in {text!r}")
+        sizes[name] = value
+    names = [n for n in DIM_ORDER if n in sizes]
+    for n in names:
+        if not sizes[n].isdigit():
+            raise _error(f"--mesh: {n}={sizes[n]}: expected a whole number >= 1 (e.g. {n}=2) in {text!r}")
+    # the sizes go through parse_mesh's own checks (>= 1, its caps)
+    try:
+        shape = parse_mesh("x".join(sizes[n] for n in names))
+    except ValueError as e:
+        raise _error(f"--mesh {text}: {str(e).replace('--mesh: ', '')}") from None
+    return Layout(dims=tuple(zip(names, shape)))

@@ -1,0 +1,567 @@
+"""Pipeline parallelism (``--mesh ...,pp=P [--virtual-stages V] [--micro-batches M]
+[--schedule ...]``): each distinct pipeline rank's micro-steps traced, the schedule composed.
+
+PyTorch's own ``PipelineStage`` and schedules do not run on fake tensors (their warm-up p2p
+reads values: ``DataDependentOutputException`` in ``_warmup_p2p``), so the step is composed
+from what each rank runs, traced on fake tensors under the fake process group:
+
+1. The model's blocks are cut into p x v chunks (:func:`torchledger.formulas.pipeline.chunk_sizes`);
+   rank r holds chunks r, r + p, ... (chunk 0 with the embedding, the last with the head).
+   Ranks whose chunks have the same shape (same block counts, same ends) are alike: one is
+   traced for all (Llama-3.1-405B at pp=9, v=7: 3 distinct ranks of 9).
+2. For each distinct rank, in a fake world where it is that rank (its pp coordinate, the
+   others 0), the model is built, every block it does not hold (and the embedding / head)
+   replaced by ``nn.Identity``, the standard plan applied to what is left (FSDP2 with
+   ``reshard_after_forward=False``, TP, CP, checkpointing, precision), AdamW's state made by one
+   untraced step, and up to three micro-steps traced, each one micro-batch (the AuditSpec's
+   inputs) forward through the rank's chunks and backward in reverse, with the p2p a real
+   stage runs as collectives: ``recv`` of the previous chunk's activation and ``send`` of
+   the output in forward, ``recv`` of the output's gradient and ``send`` of the input's
+   gradient in backward. FSDP2 is driven as PyTorch's ``PipelineStage`` drives it: no
+   gradient sync and no reshard until the last micro-batch. The micro-steps traced are the
+   first (parameters all-gathered), a steady one (nothing but the micro-batch) and the last
+   (gradients reduce-scattered, optimizer step): the step is first + (m - 2) x steady + last.
+3. Memory: a micro-step's peak holds one micro-batch's activations in each of the rank's v
+   chunks; the schedule holds ``in_flight`` chunk-micro-batches
+   (:func:`torchledger.formulas.pipeline.in_flight`), so the rank's peak is the traced peak
+   plus (in_flight - v) x one chunk's block activations of one micro-batch.
+
+The record of the audit is the bounding rank's (the largest peak), composed; every rank's
+figures are in ``totals.pipeline``::
+
+    {"stages": p, "virtual_stages": v, "micro_batches": m, "schedule": str,
+     "bubble_fraction": float, "bounding_rank": int,
+     "per_stage": [{"rank": r, "ranks_alike": [...], "chunks": [...], "blocks": int,
+                    "flops": {...}, "comm_bytes": {...}, "p2p_bytes": int, "peak_bytes": int,
+                    "static_bytes": int, "activation_bytes_per_micro_batch": int,
+                    "chunk_activation_bytes": int, "in_flight": int, "traced_peak_bytes": int}]}
+
+Known limitations: the spec's inputs are one micro-batch; the rank's peak adds whole
+chunk-micro-batches to the traced one (the schedule's order of frees inside a micro-step is
+not replayed); modules[] rows are the bounding rank's, their FLOPs over all m micro-batches.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import time
+
+__all__ = ["run_pipeline_audit"]
+
+
+def _error(message):
+    from ..spec import AuditError
+    return AuditError(message)
+
+
+def run_pipeline_audit(path: str, entry: str, world, layout):
+    """Trace each distinct pipeline rank and compose the schedule; an ``AuditRun`` whose
+    record is the bounding rank's."""
+    from ..audit import AuditRun, load_entry
+    from ..formulas.pipeline import bubble_fraction, chunk_sizes, rank_chunks
+    n, shape = world
+    p, v = layout.size("pp"), layout.virtual_stages
+    t0 = time.perf_counter()
+    fn = load_entry(path, entry)
+    n_blocks, batch = _probe(fn, path, entry)
+    try:
+        sizes = chunk_sizes(n_blocks, p * v)
+    except ValueError as e:
+        raise _error(f"--mesh {layout.text()} --virtual-stages {v}: {e} (the model has {n_blocks}); "
+                     f"use fewer stages or virtual stages") from None
+    m = _micro_batches(layout, batch, p)
+    schedule = layout.schedule_name
+    last = p * v - 1
+    groups = {}
+    for r in range(p):
+        chunks = rank_chunks(p, v, r)
+        shape_key = (0 in chunks, last in chunks, tuple(sizes[c] for c in chunks))
+        groups.setdefault(shape_key, []).append(r)
+    stages, records = [], {}
+    per_rank = n // p
+    for key, alike in groups.items():
+        r = alike[0]
+        traced, notes, meta = _trace_in_child(path, entry, world, layout, r, sizes, m)
+        stage = _compose(traced, layout, r, m, schedule, meta)
+        stage["ranks_alike"] = alike
+        stages.append(stage)
+        records[r] = (traced, stage, notes, meta)
+    stages.sort(key=lambda s: s["rank"])
+    bound = max(stages, key=lambda s: (s["peak_bytes"], -s["rank"]))
+    traced, stage, notes, meta = records[bound["rank"]]
+    rec = _composed_record(traced, stage, m)
+    rec.totals["pipeline"] = {
+        "stages": p, "virtual_stages": v, "micro_batches": m, "schedule": schedule,
+        "bubble_fraction": bubble_fraction(p, v, m, schedule), "bounding_rank": bound["rank"],
+        "ranks_traced": len(stages), "seconds": round(time.perf_counter() - t0, 3),
+        "per_stage": stages}
+    from ..render.sarif import spec_location
+    import os
+    rec.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": "fake", "steps": 1,
+                         "seq_len": meta["seq_len"], "spec_line": spec_location(path, entry)[1],
+                         "loss": "the last chunk's cross-entropy (pipeline stage)",
+                         "world_size": n, "mesh": list(shape), "rank": bound["rank"] * per_rank,
+                         "mesh_dims": list(layout.names), "plan": notes}
+    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape), parallel_dims=dict(layout.dims))
+    rec.meta["device"] = "fake (cpu)"
+    from .plan import plan_warnings
+    rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
+    run = AuditRun([rec], None, "fake", path)
+    run.snapshot, run.untraced_seconds = None, []
+    return run
+
+
+def _probe(fn, path, entry):
+    """(blocks, batch) of the spec's model, built on the meta device (no world, no memory)."""
+    import torch
+    from ..spec import as_spec, infer_tokens
+    from .plan import find_decoder
+    try:
+        with torch.device("meta"):
+            spec = as_spec(fn())
+    except Exception as e:
+        from ..audit import _raised, _where
+        raise _error(f"{_where(e, path)}: {entry}() {_raised(e)}") from None
+    dec = find_decoder(spec.model)
+    if dec is None:
+        raise _error(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
+                     f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2), not "
+                     f"{type(spec.model).__name__}; drop pp from --mesh")
+    seq = infer_tokens(spec.inputs)
+    batch = (seq.tokens // seq.seq_len) if seq.tokens and seq.seq_len else 1
+    return len(dec.blocks), batch
+
+
+def _micro_batches(layout, batch: int, p: int) -> int:
+    if layout.micro_batches is not None:
+        return layout.micro_batches
+    if layout.global_batch is not None:
+        per = layout.dp_degree * batch
+        if layout.global_batch % per:
+            raise _error(f"--global-batch {layout.global_batch}: not a multiple of dp x the spec's batch "
+                         f"({layout.dp_degree} x {batch} = {per}); the spec's inputs are one micro-batch")
+        return layout.global_batch // per
+    return p
+
+
+# -- one rank --------------------------------------------------------------------------------
+def _trace_in_child(path, entry, world, layout, r, sizes, m):
+    """``_trace_rank`` in a fresh Python process: each rank is its own fake world, and DTensor
+    keeps caches keyed by meshes that compare equal across worlds (a second world in the same
+    process would be handed the first one's process groups)."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from ..record import StepRecord
+    args = {"path": os.path.abspath(path), "entry": entry, "world": [world[0], list(world[1])],
+            "layout": {k: (list(map(list, v)) if k == "dims" else v)
+                       for k, v in dataclasses.asdict(layout).items()},
+            "rank": r, "sizes": list(sizes), "m": m}
+    with tempfile.TemporaryDirectory(prefix="torchledger-pp-") as tmp:
+        out = os.path.join(tmp, "out.json")
+        code = "from torchledger.parallel.pipeline import _child; _child()"
+        env = dict(os.environ)
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([here] + [x for x in [env.get("PYTHONPATH")] if x])
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(args), out], env=env,
+                              capture_output=True, text=True, cwd=os.getcwd())
+        if os.environ.get("TORCHLEDGER_DEBUG") == "1" and proc.stderr:
+            sys.stderr.write(proc.stderr)
+        if not os.path.exists(out):
+            tail = " ".join((proc.stderr or "").strip().splitlines()[-1:])[:300]
+            raise _error(f"{path}: tracing pipeline rank {r} failed (exit {proc.returncode}): {tail}")
+        with open(out, encoding="utf-8") as f:
+            data = json.load(f)
+    if "error" in data:
+        raise _error(data["error"])
+    traced = {k: StepRecord.from_dict(v) for k, v in data["records"].items()}
+    for rec in traced.values():         # the p2p torchledger's stage runner issues: no user line
+        for c in rec.collectives:
+            if str(c.get("location") or "").startswith("<string>"):
+                c["location"] = None
+    return traced, data["notes"], data["meta"]
+
+
+def _child() -> None:
+    """The child process of :func:`_trace_in_child`: trace one rank, write JSON."""
+    import json
+    import sys
+    from ..audit import load_entry, quiet_torch_logs, stdout_to_stderr
+    from ..spec import AuditError
+    from ..world import WorldError, fake_world
+    from .layout import Layout
+    args, out = json.loads(sys.argv[1]), sys.argv[2]
+    lay = dict(args["layout"])
+    lay["dims"] = tuple(tuple(d) for d in lay["dims"])
+    layout = Layout(**lay)
+    n, shape = args["world"]
+    r = args["rank"]
+    per_rank = n // layout.size("pp")
+    try:
+        with stdout_to_stderr(), quiet_torch_logs(True):
+            fn = load_entry(args["path"], args["entry"])
+            with fake_world(n, tuple(shape), rank=r * per_rank, names=layout.names) as mesh:
+                traced, notes, meta = _trace_rank(fn, args["path"], args["entry"], layout, mesh, r,
+                                                  args["sizes"], args["m"])
+        data = {"records": {k: v.to_dict() for k, v in traced.items()}, "notes": notes, "meta": meta}
+    except (AuditError, WorldError) as e:
+        data = {"error": str(e)}
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+
+
+def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m):
+    """Build, prune, plan and trace rank ``r``'s micro-steps; (records by kind, notes, meta)."""
+    import torch
+    from ..audit import _fake_safe_init, _raised, _standard_plan, _where, device_context
+    from ..formulas.pipeline import rank_chunks
+    from ..ledger import Ledger
+    from ..spec import as_spec, infer_tokens
+    from .plan import cp_inputs, find_decoder
+    p, v = layout.size("pp"), layout.virtual_stages
+    chunks = rank_chunks(p, v, r)
+    starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    blocks = {c: list(range(starts[c], starts[c] + sizes[c])) for c in chunks}
+    keep = {i for c in chunks for i in blocks[c]}
+    last = p * v - 1
+    pp_ranks = [int(x) for x in mesh["pp"].mesh.tolist()]
+    with device_context("fake"):
+        try:
+            with _fake_safe_init("fake"):
+                spec = as_spec(fn())
+        except Exception as e:
+            raise _error(f"{_where(e, path)}: {entry}() {_raised(e)}") from None
+        model = spec.model
+        dec = find_decoder(model)
+        inputs = spec.inputs
+        seq = infer_tokens(inputs)
+        _prune(model, dec, keep, has_first=0 in chunks, has_last=last in chunks)
+        if spec.parallelize is not None:
+            model = spec.parallelize(model, mesh)
+            notes = ["AuditSpec.parallelize on each stage's model"]
+        else:
+            model, notes = _standard_plan(model, mesh, layout, path, seq.seq_len, blocks=keep, pipelined=True)
+        if layout.size("cp") > 1:
+            inputs = cp_inputs(inputs, layout.size("cp"), mesh["cp"].get_local_rank(), seq.seq_len)
+        opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
+        runner = _StageRunner(model, dec, inputs, chunks, blocks, last, pp_ranks, mesh["pp"].get_group(),
+                              layout, spec)
+        _warm_optimizer(model, opt)
+        kinds = ["only"] if m == 1 else ["first", "last"] if m == 2 else ["first", "steady", "last"]
+        ledger = Ledger(model, optimizer=opt, keep=len(kinds))
+        tokens = infer_tokens(inputs)
+        traced = {}
+        for kind in kinds:
+            _fsdp_flags(model, last_micro_batch=kind in ("only", "last"))
+            try:
+                with ledger.step(tokens=tokens.tokens, seq_len=tokens.seq_len, tokens_source=tokens.source):
+                    runner.micro_step(optimizer=opt if kind in ("only", "last") else None)
+            except Exception as e:
+                raise _error(f"{_where(e, path)}: pipeline rank {r}'s micro-step raised "
+                             f"{type(e).__name__}: {_msg(e)}") from None
+            traced[kind] = ledger.records[-1]
+            # the world this rank sits in (the tracer sees the mesh FSDP2 was given)
+            traced[kind].totals.update(rank=int(mesh.get_rank()), world_size=int(mesh.size()),
+                                       mesh=list(mesh.shape))
+    block_names = [f"{dec.prefix}.{i}" for i in sorted(keep)]
+    meta = {"rank": r, "chunks": chunks, "blocks": len(keep), "block_names": block_names,
+            "seq_len": seq.seq_len}
+    return traced, notes, meta
+
+
+def _msg(e):
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _prune(model, dec, keep, has_first: bool, has_last: bool) -> None:
+    """Blocks this rank does not hold, and the embedding / final norm / head unless it holds
+    the first / last chunk, become ``nn.Identity`` (their FQNs stay those of the model)."""
+    import torch.nn as nn
+    for i in range(len(dec.blocks)):
+        if i not in keep:
+            dec.blocks[i] = nn.Identity()
+    drop = ([] if has_first else [dec.embed]) + ([] if has_last else [dec.norm, dec.head])
+    if dec.family == "torchledger" and not has_first and getattr(model, "pos_emb", None) is not None:
+        drop.append("pos_emb")
+    for fqn in drop:
+        parent, _, name = fqn.rpartition(".")
+        setattr(dec.module(model, parent), name, nn.Identity())
+
+
+def _warm_optimizer(model, opt) -> None:
+    """AdamW's state as every step after the first holds it: one untraced optimizer step
+    on zero gradients (fake tensors: no values, no memory)."""
+    import torch
+    params = [q for q in model.parameters() if q.requires_grad]
+    for q in params:
+        q.grad = torch.zeros_like(q)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _fsdp_flags(model, last_micro_batch: bool) -> None:
+    """As ``PipelineStage`` drives FSDP2: sync and reshard only on the last micro-batch."""
+    for name in ("set_is_last_backward", "set_requires_gradient_sync", "set_reshard_after_backward"):
+        method = getattr(model, name, None)
+        if method is not None:
+            method(last_micro_batch)
+
+
+class _StageRunner:
+    """One micro-batch forward through a rank's chunks and backward in reverse, with the p2p
+    of a pipeline stage issued through ``torch.distributed`` (the fake group records them)."""
+
+    def __init__(self, model, dec, inputs, chunks, blocks, last, pp_ranks, group, layout, spec):
+        import torch
+        self.model, self.dec, self.inputs = model, dec, inputs
+        self.chunks, self.blocks, self.last = chunks, blocks, last
+        self.pp_ranks, self.group, self.spec = pp_ranks, group, spec
+        self.p = layout.size("pp")
+        idx = self._ids()
+        self.B, self.T = idx.shape[0], idx.shape[1]
+        d = _width(model, dec)
+        tp = layout.size("tp")
+        t_local = self.T // tp if dec.sequence_parallel and tp > 1 else self.T
+        self.act_shape = (self.B, t_local, d)
+        self.act_dtype = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
+                          "fp16-mixed": torch.float16}.get(layout.precision, torch.get_default_dtype())
+        self.original_forward = model.forward
+
+    def _ids(self):
+        x = self.inputs
+        if isinstance(x, dict):
+            return x.get("idx", x.get("input_ids"))
+        return x[0] if isinstance(x, (list, tuple)) else x
+
+    def _targets(self, idx):
+        x = self.inputs
+        if isinstance(x, dict):
+            for k in ("targets", "labels"):
+                if x.get(k) is not None:
+                    return x[k]
+        return idx
+
+    def micro_step(self, optimizer=None) -> None:
+        import torch
+        handles = []
+        for c in self.chunks:
+            self.model.forward = functools.partial(self._chunk_forward, c)
+            try:
+                handles.append(self.model())
+            finally:
+                self.model.forward = self.original_forward
+        # one backward over the rank's chunks (last first), as FSDP2 sees one backward per
+        # micro-batch: its end-of-backward callback (reshard, reduce) runs once
+        torch.autograd.backward(handles[::-1])
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def _chunk_forward(self, c):
+        import torch
+        import torch.distributed as dist
+        model, dec = self.model, self.dec
+        if c == 0:
+            x = self._embed()
+        else:
+            buf = torch.empty(self.act_shape, dtype=self.act_dtype)
+            dist.recv(buf, src=self.pp_ranks[(c - 1) % self.p], group=self.group)
+            buf.requires_grad_()
+            x = _SendGradBack.apply(buf, self.pp_ranks[(c - 1) % self.p], self.group)
+        extra = self._block_args(x)
+        for i in self.blocks[c]:
+            out = dec.blocks[i](x, *extra[0], **extra[1])
+            x = out[0] if isinstance(out, tuple) else out
+        if c == self.last:
+            return self._loss(x)
+        dist.send(x, dst=self.pp_ranks[(c + 1) % self.p], group=self.group)
+        return _RecvGrad.apply(x, self.pp_ranks[(c + 1) % self.p], self.group)
+
+    def _embed(self):
+        import torch
+        model, dec = self.model, self.dec
+        idx = self._ids()
+        x = dec.module(model, dec.embed)(idx)
+        if dec.family == "torchledger" and getattr(model, "pos_emb", None) is not None:
+            x = x + model.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        return x
+
+    def _block_args(self, x):
+        import torch
+        model, dec = self.model, self.dec
+        if dec.family == "torchledger":
+            if getattr(model, "pos_emb", None) is not None or model.config.n_positions:
+                return (None,), {}
+            from ..models.transformer import rope_tables
+            cfg = model.config
+            return (rope_tables(self.T, cfg.head_dim, cfg.rope_theta, x.device, self.act_dtype),), {}
+        pos = torch.arange(self.T, device=x.device)[None]
+        probe = torch.empty(self.B, self.T, 1, dtype=self.act_dtype)
+        return (), {"position_embeddings": model.model.rotary_emb(probe, pos), "position_ids": pos}
+
+    def _loss(self, x):
+        import torch.nn.functional as F
+        model, dec = self.model, self.dec
+        logits = dec.module(model, dec.head)(dec.module(model, dec.norm)(x))
+        idx = self._ids()
+        targets = self._targets(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _width(model, dec) -> int:
+    if dec.family == "torchledger":
+        return model.config.d_model
+    return model.config.hidden_size
+
+
+def _autograd_functions():
+    import torch
+    import torch.distributed as dist
+
+    class SendGradBack(torch.autograd.Function):
+        """Identity forward on a received activation; backward sends its gradient back."""
+
+        @staticmethod
+        def forward(ctx, x, peer, group):
+            ctx.peer, ctx.group = peer, group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            dist.send(grad.contiguous(), dst=ctx.peer, group=ctx.group)
+            return grad, None, None
+
+    class RecvGrad(torch.autograd.Function):
+        """A scalar handle for a chunk's sent output; its backward receives the output's
+        gradient from the next stage and passes it into the chunk."""
+
+        @staticmethod
+        def forward(ctx, x, peer, group):
+            ctx.peer, ctx.group, ctx.shape, ctx.dtype = peer, group, x.shape, x.dtype
+            return x.new_zeros(())
+
+        @staticmethod
+        def backward(ctx, grad):
+            buf = torch.empty(ctx.shape, dtype=ctx.dtype)
+            dist.recv(buf, src=ctx.peer, group=ctx.group)
+            return buf, None, None
+    return SendGradBack, RecvGrad
+
+
+class _Lazy:
+    def __init__(self, i):
+        self.i = i
+
+    def apply(self, *args):
+        return _autograd_functions()[self.i].apply(*args)
+
+
+_SendGradBack, _RecvGrad = _Lazy(0), _Lazy(1)
+
+
+# -- composing the schedule ---------------------------------------------------------------------
+def _weights(m: int) -> dict:
+    return {"only": 1} if m == 1 else {"first": 1, "last": 1} if m == 2 else {"first": 1, "steady": m - 2, "last": 1}
+
+
+def _compose(traced, layout, r, m, schedule, meta) -> dict:
+    """Rank ``r``'s step: the weighted sum of its micro-steps, and its peak under the schedule."""
+    from ..formulas.pipeline import in_flight
+    p, v = layout.size("pp"), layout.virtual_stages
+    w = _weights(m)
+    flops = {"forward": 0, "backward": 0, "optimizer": 0}
+    comm = {"forward": 0, "backward": 0, "optimizer": 0, "other": 0}
+    p2p = 0
+    for kind, rec in traced.items():
+        f = rec.totals["flops"]
+        flops["forward"] += w[kind] * f.get("forward", 0)
+        flops["backward"] += w[kind] * f.get("backward", 0)
+        flops["optimizer"] += w[kind] * f.get("optimizer", 0)
+        for phase in comm:
+            comm[phase] += w[kind] * rec.totals["comm_bytes"].get(phase, 0)
+        p2p += w[kind] * sum(c["bytes"] + c.get("bytes_received", 0) for c in rec.collectives
+                             if c["op"] in ("send", "recv"))
+    flops["total"] = flops["forward"] + flops["backward"] + flops["optimizer"]
+    comm["total"] = sum(comm[k] for k in ("forward", "backward", "optimizer", "other"))
+    steady = traced.get("steady") or traced.get("first") or traced["only"]
+    names = set(meta["block_names"])
+    block_act = sum(row["activation_bytes"] for row in steady.modules if row["name"] in names)
+    chunk_act = block_act // v
+    held = in_flight(p, v, m, r, schedule)
+    first = traced.get("first") or traced["only"]
+    sharded = first.totals.get("param_bytes") or 0
+    peaks = []
+    for rec in traced.values():
+        peak = rec.totals["peak_bytes"]
+        if (rec.totals.get("param_bytes") or 0) > sharded:
+            # NB: parameters FSDP2 keeps gathered across micro-batches are the module's
+            # parameters then; the sharded ones (the first micro-step's) are alive beside them
+            peak += sharded
+        peaks.append(peak)
+    traced_peak = max(peaks)
+    last = traced.get("last") or traced["only"]
+    # parameters and optimizer state as the step starts (sharded), gradients as the rank
+    # holds them during the step (accumulated unsharded until the last micro-batch's reduce)
+    static = sharded + (last.totals.get("grad_bytes") or 0) + (first.totals.get("optimizer_state_bytes") or 0)
+    return {"rank": r, "chunks": meta["chunks"], "blocks": meta["blocks"], "flops": flops,
+            "comm_bytes": comm, "p2p_bytes": p2p, "static_bytes": static,
+            "activation_bytes_per_micro_batch": steady.totals["activation_bytes"],
+            "chunk_activation_bytes": chunk_act, "in_flight": held, "traced_peak_bytes": traced_peak,
+            "peak_bytes": traced_peak + max(0, held - v) * chunk_act,
+            "micro_steps_traced": list(traced)}
+
+
+#: Totals that add up over micro-steps (ints, or dicts of ints per phase/kind).
+ADDITIVE = ("flops", "flops_causal", "attention_flops", "hardware_flops", "elementwise_flops",
+            "bytes_read", "bytes_written", "copy_bytes", "param_matmul_flops_forward",
+            "param_matmul_flops_grad", "tokens", "view_ops", "comm_bytes")
+
+
+def _composed_record(traced, stage, m):
+    """The bounding rank's record: its last micro-step's, with the step's totals."""
+    w = _weights(m)
+    last = traced.get("last") or traced["only"]
+    rec = copy.deepcopy(last)
+    t = rec.totals
+    for key in ADDITIVE:
+        values = [r.totals.get(key) for r in traced.values()]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+            t[key] = sum(w[k] * r.totals[key] for k, r in traced.items())
+        elif all(isinstance(x, dict) for x in values):
+            t[key] = {sub: sum(w[k] * (r.totals[key].get(sub) or 0) for k, r in traced.items())
+                      for sub in values[-1]}
+    t["peak_bytes"] = stage["peak_bytes"]
+    first = traced.get("first") or traced["only"]
+    t["param_bytes"] = first.totals.get("param_bytes", t.get("param_bytes"))
+    t["optimizer_state_bytes"] = first.totals.get("optimizer_state_bytes", t.get("optimizer_state_bytes"))
+    t["activation_bytes"] = stage["activation_bytes_per_micro_batch"] + \
+        max(0, stage["in_flight"] - len(stage["chunks"])) * stage["chunk_activation_bytes"]
+    cfg = rec.meta.get("config")
+    if isinstance(cfg, dict) and "n_layers" in cfg:
+        # the closed forms of this rank: its blocks (attention 12LTd, Korthikanti per layer)
+        rec.meta["config"] = dict(cfg, n_layers=stage["blocks"], pipeline_stage=True)
+    from ..analyzers.compare import record_predictions
+    rec.predictions = record_predictions(rec)
+    rows = {}
+    for kind, r in traced.items():
+        for c in r.collectives:
+            key = tuple(c.get(k) for k in ("op", "group_size", "phase", "module", "location", "group_span"))
+            row = rows.setdefault(key, dict(c, count=0, bytes=0, bytes_received=0, algo_bytes=0, bus_bytes=0))
+            for k in ("count", "bytes", "bytes_received", "algo_bytes", "bus_bytes"):
+                row[k] += w[kind] * (c.get(k) or 0)
+    rec.collectives = sorted(rows.values(), key=lambda c: -c["bytes"] - c["bytes_received"])
+    # the rank's own modules: the placeholders of what other ranks hold are not its rows
+    rec.modules = [row for row in rec.modules if not (row.get("type") == "Identity" and not row.get("params"))]
+    for row in rec.modules:
+        for k in ("flops_forward", "flops_backward", "flops_recompute"):
+            if isinstance(row.get(k), int):
+                row[k] *= m
+    rec.meta["pipeline_note"] = (
+        f"pipeline: composed from {len(traced)} traced micro-steps ({', '.join(traced)}) of rank "
+        f"{stage['rank']}: the step is first + (m - 2) x steady + last at m = {m}; its peak adds "
+        f"{max(0, stage['in_flight'] - len(stage['chunks']))} chunk-micro-batches of activations to the traced one")
+    return rec

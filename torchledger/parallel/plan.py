@@ -1,0 +1,475 @@
+"""The standard plan: what ``torchledger audit`` applies to a model when its AuditSpec has no
+``parallelize``, from the layout of ``--mesh`` (:mod:`.layout`), as torchtitan applies it to
+Llama, with PyTorch's own FSDP2, tensor parallelism and activation checkpointing.
+
+In torchtitan's order (``parallelize_llama``), per transformer block:
+
+- **TP** (``tp``): q/k/v and the MLP's gate/up projections ``ColwiseParallel``, o and down
+  ``RowwiseParallel``; attention heads split over tp. On torchledger's RoPE decoders with
+  **sequence parallelism** as torchtitan does (norms ``SequenceParallel``, the block inputs
+  all-gathered by ``PrepareModuleInput``, o/down reduce-scattered to ``Shard(1)``, the
+  embedding ``RowwiseParallel`` to ``Shard(1)``, the head ``ColwiseParallel`` from it);
+  Hugging Face decoders and learned-position models get TP on the blocks without SP (they
+  compute positions from the embedded sequence's length, which SP would shard).
+- **CP** (``cp``): each rank holds T/cp of the sequence (its inputs are narrowed); attention
+  all-gathers K and V over the cp group (backward reduce-scatters their gradients), the
+  all-gather variant Llama 3 was trained with, and attends its own queries to all keys
+  under the causal mask shifted by its offset. Hugging Face decoders: the same as an
+  attention function registered in transformers' ``AttentionInterface`` (``torchledger_cp``)
+  that the model's config selects.
+- **Checkpointing**: ``full`` every block; ``selective-layer`` every second block
+  (torchtitan's ``selective_ac_option="2"``); ``selective-op`` every block, saving the
+  outputs of matmuls (all but every second one), attention and reduce-scatters and
+  recomputing the rest (torchtitan's op policy).
+- **Data parallel**: ``dp`` -> ``fully_shard`` per block and the root (over dp x cp
+  flattened when cp > 1: CP ranks hold the same weights); ``dp_replicate`` with ``dp`` ->
+  HSDP (a 2-D mesh: replicate x shard); ``dp_replicate`` alone -> DDP as FSDP2's
+  ``replicate`` (gradients all-reduced; runs on fake tensors, unlike ``DistributedDataParallel``).
+  Pipelined: ``reshard_after_forward=False`` (parameters stay gathered across micro-batches).
+- **Precision**: ``bf16-mixed``/``fp16-mixed``: FSDP2's ``MixedPrecisionPolicy`` (parameters
+  cast for compute, gradients reduced in fp32), or autocast around the forward without
+  data parallelism; ``bf16``: parameters stored in bf16.
+
+Known limitations: the model is recognised by its structure (torchledger's ``Transformer``;
+a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
+``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
+parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
+(:mod:`torchledger.models.moe`) without tp or cp.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings"]
+
+#: What the record cannot see under a plan option (``record.warnings``).
+SELECTIVE_OP_UNSEEN = ("activation bytes under --checkpointing selective-op are a lower bound: the "
+                       "outputs its policy saves are held in PyTorch's selective-checkpoint storage, "
+                       "outside the saved-tensor hooks the tracer counts (its recompute FLOPs are "
+                       "measured); compare with --checkpointing full or none")
+
+
+def plan_warnings(layout) -> list:
+    """Lines for ``record.warnings`` about what a plan hides from the tracer."""
+    return [SELECTIVE_OP_UNSEEN] if layout is not None and layout.checkpointing == "selective-op" else []
+
+
+class PlanError(ValueError):
+    """The standard plan cannot apply this layout to this model: one line for the user."""
+
+
+@dataclass
+class Decoder:
+    """Where a decoder's parts are, by ``named_modules()`` name."""
+
+    family: str
+    """``torchledger`` (models.Transformer) or ``hf`` (a Hugging Face causal LM)."""
+    blocks: object
+    """The ModuleList of transformer blocks."""
+    prefix: str
+    """FQN of the blocks' list: ``blocks`` or ``model.layers``."""
+    attn: str
+    mlp: str
+    norms: tuple
+    """The block's two norms (before attention, before the MLP)."""
+    swiglu: bool
+    embed: str
+    norm: str
+    head: str
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    sequence_parallel: bool
+    """TP shards the sequence between blocks too (torchtitan's SP)."""
+
+    def module(self, model, fqn: str):
+        return model.get_submodule(fqn) if fqn else model
+
+
+def find_decoder(model) -> Optional[Decoder]:
+    """The decoder structure of ``model``, or None when it is not one the plan knows."""
+    try:
+        from ..models.transformer import Transformer
+    except ImportError:                  # pragma: no cover
+        Transformer = ()
+    if isinstance(model, Transformer):
+        cfg = model.config
+        return Decoder("torchledger", model.blocks, "blocks", "attn", "mlp", ("attn_norm", "mlp_norm"),
+                       cfg.mlp == "swiglu", "tok_emb", "norm", "lm_head", cfg.n_heads, cfg.n_kv_heads,
+                       cfg.d_ff, sequence_parallel=not cfg.n_positions)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    head = getattr(model, "lm_head", None)
+    if layers is None or head is None or not len(layers):
+        return None
+    # a pipeline stage's model has Identity in place of the blocks other ranks hold
+    first = next((b for b in layers if hasattr(b, "self_attn")), layers[0])
+    attn, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
+    if attn is None or mlp is None:
+        return None
+    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return None
+    if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    if not (hasattr(inner, "embed_tokens") and hasattr(inner, "norm")):
+        return None
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None) or attn.q_proj.out_features // attn.head_dim
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return Decoder("hf", layers, "model.layers", "self_attn", "mlp",
+                   ("input_layernorm", "post_attention_layernorm"), True, "model.embed_tokens",
+                   "model.norm", "lm_head", heads, kv, mlp.gate_proj.out_features, sequence_parallel=False)
+
+
+def _block_fqns(dec: Decoder, keep=None):
+    return [(f"{dec.prefix}.{i}", b) for i, b in enumerate(dec.blocks) if keep is None or i in keep]
+
+
+def _check_divides(layout, dec: Decoder, seq_len: Optional[int]) -> None:
+    tp, cp = layout.size("tp"), layout.size("cp")
+    where = f"--mesh {layout.text()}"
+    for what, n in (("attention heads", dec.n_heads), ("key/value heads", dec.n_kv_heads),
+                    ("MLP width (d_ff)", dec.d_ff)):
+        if tp > 1 and n % tp:
+            raise PlanError(f"{where}: the model's {n} {what} do not divide by tp={tp}; tensor "
+                            f"parallelism splits them evenly: choose a tp that divides {n}")
+    if seq_len is not None:
+        need = cp * (tp if dec.sequence_parallel and tp > 1 else 1)
+        if need > 1 and seq_len % need:
+            parts = [f"cp={cp}"] * (cp > 1) + [f"tp={tp} (sequence parallel)"] * (need != cp)
+            raise PlanError(f"{where}: the sequence length {seq_len} does not divide by "
+                            f"{' x '.join(parts)} = {need}; each rank holds an equal part of the "
+                            f"sequence: use a length that is a multiple of {need}")
+
+
+# -- tensor parallelism ------------------------------------------------------------------------
+def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    a, m = dec.attn, dec.mlp
+    sp = dec.sequence_parallel
+    plan = {f"{a}.q_proj": ColwiseParallel(), f"{a}.k_proj": ColwiseParallel(),
+            f"{a}.v_proj": ColwiseParallel(),
+            f"{a}.o_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
+            f"{m}.up_proj": ColwiseParallel(),
+            f"{m}.down_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()}
+    if dec.swiglu:
+        plan[f"{m}.gate_proj"] = ColwiseParallel()
+    if sp:
+        plan.update({dec.norms[0]: SequenceParallel(), dec.norms[1]: SequenceParallel(),
+                     a: PrepareModuleInput(input_layouts=(Shard(1), None),
+                                           desired_input_layouts=(Replicate(), None)),
+                     m: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+    n = tp_mesh.size()
+    for _, block in blocks:
+        parallelize_module(block, tp_mesh, plan)
+        attn = getattr(block, a)
+        if dec.family == "torchledger":      # its views use the head counts: each rank has its own
+            attn.n_heads //= n
+            attn.n_kv_heads //= n
+    if sp:
+        root = {}
+        for fqn, style in ((dec.embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))),
+                           (dec.norm, SequenceParallel()),
+                           (dec.head, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))):
+            if not _is_placeholder(dec.module(model, fqn)):
+                root[fqn] = style
+        if root:
+            parallelize_module(model, tp_mesh, root)
+        notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block, "
+                     f"sequence parallel (norms SequenceParallel; embedding, head sharded)")
+    else:
+        notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
+                     f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
+
+
+def _is_placeholder(module) -> bool:
+    import torch.nn as nn
+    return isinstance(module, nn.Identity)
+
+
+# -- context parallelism -----------------------------------------------------------------------
+def _cp_attention(cp_mesh):
+    """SDPA for a rank that holds T/cp of the sequence: K and V all-gathered over the cp group
+    (an autograd all-gather: backward reduce-scatters their gradients); the causal mask is
+    shifted by the rank's offset."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+    rank = cp_mesh.get_local_rank()
+
+    def sdpa(q, k, v, attn_mask=None, is_causal=False, **kw):
+        k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp_mesh)
+        v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp_mesh)
+        if is_causal:
+            tq, tk = q.shape[2], k.shape[2]
+            attn_mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=rank * tq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
+    return sdpa
+
+
+#: The name the Hugging Face attention function of context parallelism is registered under.
+HF_CP_ATTENTION = "torchledger_cp"
+
+
+def _hf_cp_attention(model, layers, cp_mesh) -> None:
+    """Context parallelism for a Hugging Face decoder: an attention function (registered once in
+    transformers' AttentionInterface, with the sdpa mask) that all-gathers K and V over the
+    layer's cp group and calls transformers' own sdpa attention under the shifted causal mask;
+    the model's config selects it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        mesh = getattr(module, "_torchledger_cp", None)
+        if mesh is None:                      # a layer the plan did not touch
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        import torch
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+        key = all_gather_single_autograd(key.contiguous(), gather_dim=2, group=mesh)
+        value = all_gather_single_autograd(value.contiguous(), gather_dim=2, group=mesh)
+        tq, tk = query.shape[2], key.shape[2]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(
+            diagonal=mesh.get_local_rank() * tq)
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
+
+    if HF_CP_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(HF_CP_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(HF_CP_ATTENTION, attention)
+    for _, layer in layers:
+        layer.self_attn._torchledger_cp = cp_mesh
+    model.config._attn_implementation = HF_CP_ATTENTION
+
+
+def cp_inputs(inputs, cp: int, rank: int, seq_len: int):
+    """This cp rank's part of the inputs: every tensor whose dim 1 is the sequence, narrowed
+    to its ``seq_len / cp`` positions (rank r holds [r T/cp, (r+1) T/cp))."""
+    import torch
+    part = seq_len // cp
+
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq_len:
+            return x.narrow(1, rank * part, part)
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(cut(v) for v in x)
+        return x
+    return cut(inputs)
+
+
+# -- expert parallelism ------------------------------------------------------------------------
+def _apply_ep(dec, blocks, mesh, layout, notes) -> None:
+    """Each ep rank keeps E / ep of every MoE layer's experts; tokens reach them by all-to-all."""
+    ep = layout.size("ep")
+    moes = [getattr(b, dec.mlp) for _, b in blocks] if dec is not None else []
+    moes = [m for m in moes if hasattr(m, "experts") and hasattr(m, "n_experts")]
+    if not moes:
+        raise PlanError(f"--mesh {layout.text()}: ep={ep} shards experts, and the model has no "
+                        f"mixture-of-experts layers (torchledger.models.moe.MoEConfig); drop ep")
+    for name in ("tp", "cp"):
+        if layout.size(name) > 1:
+            raise PlanError(f"--mesh {layout.text()}: ep with {name} is not simulated yet (the experts "
+                            f"would need their own {name} plan); drop one of them")
+    import torch
+    ep_mesh = mesh["ep"]
+    r = ep_mesh.get_local_rank()
+    for moe in moes:
+        if moe.n_experts % ep:
+            raise PlanError(f"--mesh {layout.text()}: the model's {moe.n_experts} experts do not divide by "
+                            f"ep={ep}; choose an ep that divides {moe.n_experts}")
+        local = moe.n_experts // ep
+        for name in ("w_gate", "w_up", "w_down"):
+            w = getattr(moe.experts, name)
+            setattr(moe.experts, name, torch.nn.Parameter(w.detach()[r * local:(r + 1) * local].clone()))
+        moe.ep_mesh = ep_mesh
+    notes.append(f"ep={ep}: each rank holds {moes[0].n_experts // ep} of {moes[0].n_experts} experts per "
+                 f"MoE layer; tokens dispatched and combined by all-to-all")
+
+
+# -- checkpointing -----------------------------------------------------------------------------
+def _op_policy():
+    """torchtitan's selective op policy: save matmul outputs (all but every second mm),
+    attention outputs and reduce-scatters; recompute everything else."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default}
+
+    def make():
+        count = {"mm": 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            if func is aten.mm.default:
+                if not ctx.is_recompute:
+                    count["mm"] += 1
+                return CheckpointPolicy.MUST_SAVE if count["mm"] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+        return policy
+    return make
+
+
+def _apply_checkpointing(blocks, mode: str, notes) -> None:
+    from torch.distributed._composable import checkpoint
+    if mode == "none":
+        return
+    if mode == "selective-op":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        make = _op_policy()
+        for _, block in blocks:
+            checkpoint(block, context_fn=lambda m=make: create_selective_checkpoint_contexts(m()))
+        notes.append("checkpointing selective-op: every block, matmul (all but every second), "
+                     "attention and reduce-scatter outputs saved, the rest recomputed")
+        return
+    every = 2 if mode == "selective-layer" else 1
+    done = 0
+    for i, (_, block) in enumerate(blocks):
+        if i % every == 0:
+            checkpoint(block)
+            done += 1
+    notes.append(f"checkpointing {mode}: {done} of {len(blocks)} blocks recompute their forward in backward")
+
+
+# -- precision ---------------------------------------------------------------------------------
+def _to_dtype(model, dtype) -> None:
+    """Parameters (and floating buffers) to ``dtype`` in place of ``model.to``, which cannot
+    swap fake parameters."""
+    import torch
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_floating_point():
+                m._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
+
+
+def _autocast_forward(model, dtype) -> None:
+    import torch
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def cast(*args, **kwargs):
+        with torch.autocast("cpu", dtype=dtype):
+            return forward(*args, **kwargs)
+    model.forward = cast
+
+
+# -- data parallelism --------------------------------------------------------------------------
+def _dp_mesh(mesh, layout):
+    """(mesh for fully_shard or replicate, kind) of the data-parallel dims, or (None, None)."""
+    rep = layout.size("dp_replicate") > 1
+    names = mesh.mesh_dim_names or ()
+    # ep and cp ranks hold the same dense weights and see other tokens: FSDP shards over them too
+    shard = [n for n in ("dp", "ep", "cp") if n in names and (layout.size(n) > 1)]
+    if len(shard) > 1:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        shard_name = "_".join(shard)
+        with unset_fake_temporarily():      # the flattened mesh's rank map is a real tensor
+            mesh[tuple(shard)]._flatten(shard_name)
+    elif shard:
+        shard_name = shard[0]
+    else:
+        shard_name = None
+    if rep and shard_name:
+        import warnings
+        with warnings.catch_warnings():     # torch asks to keep the flattened mesh; it is sliced once
+            warnings.simplefilter("ignore", UserWarning)
+            return mesh["dp_replicate", shard_name], "hsdp"
+    if shard_name:
+        return mesh[shard_name], "fsdp"
+    if rep:
+        return mesh["dp_replicate"], "ddp"
+    return None, None
+
+
+def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipelined=False):
+    """Apply the layout's standard plan to ``model`` in place; returns (model, notes).
+
+    ``blocks``: indices of the blocks this rank holds (a pipeline stage), None for all.
+    PlanError (one line) when the layout cannot apply to this model."""
+    import torch
+    notes = []
+    dec = find_decoder(model)
+    tp, cp = layout.size("tp"), layout.size("cp")
+    if dec is None:
+        needs = [n for n in ("tp", "cp", "pp", "ep") if layout.size(n) > 1]
+        if needs or layout.checkpointing != "none":
+            what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
+            raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
+                            f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2), not "
+                            f"{type(model).__name__}; add AuditSpec(parallelize=fn), fn(model, mesh) applying "
+                            f"your own plan and returning the model")
+    else:
+        _check_divides(layout, dec, seq_len)
+    mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
+    if layout.precision == "bf16":
+        _to_dtype(model, torch.bfloat16)
+        notes.append("precision bf16: parameters, gradients and optimizer state in bf16")
+    chosen = _block_fqns(dec, blocks) if dec is not None else []
+    if dec is not None and tp > 1:
+        _apply_tp(model, dec, mesh["tp"], chosen, notes)
+    if dec is not None and cp > 1:
+        if dec.family == "hf":
+            _hf_cp_attention(model, chosen, mesh["cp"])
+        else:
+            sdpa = _cp_attention(mesh["cp"])
+            for _, block in chosen:
+                getattr(block, dec.attn).sdpa = sdpa
+        notes.append(f"cp={cp}: each rank holds T/{cp} of the sequence; attention all-gathers K and V "
+                     f"over the cp group (reduce-scatters their gradients in backward)")
+    if layout.size("ep") > 1:
+        _apply_ep(dec, chosen, mesh, layout, notes)
+    if dec is not None:
+        _apply_checkpointing(chosen, layout.checkpointing, notes)
+    dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
+    if kind in ("fsdp", "hsdp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        kw = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}
+        if mixed is not None:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
+        ep = layout.size("ep") > 1
+        experts_mesh = mesh["dp"] if ep and layout.size("dp") > 1 else None
+        local_experts = set()
+        for _, block in chosen:
+            moe = getattr(block, dec.mlp, None) if dec is not None else None
+            if ep and getattr(moe, "ep_mesh", None) is not None:
+                # each ep rank's own experts: sharded over dp only (their gradients reduce
+                # there); with no dp they stay whole on their rank, outside FSDP2
+                if experts_mesh is not None:
+                    fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
+                else:
+                    local_experts.update(moe.experts.parameters())
+            fully_shard(block, **kw, **({"ignored_params": local_experts} if local_experts else {}))
+        fully_shard(model, **kw, **({"ignored_params": local_experts} if local_experts else {}))
+        n = dp_mesh.size()
+        notes.append(f"{'HSDP' if kind == 'hsdp' else 'FSDP2'} over {n} ranks "
+                     f"({' x '.join(map(str, dp_mesh.shape))}): fully_shard per block and the root"
+                     + ("" if dec is not None else " (the model is not a known decoder: the root is one unit)")
+                     + ("; reshard_after_forward=False (pipelined)" if pipelined else ""))
+    elif kind == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        kw = {"mesh": dp_mesh}
+        if mixed is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
+        replicate(model, **kw)
+        notes.append(f"DDP over {dp_mesh.size()} ranks (FSDP2's replicate: gradients all-reduced)")
+    if mixed is not None:
+        if kind is None:
+            _autocast_forward(model, mixed)
+            notes.append(f"precision {layout.precision}: autocast around the forward (fp32 parameters)")
+        else:
+            notes.append(f"precision {layout.precision}: MixedPrecisionPolicy(param_dtype="
+                         f"{str(mixed).replace('torch.', '')}, reduce_dtype=float32)")
+    return model, notes
