@@ -176,8 +176,6 @@ def quiet_torch_logs(enabled: bool = True):
 
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
               peak_flops=None, timing_steps: Optional[int] = None, torch_logs: bool = False,
-              world_size: Optional[int] = None, mesh=None) -> AuditRun:
-              peak_flops=None, timing_steps: int = 2, torch_logs: bool = False,
               world_size: Optional[int] = None, mesh=None, plan: Optional[dict] = None) -> AuditRun:
     """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``.
 
