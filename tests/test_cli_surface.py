@@ -8,7 +8,7 @@ import click
 from torchledger.cli import cli
 
 SURFACE = {
-    'audit': ['--baseline', '--depth', '--device', '--entry', '--fail-on', '--format', '--gpu', '--ignore', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--output', '--peak-flops', '--steps', '--world-size'],
+    'audit': ['--baseline', '--depth', '--device', '--entry', '--fail-on', '--format', '--gpu', '--ignore', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--output', '--peak-flops', '--steps', '--timeout', '--world-size'],
     'estimate decode': ['--batch', '--dtype', '--gpu', '--json', '--matmul-params', '--params', '--preset'],
     'estimate kv-cache': ['--batch', '--dtype', '--head-dim', '--json', '--kv-heads', '--layers', '--preset', '--tokens'],
     'estimate memory': ['--gpu', '--gpu-memory', '--gpus', '--json', '--optimizer', '--params', '--precision', '--preset', '--zero'],

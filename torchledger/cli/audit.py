@@ -15,6 +15,8 @@ __all__ = ["audit", "report"]
 
 FORMATS = ("table", "json", "csv", "markdown", "sarif", "html", "trace")
 SEVERITIES = ("error", "warning", "info", "never")
+#: ``audit --timeout`` default, seconds: generous for a 7B fake audit on a laptop.
+TIMEOUT_S = 1800.0
 
 
 def _resolve_format(fmt, output):
@@ -163,16 +165,21 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--ignore", "ignore", multiple=True, metavar="RULE",
               help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
                    "the report counts them and they do not fail --fail-on.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=TIMEOUT_S, show_default=True,
+              metavar="SECONDS",
+              help="Stop an audit that runs longer (a loop in the model file) and say where it was; "
+                   "0: no limit.")
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
-          link_bandwidth, mfu, depth, memory_snapshot, ignore):
+          link_bandwidth, mfu, depth, memory_snapshot, ignore, timeout):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
 
     With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
-    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
-    from ..audit import run_audit, stdout_to_stderr
-    from ..spec import AuditError
-    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
+    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn).
+
+    The model file runs in a child process: it cannot end the audit with its own exit code, and
+    what it prints goes to stderr; the report alone goes to stdout (--debug: in this process)."""
+    from ..settings import SettingsError, load_settings, rule_ids
 
     fmt = _resolve_format(fmt, output)
     output = _rank_output(output)           # under torchrun: out.json -> out.rank{r}.json
@@ -188,6 +195,23 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     if memory_snapshot and device != "cuda":
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
+    from .supervise import supervise
+
+    def work():
+        return _audit_run(file, entry, device, steps, fmt, fail_on, peak, peak_source, gpu, world_size,
+                          mesh, link_bandwidth, mfu, depth, memory_snapshot, settings, ignore, base)
+    text, code = supervise(work, timeout=timeout, model_path=file, inprocess=_debug())
+    _emit(text, output)
+    return code
+
+
+def _audit_run(file, entry, device, steps, fmt, fail_on, peak, peak_source, gpu, world_size, mesh,
+               link_bandwidth, mfu, depth, memory_snapshot, settings, ignore, base):
+    """The audit proper (in the child process, see ``supervise``): run, analyze, render.
+    Returns ``(text, exit code)``."""
+    from ..audit import run_audit, stdout_to_stderr
+    from ..settings import check_budgets, compare_baseline, suppress
+    from ..spec import AuditError
     try:
         with stdout_to_stderr():        # stdout is the report's alone
             run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
@@ -215,8 +239,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     rec.findings = findings
     from ..render import render
     text = render(rec, findings, fmt, depth=depth)
-    _emit(text, output)
-    return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+    return text, _exit_code(findings, fail_on or settings.get("fail_on", "error"))
 
 
 def _rank_output(output):
@@ -265,10 +288,14 @@ def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
     options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:
-        from ..lint import lint_paths
+        from ..lint import LintError, lint_paths
     except ImportError:  # lint not part of this build
         return findings
-    return findings + list(lint_paths([run.path]))
+    try:
+        return findings + list(lint_paths([run.path]))
+    except LintError as e:  # the model file removed itself, or the folder it was read from
+        click.echo(f"torchledger: warning: the model file was not linted: {e}", err=True)
+        return findings
 
 
 @click.command()
