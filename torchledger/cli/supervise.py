@@ -63,6 +63,8 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
     output_r, output_w = os.pipe()
     stack = tempfile.TemporaryFile()
     torch_here = "torch" in sys.modules
+    if torch_here:
+        _warm()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:                                    # the child: never returns
@@ -136,6 +138,27 @@ def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> Non
         torch.set_num_threads(1)            # see the module doc: OpenMP after fork
 
 
+def _warm() -> None:
+    """With torch already imported here (the CLI called in-process): import what an audit
+    imports, once, here, so that each child does not import it again (seconds: sympy, fake
+    tensors). Imports only: no torch op runs in this process."""
+    import importlib
+    for name in WARM:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+#: Modules every audit imports (``_warm``).
+WARM = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch._dynamo",
+        "torch.distributed", "torchledger.audit", "torchledger.ledger", "torchledger.tracer",
+        "torchledger.tracer.step", "torchledger.analyzers.checks", "torchledger.render",
+        "torchledger.render.sarif", "torchledger.lint", "torchledger.settings", "torchledger.tracer.retention",
+        "torchledger.tracer.segments", "torchledger.tracer.shape", "torchledger.tracer.dist_record",
+        "torchledger.tracer.cuda_history")
+
+
 def _die_with_parent(parent: int, exit_now) -> None:
     """Linux: the child is killed when the parent dies (a CI job cancelled)."""
     try:
@@ -180,7 +203,7 @@ def _wait(pid, result_r, output_r, stack, timeout, model_path):
     pidfd = _pidfd(pid)
     for fd in (result_r, output_r):
         os.set_blocking(fd, False)
-    lines, pending, status, result = [], bytearray(), None, None
+    lines, pending, status, result, ended = [], bytearray(), None, None, set()
     sink = _Forward()
     try:
         while status is None:
@@ -192,14 +215,18 @@ def _wait(pid, result_r, output_r, stack, timeout, model_path):
                                "at --timeout; stopped them", err=True)
                     return _outcome(result)
                 raise InputError(_timed_out(pid, stack, timeout, model_path))
-            watch = [fd for fd in (result_r, output_r, pidfd) if fd is not None]
+            watch = [fd for fd in (result_r, output_r, pidfd) if fd is not None and fd not in ended]
             wait = left if pidfd is not None else min(left if left is not None else 0.02, 0.02)
             ready, _, _ = select.select(watch, [], [], wait)
             for fd in ready:
-                if fd == output_r:
-                    sink.write(_read(output_r))
-                elif fd == result_r:
-                    pending += _read(result_r)
+                if fd in (output_r, result_r):
+                    data = _read(fd)
+                    if data is None:            # end of file: the child (and its children) closed it
+                        ended.add(fd)
+                    elif fd == output_r:
+                        sink.write(data)
+                    else:
+                        pending += data
             if pidfd in ready or pidfd is None:
                 status = _reaped(pid)
             while b"\n" in pending:
@@ -390,13 +417,14 @@ def _decode(line: bytes):
     return message if isinstance(message, dict) else None
 
 
-def _read(fd: int) -> bytes:
+def _read(fd: int):
+    """Bytes from a non-blocking pipe: ``b""`` when none now, None at its end."""
     try:
-        return os.read(fd, 1 << 16)
+        return os.read(fd, 1 << 16) or None
     except (BlockingIOError, InterruptedError):
         return b""
     except OSError:
-        return b""
+        return None
 
 
 def _drain(fd: int) -> bytes:
