@@ -331,15 +331,9 @@ def test_added_late_it_closes_the_step_on_the_next_event_or_with_the_trainer(tmp
 
 def test_a_step_left_open_is_closed_at_interpreter_exit():
     """Nothing else closing it, the step is closed by the exit handler ``_common`` registers
-    (a subprocess doing the same takes over 10 s here: most of it importing torch)."""
-    import atexit
-
+    (``_close_at_exit``, called here; the next test checks that exit calls it)."""
     from torchledger.integrations import _common
     before = hook_state()
-    registered = atexit._ncallbacks()
-    atexit.unregister(_common._close_at_exit)       # counted, then put back (it now runs first)
-    assert atexit._ncallbacks() == registered - 1
-    atexit.register(_common._close_at_exit)
     model = torch.nn.Linear(2, 2)
     run = _common.LedgerRun("test", sample_every=1)
     run.begin(model, None)
@@ -351,3 +345,26 @@ def test_a_step_left_open_is_closed_at_interpreter_exit():
     record, = run.ledger.records
     assert record.meta["failed"] is False and record.totals["flops"]["forward"] == 2 * 1 * 2 * 2   # 8
     assert record.warnings[-1] == "partial step: the interpreter exited before this optimizer step ended"
+
+
+def test_the_exit_handler_is_registered(tmp_path):
+    """A process that exits with a step open runs ``_close_at_exit`` (a stand-in step, so the
+    subprocess needs no torch: ``_common`` imports it only when a step is made)."""
+    import subprocess
+    import sys
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        "import sys\n"
+        "from torchledger.integrations import _common\n"
+        "class Step:\n"
+        "    def __exit__(self, *exc):\n"
+        "        print('closed', exc == (None, None, None), flush=True)\n"
+        "run = _common.LedgerRun('test')\n"
+        "run._step = (Step(), None, 1)\n"
+        "_common._OPEN.add(run)\n"
+        "print('torch imported:', 'torch' in sys.modules, flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["torch imported: False", "closed True"]
