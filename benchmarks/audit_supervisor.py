@@ -29,12 +29,12 @@ if sys.argv[1] == "torch":
     import torch  # noqa: F401
 from torchledger.cli.supervise import supervise
 t0 = time.perf_counter()
-supervise(lambda: ("x", 0), timeout=60, model_path="x.py")
+supervise(lambda: {"x": 0}, timeout=60, model_path="x.py")
 first = time.perf_counter() - t0
 times = []
 for _ in range(20):
     t0 = time.perf_counter()
-    supervise(lambda: ("x", 0), timeout=60, model_path="x.py")
+    supervise(lambda: {"x": 0}, timeout=60, model_path="x.py")
     times.append(time.perf_counter() - t0)
 print(json.dumps({"first_call_s": first, "median_s": statistics.median(times)}))
 """

@@ -9,6 +9,7 @@ import os
 
 import click
 
+from .supervise import supervised
 from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output
 
 __all__ = ["audit", "report"]
@@ -52,6 +53,9 @@ def _peak(peak_flops, gpu, dtype="bf16"):
 
 def _emit(text: str, output) -> None:
     from ..render import write_atomic
+    from .supervise import handed_over
+    if handed_over(text, output):       # in audit's child process: the parent writes it
+        return
     if output:
         try:
             write_atomic(output, text if text.endswith("\n") else text + "\n")
@@ -168,18 +172,19 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--timeout", type=click.FloatRange(min=0), default=TIMEOUT_S, show_default=True,
               metavar="SECONDS",
               help="Stop an audit that runs longer (a loop in the model file) and say where it was; "
-                   "0: no limit.")
+                   "0: no limit. The model file runs in a child process: its exit code, hang or prints "
+                   "cannot decide the result (--debug: in this process, no limit).")
+@supervised(lambda text, output: _emit(text, output))   # cli/supervise.py
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
-          link_bandwidth, mfu, depth, memory_snapshot, ignore, timeout):
+          link_bandwidth, mfu, depth, memory_snapshot, ignore):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
 
     With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
-    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn).
-
-    The model file runs in a child process: it cannot end the audit with its own exit code, and
-    what it prints goes to stderr; the report alone goes to stdout (--debug: in this process)."""
-    from ..settings import SettingsError, load_settings, rule_ids
+    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
+    from ..audit import run_audit, stdout_to_stderr
+    from ..spec import AuditError
+    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
     fmt = _resolve_format(fmt, output)
     output = _rank_output(output)           # under torchrun: out.json -> out.rank{r}.json
@@ -195,23 +200,6 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     if memory_snapshot and device != "cuda":
         from ..tracer.cuda_history import UNAVAILABLE
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
-    from .supervise import supervise
-
-    def work():
-        return _audit_run(file, entry, device, steps, fmt, fail_on, peak, peak_source, gpu, world_size,
-                          mesh, link_bandwidth, mfu, depth, memory_snapshot, settings, ignore, base)
-    text, code = supervise(work, timeout=timeout, model_path=file, inprocess=_debug())
-    _emit(text, output)
-    return code
-
-
-def _audit_run(file, entry, device, steps, fmt, fail_on, peak, peak_source, gpu, world_size, mesh,
-               link_bandwidth, mfu, depth, memory_snapshot, settings, ignore, base):
-    """The audit proper (in the child process, see ``supervise``): run, analyze, render.
-    Returns ``(text, exit code)``."""
-    from ..audit import run_audit, stdout_to_stderr
-    from ..settings import check_budgets, compare_baseline, suppress
-    from ..spec import AuditError
     try:
         with stdout_to_stderr():        # stdout is the report's alone
             run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
@@ -239,7 +227,8 @@ def _audit_run(file, entry, device, steps, fmt, fail_on, peak, peak_source, gpu,
     rec.findings = findings
     from ..render import render
     text = render(rec, findings, fmt, depth=depth)
-    return text, _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+    _emit(text, output)
+    return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
 
 
 def _rank_output(output):

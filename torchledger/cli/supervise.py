@@ -3,9 +3,10 @@
 A model file runs arbitrary code: it can ``os._exit(0)`` (an exit code CI reads as a pass,
 with no report), hang at import, in ``audit_spec()`` or in ``forward``, or leave a thread
 that keeps printing after the report. ``supervise(work, ...)`` forks: the child runs
-``work()`` (load, trace, analyze, render) and sends back what it made, one JSON line (the
-rendered text and the exit code, or the one-line error); the parent alone writes stdout (and
-``--output``) and picks the exit code. Everything the child prints, at the Python or the file
+``work()`` (load, trace, analyze, render) and sends back what it made, one JSON line (for
+``audit``, through the ``supervised`` decorator: the text its ``_emit`` was given and the
+exit code, or the one-line error); the parent alone writes stdout (and ``--output``) and
+picks the exit code. Everything the child prints, at the Python or the file
 descriptor level, reaches the parent's stderr through a pipe, and only while the child runs.
 
 * The child ends without sending its result (``os._exit(n)``, a signal, a crash): exit 2, one
@@ -42,7 +43,7 @@ import click
 
 from .types import InputError
 
-__all__ = ["supervise"]
+__all__ = ["supervise", "supervised", "handed_over"]
 
 #: Seconds to wait for the child's stack after asking for it on a timeout.
 STACK_WAIT_S = 2.0
@@ -50,10 +51,61 @@ STACK_WAIT_S = 2.0
 FRAMES_SHOWN = 4
 
 
+def supervised(emit):
+    """Decorator for a click command whose body runs in a child process (``audit``): takes its
+    ``timeout`` option away from the body, runs the body through ``supervise`` (unless
+    ``--debug``), then hands each ``(text, output)`` the body wrote (``handed_over``) to
+    ``emit`` in this process and returns the body's exit code."""
+    import functools
+
+    def wrap(command):
+        @functools.wraps(command)
+        def run(*args, timeout=None, **kwargs):
+            if _debug():
+                return command(*args, **kwargs)
+
+            def work():
+                global _HANDED
+                _HANDED = []
+                code = command(*args, **kwargs)
+                return {"emit": _HANDED, "code": code if isinstance(code, int) else 0}
+            result = supervise(work, timeout=timeout, model_path=kwargs.get("file"))
+            written, code = result.get("emit"), result.get("code")
+            if not (isinstance(written, list) and isinstance(code, int) and all(
+                    isinstance(w, list) and len(w) == 2 and isinstance(w[0], str) for w in written)):
+                raise InputError("the audit's process sent a malformed result; rerun with "
+                                 "`torchledger --debug audit ...`")
+            for text, output in written:
+                emit(text, output)
+            return code
+        return run
+    return wrap
+
+
+#: In the child process: the ``(text, output)`` pairs the command wrote, sent to the parent.
+_HANDED = None
+
+
+def handed_over(text: str, output) -> bool:
+    """In a supervised child: keep ``text`` (for ``output``, or stdout) for the parent to write,
+    and return True. Elsewhere: False (the caller writes it)."""
+    if _HANDED is None:
+        return False
+    _HANDED.append([text, output])
+    return True
+
+
+def _debug() -> bool:
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    return bool(root is not None and root.params.get("debug")) or os.environ.get("TORCHLEDGER_DEBUG") == "1"
+
+
 def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
-    """``work()`` -> ``(text, exit_code)``, run in a child process (see the module doc);
-    returns what the child sent. Raises ``InputError`` (exit 2) when the child failed, ended
-    without a result or ran past ``timeout`` seconds (None or 0: no limit)."""
+    """``work()`` -> a JSON-able dict, run in a child process (see the module doc); returns
+    what the child sent. Raises ``InputError`` (exit 2), or the ``click.UsageError`` the child
+    raised, when the child failed, ended without a result or ran past ``timeout`` seconds
+    (None or 0: no limit)."""
     if inprocess or not hasattr(os, "fork"):
         return work()
     import tempfile
@@ -87,13 +139,17 @@ def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model
     try:
         _child_setup(result_w, output_w, stack, parent, torch_here, exit_now)
         try:
-            text, code = work()
-            message = {"text": text, "code": int(code)}
+            message = {"result": work()}
         except click.ClickException as e:
-            message = {"error": _one_line(e.format_message())}
+            usage = isinstance(e, click.UsageError) and not isinstance(e, InputError)
+            message = {"error": _one_line(e.format_message()), "usage": usage}
         except BaseException as e:  # noqa: BLE001 (whatever the model file raised: one line)
             message = {"error": unexpected(e, model_path)}
-        _send(result_w, message)
+        try:
+            _send(result_w, message)
+        except (TypeError, ValueError) as e:        # not JSON: a bug of ours, said as one
+            _send(result_w, {"error": f"the audit's result could not be sent ({type(e).__name__}: "
+                                      f"{safe_str(e)}); rerun with `torchledger --debug audit ...`"})
         os.close(result_w)
         import atexit
         atexit._run_exitfuncs()             # the model file's own exit handlers, as a plain run
@@ -256,11 +312,13 @@ def _wait(pid, result_r, output_r, stack, timeout, model_path):
 
 def _outcome(message: dict):
     if "error" in message:
+        if message.get("usage"):
+            raise click.UsageError(str(message["error"]), ctx=click.get_current_context(silent=True))
         raise InputError(str(message["error"]))
-    text, code = message.get("text"), message.get("code")
-    if not isinstance(text, str) or not isinstance(code, int):
+    result = message.get("result")
+    if not isinstance(result, dict):
         raise InputError("the audit's process sent a malformed result; rerun with `torchledger --debug audit ...`")
-    return text, code
+    return result
 
 
 def _timed_out(pid, stack, timeout, model_path) -> str:
