@@ -8,7 +8,7 @@ import click
 from torchledger.cli import cli
 
 SURFACE = {
-    'audit': ['--baseline', '--checkpointing', '--compiled', '--depth', '--device', '--entry', '--fail-on', '--format', '--global-batch', '--gpu', '--ignore', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--micro-batches', '--output', '--peak-flops', '--precision', '--schedule', '--steps', '--timing-steps', '--virtual-stages', '--world-size'],
+    'audit': ['--baseline', '--checkpointing', '--compiled', '--depth', '--device', '--entry', '--fail-on', '--format', '--global-batch', '--gpu', '--ignore', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--micro-batches', '--output', '--peak-flops', '--precision', '--schedule', '--steps', '--timeout', '--timing-steps', '--virtual-stages', '--world-size'],
     'calibrate': ['--compiled', '--gpu', '--output'],
     'estimate decode': ['--batch', '--dtype', '--gpu', '--json', '--matmul-params', '--params', '--preset'],
     'estimate kv-cache': ['--batch', '--dtype', '--head-dim', '--json', '--kv-heads', '--layers', '--preset', '--tokens'],

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import torchledger  # noqa: E402
 from torchledger.integrations.hf import LedgerCallback  # noqa: E402
@@ -217,3 +217,159 @@ def test_tokens_unknown_are_said_not_guessed(tmp_path, monkeypatch):
     assert "tokens unknown: counting them raised ValueError: no ids" in record.warnings
     logged = [h for h in trainer.state.log_history if "torchledger/flops" in h]
     assert len(logged) == 1 and "torchledger/flops_per_token" not in logged[0]
+
+
+# -- an exception out of trainer.train() in the middle of a traced step ---------------------------
+class _Fault(TrainerCallback):
+    """Raises ``error`` before the optimizer step of step 2 (outside ``training_step``)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            raise self.error
+
+
+class _EmptyAfter(_Tokens):
+    """The first ``n`` items, then empty ones: HF's "The batch received was empty"."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.served = n, 0
+
+    def __getitem__(self, i):
+        self.served += 1
+        return super().__getitem__(i) if self.served <= self.n else {}
+
+
+def _failing_trainer(out, fault, cb, *, late=False):
+    """A 2-step Trainer (one micro-batch a step) whose step 2 fails with ``fault``."""
+    model, data, callbacks = _model(), _Tokens(), [cb]
+    if fault == "RuntimeError in forward":
+        calls = []
+
+        def boom(module, args, kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom in forward")
+        model.register_forward_pre_hook(boom, with_kwargs=True)
+    elif fault == "KeyboardInterrupt before the optimizer step":
+        callbacks.append(_Fault(KeyboardInterrupt()))
+    elif fault == "empty batch":
+        data = _EmptyAfter(B)
+    trainer = Trainer(model=model, args=_args(out, ga=1, steps=2), train_dataset=data,
+                      callbacks=None if late else callbacks)
+    if late:                 # added after __init__: no on_init_end for it
+        for c in callbacks:
+            trainer.add_callback(c)
+    return trainer, model
+
+
+FAULTS = {"RuntimeError in forward": (RuntimeError, "boom in forward"),
+          "KeyboardInterrupt before the optimizer step": (KeyboardInterrupt, None),
+          "empty batch": (ValueError, "The batch received was empty")}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_an_exception_mid_step_leaves_nothing_installed(tmp_path, fault):
+    """Step 1 traced and written; step 2 fails in the middle: the exception reaches the caller
+    unchanged, the tracer is gone (hooks, mode, SDPA patch, lock), the failed step's record is
+    kept and marked, no file for it, and a new trace() works at once."""
+    before = hook_state()
+    cb = LedgerCallback(sample_every=1)
+    trainer, model = _failing_trainer(tmp_path, fault, cb)
+    error, text = FAULTS[fault]
+    with pytest.raises(error, match=text):
+        trainer.train()
+    assert hook_state() == before
+    assert not model._forward_pre_hooks or fault == "RuntimeError in forward"   # the test's own hook
+    assert not cb._run.is_open and cb._run.disabled is False
+    assert cb.written == [str(tmp_path / "torchledger" / "step_000001.json")]
+    first, failed = cb.ledger.records
+    assert not first.meta["failed"] and failed.meta["failed"]
+    assert (f"partial step: trainer.train() raised {error.__name__} in the middle of this optimizer step"
+            in failed.warnings)
+    model._forward_pre_hooks.clear()
+    with torchledger.trace(model) as t:           # was: "a torchledger trace is already active"
+        model(torch.zeros(1, T, dtype=torch.long)).logits.sum().backward()
+    assert t.record.totals["flops"]["total"] > 0
+
+
+def test_added_late_it_closes_the_step_on_the_next_event_or_with_the_trainer(tmp_path):
+    """With add_callback() the first train() is not guarded: an exception in the forward is
+    caught by the wrapped training_step; one outside it (before the optimizer step) leaves the
+    step open until the next train() begins, or until the Trainer is collected."""
+    import gc
+    before = hook_state()
+    cb = LedgerCallback(sample_every=1, write=False)
+    trainer, model = _failing_trainer(tmp_path, "RuntimeError in forward", cb, late=True)
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        trainer.train()
+    assert hook_state() == before and "training_step" not in trainer.__dict__
+    assert "partial step: training_step raised RuntimeError" in cb.ledger.records[-1].warnings[-1]
+
+    cb = LedgerCallback(sample_every=1, write=False)
+    trainer, model = _failing_trainer(tmp_path, "KeyboardInterrupt before the optimizer step", cb, late=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert hook_state()["active"] and cb._run.is_open          # outside training_step: still open
+    trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
+                                          if not isinstance(c, _Fault)]
+    trainer.args.max_steps = 1
+    trainer.train()                # the same trainer again: on_train_begin closes the open step
+    assert hook_state() == before
+    assert any(w.startswith("partial step: closed when the next train() began") for w in
+               cb.ledger.records[-2].warnings)
+
+    cb = LedgerCallback(sample_every=1, write=False)
+    trainer, model = _failing_trainer(tmp_path, "KeyboardInterrupt before the optimizer step", cb, late=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert hook_state()["active"]
+    del trainer
+    gc.collect()
+    assert hook_state() == before
+    assert ("partial step: the Trainer was garbage-collected with this optimizer step open"
+            in cb.ledger.records[-1].warnings)
+
+
+def test_a_step_left_open_is_closed_at_interpreter_exit():
+    """Nothing else closing it, the step is closed by the exit handler ``_common`` registers
+    (``_close_at_exit``, called here; the next test checks that exit calls it)."""
+    from torchledger.integrations import _common
+    before = hook_state()
+    model = torch.nn.Linear(2, 2)
+    run = _common.LedgerRun("test", sample_every=1)
+    run.begin(model, None)
+    run.open(1)
+    model(torch.ones(1, 2))
+    assert hook_state()["active"] and run in _common._OPEN
+    _common._close_at_exit()
+    assert hook_state() == before and not _common._OPEN
+    record, = run.ledger.records
+    assert record.meta["failed"] is False and record.totals["flops"]["forward"] == 2 * 1 * 2 * 2   # 8
+    assert record.warnings[-1] == "partial step: the interpreter exited before this optimizer step ended"
+
+
+def test_the_exit_handler_is_registered(tmp_path):
+    """A process that exits with a step open runs ``_close_at_exit`` (a stand-in step, so the
+    subprocess needs no torch: ``_common`` imports it only when a step is made)."""
+    import subprocess
+    import sys
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        "import sys\n"
+        "from torchledger.integrations import _common\n"
+        "class Step:\n"
+        "    def __exit__(self, *exc):\n"
+        "        print('closed', exc == (None, None, None), flush=True)\n"
+        "run = _common.LedgerRun('test')\n"
+        "run._step = (Step(), None, 1)\n"
+        "_common._OPEN.add(run)\n"
+        "print('torch imported:', 'torch' in sys.modules, flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["torch imported: False", "closed True"]

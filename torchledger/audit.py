@@ -23,6 +23,10 @@ __all__ = ["AuditRun", "load_entry", "run_audit", "DEVICES", "stdout_to_stderr"]
 
 DEVICES = ("fake", "meta", "cpu", "cuda")
 
+#: What the model file's code may raise that the audit reports as one line (not
+#: KeyboardInterrupt: Ctrl-C stops the audit). GeneratorExit too: a BaseException, not an Exception.
+USER_ERRORS = (Exception, SystemExit, GeneratorExit)
+
 
 class AuditRun:
     """The outcome of an audit: the traced records and what the run was."""
@@ -92,7 +96,7 @@ def load_entry(path: str, entry: str = "audit_spec"):
     sys.modules[module.__name__] = module
     try:
         exec(code, module.__dict__)
-    except (Exception, SystemExit) as e:
+    except USER_ERRORS as e:
         raise AuditError(f"{_where(e, path)}: importing the model file {_raised(e)}") from None
     finally:
         with contextlib.suppress(ValueError):
@@ -190,7 +194,7 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
     (:mod:`torchledger.world`): the step runs as rank 0 under a fake process group, after
     ``AuditSpec.parallelize(model, mesh)``; the process group is gone when this returns.
     """
-    with quiet_torch_logs(not torch_logs):
+    with quiet_torch_logs(not torch_logs), _same_cwd():
         world = _resolve_world(world_size, mesh, device)
         layout = _layout(world, mesh, plan)
         if world is None:
@@ -231,6 +235,22 @@ def _layout(world, mesh, plan):
     return layout
 
 
+@contextlib.contextmanager
+def _same_cwd():
+    """The working directory as it was, whatever the model file did with it (``os.chdir``)."""
+    cwd = os.getcwd()
+    try:
+        yield
+    finally:
+        _restore_cwd(cwd)
+
+
+def _restore_cwd(cwd: str) -> None:
+    with contextlib.suppress(OSError):
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+
+
 def _resolve_world(world_size, mesh, device):
     if world_size is None and mesh is None:
         return None
@@ -265,7 +285,7 @@ def _parallelize(spec, model, world, path: str, layout=None, seq_len=None):
         return _standard_plan(model, device_mesh, layout, path, seq_len)
     try:
         out = fn(model, device_mesh)
-    except (Exception, SystemExit) as e:
+    except USER_ERRORS as e:
         raise AuditError(f"{_where(e, path)}: AuditSpec.parallelize(model, mesh) {_raised(e)} (mesh "
                          f"{'x'.join(map(str, shape))}, dims {', '.join(device_mesh.mesh_dim_names or ())})"
                          ) from None
@@ -310,6 +330,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
     if timing_steps is not None and not (isinstance(timing_steps, int) and 0 <= timing_steps <= MAX_TIMING_STEPS):
         raise AuditError(f"--timing-steps: expected a whole number from 0 to {MAX_TIMING_STEPS}, got "
                          f"{timing_steps!r}")
+    cwd = os.getcwd()
     fn = load_entry(path, entry)
     with device_context(device):
         try:
@@ -317,7 +338,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
                 raw = fn()
         except AuditError:
             raise
-        except (Exception, SystemExit) as e:
+        except USER_ERRORS as e:
             raise AuditError(f"{_where(e, path)}: {entry}() {_raised(e)}"
                              f"{_device_hint(e, device)}") from None
         try:
@@ -340,7 +361,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
         seq = spec.seq_len or count.seq_len
         try:
             opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
-        except (Exception, SystemExit) as e:
+        except USER_ERRORS as e:
             raise AuditError(f"{_where(e, path)}: making the optimizer {_raised(e)}") from None
         _check_optimizer(opt, spec, path)
         if device == "meta":
@@ -356,15 +377,23 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
                     loss_source.append(source)
             except AuditError:
                 raise
-            except (Exception, SystemExit) as e:
+            except USER_ERRORS as e:
                 raise _step_error(e, path, device, world, model) from None
 
         for _ in range(steps):
-            with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
-                step()
+            try:
+                with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
+                    step()
+            except AuditError:
+                raise
+            except USER_ERRORS as e:        # entering or leaving the tracer, not the step
+                raise AuditError(f"{_where(e, path)}: tracing the step {_raised(e)}; the model file "
+                                 f"changes something the tracer relies on (torch's dispatch modes, "
+                                 f"module or optimizer hooks): leave torch's own classes unpatched") from None
         warmup = 0
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
             warmup = time_untraced(ledger, step, timing_steps)
+    _restore_cwd(cwd)                   # a model file that chdir'd: paths are the user's again
     from .render.sarif import spec_location
     spec_line = spec_location(path, entry)[1]        # SARIF points here; report never opens the file
     for r in ledger.records:
@@ -537,7 +566,7 @@ def _fake_safe_init(device: str):
 
 def _device_hint(e: Exception, device: str) -> str:
     """What to try when a build or step failed because of the device it ran on."""
-    name, text = type(e).__name__, str(e)
+    name, text = type(e).__name__, _text(e)
     if device in ("fake", "meta") and "Expected inputs of BF16" in text:
         return (f"; torch's grouped_mm (mixture-of-experts layers) checks for bf16 inputs on {device} "
                 f"tensors (only its CPU kernel takes float32): build the model in bf16 "
@@ -604,7 +633,7 @@ def _step_error(e: BaseException, path: str, device: str, world=None, model=None
         return AuditError(f"{_where(e, path)}: the step cannot run on {device} tensors ({name}: "
                           f"{_msg(e)}){layout}")
     hint = _device_hint(e, device) or (
-        "; try --device cpu (or --device meta)" if device == "fake" and "fake" in str(e).lower()[:200] else "")
+        "; try --device cpu (or --device meta)" if device == "fake" and "fake" in _text(e).lower()[:200] else "")
     if hint:
         return AuditError(f"{_where(e, path)}: the step cannot run on {device} tensors ({name}: "
                           f"{_msg(e)}){hint}")
@@ -685,5 +714,13 @@ def _msg_text(text: str) -> str:
 
 
 def _msg(e: BaseException) -> str:
-    text = " ".join(str(e).split())
+    text = " ".join(_text(e).split())
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _text(e: BaseException) -> str:
+    """``str(e)``, or a note when the exception's own ``__str__`` raises."""
+    try:
+        return str(e)
+    except USER_ERRORS as inner:
+        return f"<its str() raised {type(inner).__name__}>"

@@ -9,12 +9,15 @@ import os
 
 import click
 
+from .supervise import supervised
 from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output
 
 __all__ = ["audit", "report"]
 
 FORMATS = ("table", "json", "csv", "markdown", "sarif", "html", "trace")
 SEVERITIES = ("error", "warning", "info", "never")
+#: ``audit --timeout`` default, seconds: generous for a 7B fake audit on a laptop.
+TIMEOUT_S = 1800.0
 
 
 def _resolve_format(fmt, output):
@@ -50,6 +53,9 @@ def _peak(peak_flops, gpu, dtype="bf16"):
 
 def _emit(text: str, output) -> None:
     from ..render import write_atomic
+    from .supervise import handed_over
+    if handed_over(text, output):       # in audit's child process: the parent writes it
+        return
     if output:
         try:
             write_atomic(output, text if text.endswith("\n") else text + "\n")
@@ -184,6 +190,12 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--timing-steps", type=click.IntRange(0, 1000), default=None, metavar="N",
               help="cpu/cuda: untraced steps timed for MFU, after one untimed warm-up step; 0 times none "
                    "[default: 3 to 20, until they add up to 0.5 s].")
+@click.option("--timeout", type=click.FloatRange(min=0), default=TIMEOUT_S, show_default=True,
+              metavar="SECONDS",
+              help="Stop an audit that runs longer (a loop in the model file) and say where it was; "
+                   "0: no limit. The model file runs in a child process: its exit code, hang or prints "
+                   "cannot decide the result (--debug: in this process, no limit).")
+@supervised(lambda text, output: _emit(text, output))   # cli/supervise.py
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
           virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision,
           link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False):
@@ -299,10 +311,14 @@ def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
     options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:
-        from ..lint import lint_paths
+        from ..lint import LintError, lint_paths
     except ImportError:  # lint not part of this build
         return findings
-    return findings + list(lint_paths([run.path]))
+    try:
+        return findings + list(lint_paths([run.path]))
+    except LintError as e:  # the model file removed itself, or the folder it was read from
+        click.echo(f"torchledger: warning: the model file was not linted: {e}", err=True)
+        return findings
 
 
 @click.command()

@@ -10,9 +10,15 @@ and ``zero_grad``. Tokens are added per micro-batch while the step is open.
 Nothing here may raise into training: the callbacks call ``guarded`` methods, and an error
 turns into one warning, closes the open step (no hook stays installed) and disables the
 callback for the rest of the run.
+
+A step whose end never comes (an exception out of the framework's loop mid-step) is
+``abandon``-ed: by the framework callback's own guard around the loop, at its next callback
+event, when its trainer is collected, or at interpreter exit (``_OPEN``, closed by ``atexit``),
+whichever comes first.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import warnings
@@ -65,6 +71,7 @@ class LedgerRun:
         self._micro_batches = 0
         self._token_where = None         # how tokens were counted; None when any was unknown
         self._token_missing = None       # why tokens are unknown, once one micro-batch had none
+        self._hooks: list = []           # the callback's own handles, removed with the step
 
     # -- the step ------------------------------------------------------------------------
     def begin(self, model, optimizer) -> None:
@@ -96,8 +103,25 @@ class LedgerRun:
         cm = self.ledger.step()
         tracer = cm.__enter__()
         self._step = (cm, tracer, label)
+        _OPEN.add(self)                  # closed at interpreter exit if nothing closes it first
         self._tokens, self._micro_batches = 0, 0
         self._token_where, self._token_missing = None, None
+
+    def hold(self, handle) -> None:
+        """Keep a hook ``handle`` of the callback's (``.remove()``) to remove with the step."""
+        self._hooks.append(handle)
+
+    def release_hooks(self) -> None:
+        """Remove the handles given to ``hold`` (each once, even if one removal raises)."""
+        hooks, self._hooks = self._hooks, []
+        errors = []
+        for handle in hooks:
+            try:
+                handle.remove()
+            except Exception as e:  # noqa: BLE001 (the others are removed all the same)
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def add_micro_batch(self, batch, key: str = "input_ids") -> None:
         """Count the tokens of one micro-batch of the open step (``batch_tokens``)."""
@@ -128,7 +152,11 @@ class LedgerRun:
                     tracer.tokens, tracer.tokens_source = tokens, source
         finally:
             self._step = None
-            cm.__exit__(None, None, None)    # the tracer's hooks are removed here, whatever happened
+            _OPEN.discard(self)
+            try:
+                self.release_hooks()
+            finally:
+                cm.__exit__(None, None, None)    # the tracer's hooks are removed here, whatever happened
         record = tracer.record if tracer is not None else None
         if record is None:
             return None
@@ -157,13 +185,44 @@ class LedgerRun:
         if self.write and main and out_dir and self.ledger is not None and self.ledger.records:
             self._write(out_dir, REPORT_NAME, self.ledger.report() + "\n")
 
+    def abandon(self, note: str, error: BaseException | None = None) -> None:
+        """Close a step whose end will never come (``error`` escaped the framework's loop in
+        the middle of it, or its trainer is gone): every hook is removed, the record is kept in
+        ``ledger.records`` marked failed (``meta.failed``) with ``note`` in its warnings, and no
+        file is written. Never raises: it runs while the user's exception propagates; a failure
+        to close becomes one ``RuntimeWarning``. Nothing happens when no step is open."""
+        step, self._step = self._step, None
+        _OPEN.discard(self)
+        if step is None:
+            return
+        cm, tracer, _ = step
+        try:
+            try:
+                self.release_hooks()
+            finally:
+                if error is None:
+                    cm.__exit__(None, None, None)
+                else:       # the record says the step failed; the same exception comes back out
+                    cm.__exit__(type(error), error, error.__traceback__)
+        except BaseException as e:  # noqa: BLE001 (the user's exception is the one to see)
+            if e is not error:
+                warnings.warn(f"torchledger {self.framework} callback: closing a step left open ({note}) "
+                              f"raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        record = tracer.record if tracer is not None else None
+        if record is not None:
+            record.warnings.append(note)
+
     def disable(self, where: str, error: BaseException) -> None:
         """Turn an error into a warning: close the open step, trace nothing more this run."""
         self.disabled = True
         try:
             if self._step is not None:
                 (cm, _, _), self._step = self._step, None
-                cm.__exit__(None, None, None)
+                _OPEN.discard(self)
+                try:
+                    self.release_hooks()
+                finally:
+                    cm.__exit__(None, None, None)
         except Exception as e:  # noqa: BLE001 (the warning below names the first error)
             error = f"{type(error).__name__}: {error}; closing the step then raised {type(e).__name__}: {e}"
         else:
@@ -194,6 +253,16 @@ class LedgerRun:
             if candidate in self.written or not os.path.exists(candidate):
                 return candidate
             n += 1
+
+
+#: Runs with a step open: closed at interpreter exit if nothing closed them before.
+_OPEN: set = set()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for run in list(_OPEN):
+        run.abandon("partial step: the interpreter exited before this optimizer step ended")
 
 
 def guarded(method):

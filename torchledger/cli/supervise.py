@@ -1,0 +1,547 @@
+"""Run ``audit``'s work in a child process, so that the model file cannot decide the result.
+
+A model file runs arbitrary code: it can ``os._exit(0)`` (an exit code CI reads as a pass,
+with no report), hang at import, in ``audit_spec()`` or in ``forward``, or leave a thread
+that keeps printing after the report. ``supervise(work, ...)`` forks: the child runs
+``work()`` (load, trace, analyze, render) and sends back what it made, one JSON line (for
+``audit``, through the ``supervised`` decorator: the text its ``_emit`` was given and the
+exit code, or the one-line error); the parent alone writes stdout (and ``--output``) and
+picks the exit code. Everything the child prints, at the Python or the file
+descriptor level, reaches the parent's stderr through a pipe, and only while the child runs.
+
+* The child ends without sending its result (``os._exit(n)``, a signal, a crash): exit 2, one
+  line saying so, naming the model file's line that called ``os._exit`` (the child's
+  ``os._exit`` notes its caller first) or the stack ``faulthandler`` wrote at a crash.
+* No result within ``timeout`` seconds: the child's stack is dumped (``faulthandler`` on
+  ``SIGUSR1``, which works inside C code too), the child is killed, and one line names the
+  model file's frames that were running (innermost first). Exit 2.
+* An exception no one turned into an ``AuditError`` (a model file that breaks torch's own
+  machinery): one line naming it and where, exit 2 (``--debug`` shows the traceback).
+
+Cost: one ``fork()`` of the parent, which has not imported torch (the child imports it), and
+one pipe read; measured by ``benchmarks/bench_audit_supervisor.py``. When the parent has
+imported torch (the CLI called in-process, as tests do) the child runs torch single-threaded:
+GNU OpenMP's thread pool does not survive a fork and would hang the child's first parallel op.
+
+``inprocess=True`` (``--debug``), or a platform without ``fork``: ``work()`` runs here, as it
+did before (tracebacks, breakpoints; no timeout).
+
+Known limitations: the child's grandchildren (DataLoader workers of the model file) are not
+killed with it; ``posix._exit`` called directly is not traced to its line (the message says
+the process ended, without a line).
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+import click
+
+from .types import InputError
+
+__all__ = ["supervise", "supervised", "handed_over"]
+
+#: Seconds to wait for the child's stack after asking for it on a timeout.
+STACK_WAIT_S = 2.0
+#: Model-file frames named in a timeout or exit message (innermost first).
+FRAMES_SHOWN = 4
+
+
+def supervised(emit):
+    """Decorator for a click command whose body runs in a child process (``audit``): takes its
+    ``timeout`` option away from the body, runs the body through ``supervise`` (unless
+    ``--debug``), then hands each ``(text, output)`` the body wrote (``handed_over``) to
+    ``emit`` in this process and returns the body's exit code."""
+    import functools
+
+    def wrap(command):
+        @functools.wraps(command)
+        def run(*args, timeout=None, **kwargs):
+            if _debug():
+                return command(*args, **kwargs)
+
+            def work():
+                global _HANDED
+                _HANDED = []
+                code = command(*args, **kwargs)
+                return {"emit": _HANDED, "code": code if isinstance(code, int) else 0}
+            result = supervise(work, timeout=timeout, model_path=kwargs.get("file"))
+            written, code = result.get("emit"), result.get("code")
+            if not (isinstance(written, list) and isinstance(code, int) and all(
+                    isinstance(w, list) and len(w) == 2 and isinstance(w[0], str) for w in written)):
+                raise InputError("the audit's process sent a malformed result; rerun with "
+                                 "`torchledger --debug audit ...`")
+            for text, output in written:
+                emit(text, output)
+            return code
+        return run
+    return wrap
+
+
+#: In the child process: the ``(text, output)`` pairs the command wrote, sent to the parent.
+_HANDED = None
+
+
+def handed_over(text: str, output) -> bool:
+    """In a supervised child: keep ``text`` (for ``output``, or stdout) for the parent to write,
+    and return True. Elsewhere: False (the caller writes it)."""
+    if _HANDED is None:
+        return False
+    _HANDED.append([text, output])
+    return True
+
+
+def _debug() -> bool:
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    return bool(root is not None and root.params.get("debug")) or os.environ.get("TORCHLEDGER_DEBUG") == "1"
+
+
+def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
+    """``work()`` -> a JSON-able dict, run in a child process (see the module doc); returns
+    what the child sent. Raises ``InputError`` (exit 2), or the ``click.UsageError`` the child
+    raised, when the child failed, ended without a result or ran past ``timeout`` seconds
+    (None or 0: no limit)."""
+    if inprocess or not hasattr(os, "fork"):
+        return work()
+    import tempfile
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        _flush(stream)
+    result_r, result_w = os.pipe()
+    output_r, output_w = os.pipe()
+    stack = tempfile.TemporaryFile()
+    torch_here = "torch" in sys.modules
+    if torch_here:
+        _warm()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:                                    # the child: never returns
+        os.close(result_r)
+        os.close(output_r)
+        _child(work, result_w, output_w, stack, parent, torch_here, model_path)
+    os.close(result_w)
+    os.close(output_w)
+    try:
+        return _wait(pid, result_r, output_r, stack, timeout, model_path)
+    finally:
+        for fd in (result_r, output_r):
+            _close(fd)
+        stack.close()
+
+
+# -- the child ---------------------------------------------------------------------------------
+def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model_path: str):
+    exit_now = os._exit
+    try:
+        _child_setup(result_w, output_w, stack, parent, torch_here, exit_now)
+        try:
+            message = {"result": work()}
+        except click.ClickException as e:
+            usage = isinstance(e, click.UsageError) and not isinstance(e, InputError)
+            message = {"error": _one_line(e.format_message()), "usage": usage}
+        except BaseException as e:  # noqa: BLE001 (whatever the model file raised: one line)
+            message = {"error": unexpected(e, model_path)}
+        try:
+            _send(result_w, message)
+        except (TypeError, ValueError) as e:        # not JSON: a bug of ours, said as one
+            _send(result_w, {"error": f"the audit's result could not be sent ({type(e).__name__}: "
+                                      f"{safe_str(e)}); rerun with `torchledger --debug audit ...`"})
+        os.close(result_w)
+        import atexit
+        atexit._run_exitfuncs()             # the model file's own exit handlers, as a plain run
+        for stream in (sys.stdout, sys.stderr):
+            _flush(stream)
+    except BaseException:  # noqa: BLE001 (nothing may escape a forked child)
+        pass
+    finally:
+        exit_now(0)
+
+
+def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> None:
+    import atexit
+    import faulthandler
+    import io
+    atexit._clear()                          # the parent's handlers are the parent's
+    _die_with_parent(parent, exit_now)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C: the parent stops, then kills us
+    os.dup2(output_w, 1)                     # fd 1 too: nothing of the child reaches stdout
+    os.dup2(output_w, 2)
+    os.close(output_w)
+    out = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                           errors="backslashreplace", line_buffering=True)
+    sys.stdout = sys.stderr = out
+    faulthandler.enable(file=stack, all_threads=True)           # a crash: where
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True, chain=False)  # a timeout
+    me = os.getpid()
+
+    def _exit(status):
+        """``os._exit`` that first tells the parent which line called it."""
+        if os.getpid() == me:
+            try:
+                import traceback
+                frames = traceback.extract_stack(sys._getframe(1), limit=64)
+                _send(result_w, {"exit": status, "stack": [[f.filename, f.lineno, f.name] for f in frames]})
+            except BaseException:  # noqa: BLE001 (exit all the same)
+                pass
+        exit_now(status)
+    os._exit = _exit
+    if torch_here:
+        import torch
+        torch.set_num_threads(1)            # see the module doc: OpenMP after fork
+
+
+def _warm() -> None:
+    """With torch already imported here (the CLI called in-process): import what an audit
+    imports, once, here, so that each child does not import it again (seconds: sympy, fake
+    tensors). Imports only: no torch op runs in this process."""
+    import importlib
+    for name in WARM:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+#: Modules every audit imports (``_warm``).
+WARM = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch._dynamo",
+        "torch.distributed", "torchledger.audit", "torchledger.ledger", "torchledger.tracer",
+        "torchledger.tracer.step", "torchledger.analyzers.checks", "torchledger.render",
+        "torchledger.render.sarif", "torchledger.lint", "torchledger.settings", "torchledger.tracer.retention",
+        "torchledger.tracer.segments", "torchledger.tracer.shape", "torchledger.tracer.dist_record",
+        "torchledger.tracer.cuda_history")
+
+
+def _die_with_parent(parent: int, exit_now) -> None:
+    """Linux: the child is killed when the parent dies (a CI job cancelled)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:              # it died before prctl took effect
+        exit_now(2)
+
+
+def _send(fd: int, message: dict) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def unexpected(e: BaseException, model_path) -> str:
+    """One line for an exception nothing turned into an ``AuditError``: its type, its message
+    (even when ``str()`` raises) and the deepest frame of the model file (else the deepest)."""
+    import traceback
+    target = os.path.abspath(model_path) if model_path else None
+    where = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == target]
+    at = f"{_short(where[-1].filename)}:{where[-1].lineno}: " if where else ""
+    return _one_line(f"{at}the audit stopped: {type(e).__name__}: {safe_str(e)}; rerun with "
+                     f"`torchledger --debug audit ...` for the traceback")
+
+
+def safe_str(e: BaseException) -> str:
+    """``str(e)``, or what went wrong making it (an exception whose ``__str__`` raises)."""
+    try:
+        text = str(e)
+    except BaseException as inner:  # noqa: BLE001
+        return f"<its str() raised {type(inner).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# -- the parent --------------------------------------------------------------------------------
+def _wait(pid, result_r, output_r, stack, timeout, model_path):
+    deadline = time.monotonic() + timeout if timeout else None
+    pidfd = _pidfd(pid)
+    for fd in (result_r, output_r):
+        os.set_blocking(fd, False)
+    lines, pending, status, result, ended = [], bytearray(), None, None, set()
+    sink = _Forward()
+    try:
+        while status is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if result is not None:       # sent, then stuck in its exit handlers
+                    _kill(pid)
+                    click.echo("torchledger: warning: the model file's exit handlers were still running "
+                               "at --timeout; stopped them", err=True)
+                    return _outcome(result)
+                raise InputError(_timed_out(pid, stack, timeout, model_path))
+            watch = [fd for fd in (result_r, output_r, pidfd) if fd is not None and fd not in ended]
+            wait = left if pidfd is not None else min(left if left is not None else 0.02, 0.02)
+            ready, _, _ = select.select(watch, [], [], wait)
+            for fd in ready:
+                if fd in (output_r, result_r):
+                    data = _read(fd)
+                    if data is None:            # end of file: the child (and its children) closed it
+                        ended.add(fd)
+                    elif fd == output_r:
+                        sink.write(data)
+                    else:
+                        pending += data
+            if pidfd in ready or pidfd is None:
+                status = _reaped(pid)
+            while b"\n" in pending:
+                line, _, rest = bytes(pending).partition(b"\n")
+                pending = bytearray(rest)
+                lines.append(line)
+                message = _decode(line)
+                if message is not None and "exit" not in message and result is None:
+                    result = message
+        pending += _drain(result_r)
+        sink.write(_drain(output_r))
+        lines += [line for line in bytes(pending).split(b"\n") if line]
+    except BaseException:
+        _kill(pid)
+        raise
+    finally:
+        sink.flush()
+        if pidfd is not None:
+            _close(pidfd)
+    messages = [m for m in map(_decode, lines) if m is not None]
+    result = next((m for m in messages if "exit" not in m), None)
+    if result is not None:
+        return _outcome(result)
+    exit_note = next((m for m in messages if "exit" in m), None)
+    raise InputError(_ended(status, exit_note, _read_stack(stack), model_path))
+
+
+def _outcome(message: dict):
+    if "error" in message:
+        if message.get("usage"):
+            raise click.UsageError(str(message["error"]), ctx=click.get_current_context(silent=True))
+        raise InputError(str(message["error"]))
+    result = message.get("result")
+    if not isinstance(result, dict):
+        raise InputError("the audit's process sent a malformed result; rerun with `torchledger --debug audit ...`")
+    return result
+
+
+def _timed_out(pid, stack, timeout, model_path) -> str:
+    """Ask the child for its stack (faulthandler, SIGUSR1), kill it, say where it was."""
+    size = _size(stack)
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        pass
+    end = time.monotonic() + STACK_WAIT_S
+    last = -1
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        now = _size(stack)
+        if now > size and now == last:     # written, and not growing
+            break
+        last = now
+    _kill(pid)
+    frames = _main_thread(_read_stack(stack, since=size))
+    where = _frames_text(frames, model_path)
+    at = f"; it was running {where}" if where else " (its stack could not be read)"
+    return (f"the audit did not finish within {timeout:g} s (--timeout){at}; stopped. Fix the loop or "
+            f"wait, or raise --timeout (0: no limit)")
+
+
+def _ended(status, exit_note, crash_stack, model_path) -> str:
+    how = _status_text(status)
+    if exit_note is not None:
+        frames = [_Frame(*f) for f in exit_note.get("stack") or [] if len(f) == 3]
+        mine = _pick(frames, model_path)
+        at = f"{_short(mine[0].filename)}:{mine[0].lineno}: " if mine else ""
+        return (f"{at}the model file ended the audit's process with os._exit({exit_note.get('exit')}) "
+                f"before the audit finished; there is no report. Remove the exit (or put it under "
+                f"`if __name__ == \"__main__\":`)")
+    frames = _main_thread(crash_stack)
+    where = _frames_text(frames, model_path)
+    at = f", while running {where}" if where else ""
+    return (f"the audit's process ended ({how}) before the audit finished{at}: the model file (or code "
+            f"it called) ended the process; there is no report. Rerun with `torchledger --debug audit "
+            f"...` to see it in this process")
+
+
+def _status_text(status) -> str:
+    if status is None:
+        return "status unknown"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return f"killed by signal {name}"
+    return f"exit status {os.WEXITSTATUS(status)}"
+
+
+# -- stacks --------------------------------------------------------------------------------------
+class _Frame:
+    __slots__ = ("filename", "lineno", "name")
+
+    def __init__(self, filename, lineno, name):
+        self.filename, self.lineno, self.name = str(filename), int(lineno), str(name)
+
+
+def _read_stack(stack, since: int = 0) -> str:
+    try:
+        stack.seek(since)
+        return stack.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return ""
+
+
+def _main_thread(text: str) -> list:
+    """The frames of the child's main thread, outermost first, from a faulthandler dump (the
+    block that holds this module's own frame: the child's ``_child``)."""
+    import re
+    blocks, current = [], None
+    for line in text.splitlines():
+        if "(most recent call first)" in line:
+            current = []
+            blocks.append(current)
+            continue
+        m = re.match(r'\s+File "(.*)", line (\d+) in (.*)$', line)
+        if m and current is not None:
+            current.append(_Frame(m.group(1), m.group(2), m.group(3)))
+    if not blocks:
+        return []
+    mine = os.path.abspath(__file__)
+    main = next((b for b in blocks if any(os.path.abspath(f.filename) == mine for f in b)), blocks[0])
+    return list(reversed(main))
+
+
+def _pick(frames, model_path) -> list:
+    """Frames of the model file, innermost first; else the innermost frame outside
+    torchledger and torch; else the innermost."""
+    frames = list(frames)
+    if model_path:
+        target = os.path.abspath(model_path)
+        mine = [f for f in reversed(frames) if os.path.abspath(f.filename) == target]
+        if mine:
+            return mine
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = (here + os.sep, os.sep + "torch" + os.sep, "<frozen")
+    rest = [f for f in reversed(frames) if not any(s in os.path.abspath(f.filename) or
+                                                    f.filename.startswith(s) for s in skip)]
+    return rest or list(reversed(frames))[:1]
+
+
+def _frames_text(frames, model_path) -> str:
+    picked = _pick(frames, model_path)[:FRAMES_SHOWN]
+    return " <- ".join(f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in picked)
+
+
+def _short(filename: str) -> str:
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith(".." + os.sep + "..") else rel
+
+
+# -- plumbing ------------------------------------------------------------------------------------
+class _Forward:
+    """Bytes from the child's output pipe, written to this process's stderr as they come."""
+
+    def __init__(self):
+        import codecs
+        self._decode = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        err = sys.stderr
+        buffer = getattr(err, "buffer", None)
+        try:
+            if buffer is not None:
+                err.flush()
+                buffer.write(data)
+                buffer.flush()
+            else:
+                err.write(self._decode.decode(data))
+                err.flush()
+        except (OSError, ValueError):       # a closed stderr: the child's noise is dropped
+            pass
+
+    def flush(self) -> None:
+        _flush(sys.stderr)
+
+
+def _decode(line: bytes):
+    try:
+        message = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def _read(fd: int):
+    """Bytes from a non-blocking pipe: ``b""`` when none now, None at its end."""
+    try:
+        return os.read(fd, 1 << 16) or None
+    except (BlockingIOError, InterruptedError):
+        return b""
+    except OSError:
+        return None
+
+
+def _drain(fd: int) -> bytes:
+    """What is left in a pipe now (grandchildren may keep it open: no waiting for EOF)."""
+    out = bytearray()
+    while True:
+        chunk = _read(fd)
+        if not chunk:
+            return bytes(out)
+        out += chunk
+
+
+def _pidfd(pid: int):
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _reaped(pid: int):
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return 0
+    return status if done else None
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _size(f) -> int:
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (OSError, ValueError):
+        return 0
+
+
+def _flush(stream) -> None:
+    try:
+        if stream is not None:
+            stream.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _close(fd) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
