@@ -227,6 +227,16 @@ def test_selective_op_says_its_saved_outputs_are_unseen(tiny):
     assert not any("selective-op" in w for w in full.warnings)
 
 
+def test_selective_op_under_fsdp2_mixed_precision_runs(tiny):
+    """FSDP2's mixed-precision input cast sits in a record_function outside the checkpointed
+    region in forward and inside it in the recompute: selective-op used to fail every such
+    step ("profiler._record_function_enter_new ... not found in storage")."""
+    rec = audit(tiny, "dp=4", checkpointing="selective-op", precision="bf16-mixed")
+    assert rec.totals["flops"]["total"] == FLOPS_1              # the spec's inputs are each rank's batch
+    block = next(m for m in rec.modules if m["name"] == "blocks.0")
+    assert block["flops_recompute"] > 0
+
+
 # MoE-tiny: d 64, 2 layers, 4 SwiGLU experts of width 32, top-2, capacity factor 1. Per layer:
 # attention 16,384, router 256, norms 128 (dense 16,768); experts 3 x 4 x 64 x 32 = 24,576.
 # Dense in all: 2 x 16,768 + embedding, head 2 x 32,768 + norm 64 = 99,136 params.
