@@ -2,6 +2,7 @@
 a test (pyinstrument's check_sampler_state)."""
 from __future__ import annotations
 
+import gc
 import signal
 
 import pytest
@@ -53,6 +54,15 @@ def leak_guard():
     yield
     after = hook_state()
     assert after == before, f"torchledger left global state behind: {before} -> {after}"
+
+
+def pytest_collection_finish(session):
+    """Move what collection imported (torch, transformers, lightning: ~400k objects) out of the
+    collector's reach. Every ``gc.collect()`` (a traced step calls one when something was kept
+    across steps) then scans only what the tests made, ~0.3 s less CPU each. Objects made
+    later, the tests' own included, are collected and found by ``gc.get_objects()`` as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
