@@ -65,6 +65,14 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _freeze_what_earlier_modules_left():
+    """The same at the start of each test file, for what earlier files left alive (caches,
+    lazily imported modules): a file's gc.collect() calls then scan that file's objects only."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
