@@ -2,8 +2,8 @@
 a test (pyinstrument's check_sampler_state)."""
 from __future__ import annotations
 
-import gc
 import signal
+import gc
 
 import pytest
 import torch
@@ -56,6 +56,15 @@ def leak_guard():
     assert after == before, f"torchledger left global state behind: {before} -> {after}"
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_collection_finish(session):
     """Move what collection imported (torch, transformers, lightning: ~400k objects) out of the
     collector's reach. Every ``gc.collect()`` (a traced step calls one when something was kept
@@ -71,12 +80,3 @@ def _freeze_what_earlier_modules_left():
     lazily imported modules): a file's gc.collect() calls then scan that file's objects only."""
     gc.collect()
     gc.freeze()
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
