@@ -281,7 +281,7 @@ def test_rss_benchmark_runs_and_reports_each_mode(tmp_path, monkeypatch, capsys)
     import os
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     spec = importlib.util.spec_from_file_location("ledger_rss", root / "benchmarks" / "ledger_rss.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
