@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import gc
 
 import pytest
 import torch
@@ -70,3 +71,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Move what collection imported (torch, transformers, lightning: ~400k objects) out of the
+    collector's reach. Every ``gc.collect()`` (a traced step calls one when something was kept
+    across steps) then scans only what the tests made, ~0.3 s less CPU each. Objects made
+    later, the tests' own included, are collected and found by ``gc.get_objects()`` as before."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _freeze_what_earlier_modules_left():
+    """The same at the start of each test file, for what earlier files left alive (caches,
+    lazily imported modules): a file's gc.collect() calls then scan that file's objects only."""
+    gc.collect()
+    gc.freeze()

@@ -48,8 +48,14 @@ def deltas(records):
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
-def test_steady_growth_every_step_is_a_leak():
-    recs = run_steps(lambda i: True)
+@pytest.fixture(scope="module")
+def steady():
+    """Five steps that each keep 4 KiB: traced once, read by the tests of that loop."""
+    return run_steps(lambda i: True)
+
+
+def test_steady_growth_every_step_is_a_leak(steady):
+    recs = steady
     assert deltas(recs) == [KIB4, KIB4, KIB4]
     (f,) = growth(recs)
     assert f.measured == KIB4 and f.severity == "warning"
@@ -80,9 +86,8 @@ def test_needs_three_steps_after_the_warm_up():
 
 
 @pytest.mark.parametrize("min_bytes, fires", [(KIB4 - 1, True), (KIB4, True), (KIB4 + 1, False)])
-def test_leak_min_bytes_is_the_per_step_floor(min_bytes, fires):
-    recs = run_steps(lambda i: True)
-    assert bool(growth(recs, leak_min_bytes=min_bytes)) == fires
+def test_leak_min_bytes_is_the_per_step_floor(steady, min_bytes, fires):
+    assert bool(growth(steady, leak_min_bytes=min_bytes)) == fires
 
 
 def test_slow_steady_growth_under_the_default_floor():

@@ -7,17 +7,20 @@ import torch.nn as nn
 
 import torchledger
 from torchledger.analyzers.leaks import check_leaks
-from torchledger.models import build_model, example_inputs
+from torchledger.models import build_model, example_inputs, get_config
+
+# gpt2-tiny with one block: every op kind of the two-block preset, half the ops a step to trace
+GPT = get_config("gpt2-tiny").replace(n_layers=1)
 
 
 def make():
     torch.manual_seed(0)
-    model = build_model("gpt2-tiny")
+    model = build_model(GPT)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def batch():
-    return example_inputs("gpt2-tiny", batch=2, seq_len=8)
+    return example_inputs(GPT, batch=2, seq_len=8)
 
 
 def rules(ledger):

@@ -1,6 +1,8 @@
 """Analyzers over traced records: comparisons with closed forms, copies, MFU."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -15,7 +17,19 @@ from torchledger.models import build_model, example_inputs, get_config
 from torchledger.record import StepRecord
 
 
+_TRACED: dict = {}
+
+
 def traced(name, device="cpu", batch=2, seq=16, **overrides):
+    """The record of one AdamW training step of preset ``name``. Traced once per arguments (the
+    same seed, model and inputs: the same step) and deep-copied for each caller, which may edit it."""
+    key = (name, device, batch, seq, tuple(sorted(overrides.items())))
+    if key not in _TRACED:
+        _TRACED[key] = _trace(name, device, batch, seq, **overrides)
+    return copy.deepcopy(_TRACED[key])
+
+
+def _trace(name, device, batch, seq, **overrides):
     cfg = get_config(name).replace(**overrides) if overrides else get_config(name)
     fake = FakeTensorMode() if device == "fake" else None
     if fake:
