@@ -149,6 +149,25 @@ def test_compiled_fuses_chains():
     assert op_seconds(row, PART, EFF, compiled=True)["seconds"] == pytest.approx(2e-3)
 
 
+def test_context_parallel_attention_is_priced_as_a_balanced_causal_ring():
+    """A cp rank's T/cp queries over the all-gathered T keys ran under a shifted mask (every
+    pair computed); on the GPU the ring is load-balanced causal: half the pairs."""
+    from torchledger.analyzers.steptime import op_seconds
+    # b 1, 32 heads, 4,096 queries over 8,192 keys, head dim 128, bf16
+    row = {"op": "aten._scaled_dot_product_flash_attention_for_cpu.default", "kind": "attention", "count": 1,
+           "shapes": [{"attn": [1, 32, 4096, 8192, 128, 128], "dtype": "bf16", "count": 1}]}
+    dense = op_seconds(row, PART, EFF)["seconds"]
+    ring = op_seconds(row, PART, EFF, cp=2)["seconds"]
+    causal = st.attention_seconds(1, 32, 4096, 8192, 128, 128, True, False, "bf16", PART, eff=EFF)
+    assert ring == pytest.approx(causal) and ring < dense
+    # the same shape with no context parallelism (cross-attention to a longer memory): dense
+    assert op_seconds(row, PART, EFF, cp=1)["seconds"] == pytest.approx(dense)
+    # queries not T/cp of the keys: not a cp chunk, dense
+    row["shapes"][0]["attn"] = [1, 32, 4096, 4096, 128, 128]
+    assert op_seconds(row, PART, EFF, cp=2)["seconds"] == pytest.approx(
+        st.attention_seconds(1, 32, 4096, 4096, 128, 128, False, False, "bf16", PART, eff=EFF))
+
+
 # -- calibrate: a fit recovers the parameters synthetic measurements were made with -------------
 
 def _cuda_record(rows, seconds=None):

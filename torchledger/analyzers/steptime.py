@@ -66,10 +66,17 @@ def _compiled(rec, opts) -> bool:
     return bool(opts.get("compiled")) or bool(rec.meta.get("compiled"))
 
 
-def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled: bool = False) -> dict:
+def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled: bool = False,
+               cp: int = 1) -> dict:
     """``{"seconds", "kind", "launch", "flops_rate"}`` of one ``record.ops`` row (all its calls):
     kind is ``matmul``, ``attention``, ``memory_bound`` or ``free``; ``launch`` is the part of
-    the seconds that is launch floor above the kernels' own time."""
+    the seconds that is launch floor above the kernels' own time.
+
+    ``cp``: the context-parallel degree of the step. A rank's T/cp queries over the
+    all-gathered T keys (``sq x cp == sk``) ran under the causal mask shifted to its offset
+    (the standard plan's attention; a masked kernel computes every pair); on the GPU
+    PyTorch's ``context_parallel`` and Transformer Engine run it as a load-balanced causal
+    ring, each rank half the pairs: priced causal."""
     kind = row.get("kind")
     count = int(row.get("count") or 0)
     if count <= 0:
@@ -91,8 +98,8 @@ def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled:
             elif "attn" in s:
                 b, h, sq, sk, d, dv = s["attn"]
                 backward = "backward" in name
-                t = st.attention_seconds(b, h, sq, sk, d, dv, bool(s.get("causal")), backward, dt, gpu,
-                                         eff=eff)
+                causal = bool(s.get("causal")) or (cp > 1 and sq * cp == sk)
+                t = st.attention_seconds(b, h, sq, sk, d, dv, causal, backward, dt, gpu, eff=eff)
                 raw = t
             else:
                 continue
@@ -175,6 +182,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     t = rec.totals
     audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
     micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
+    cp = int((t.get("parallel_dims") or {}).get("cp") or 1)
 
     # -- compute: every op row, by phase, kind and module ----------------------------------
     by_phase = {p: 0.0 for p in _PHASES}
@@ -186,7 +194,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     unit_compute: dict = {}      # (phase group, module) -> seconds
     dtype_flops: dict = {}
     for row in rec.ops or ():
-        got = op_seconds(row, gpu, eff, dtype, compiled)
+        got = op_seconds(row, gpu, eff, dtype, compiled, cp)
         secs = got["seconds"]
         if not secs:
             continue
@@ -198,7 +206,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         if got["kind"] in bucket:
             bucket[got["kind"]] += body
         if got["kind"] == "memory_bound" and not compiled and fusion_known:
-            fused = op_seconds(row, gpu, eff, dtype, True)["seconds"]
+            fused = op_seconds(row, gpu, eff, dtype, True, cp)["seconds"]
             fusable += (secs - fused) * (micro if bucket is kinds else 1)
         if got["kind"] == "matmul":
             mm_flops += float(row.get("flops") or 0)
@@ -353,6 +361,10 @@ def predict_step_time(rec, gpu, options=None) -> dict:
                            "recorded): priced unfused")
     if micro > 1:
         assumptions.append(f"{micro} micro-batches: gradient reductions in the last only, one optimizer step")
+    if cp > 1:
+        assumptions.append(f"context parallel {cp}: each rank's T/{cp} queries over the all-gathered keys as a "
+                           f"load-balanced causal ring (half the pairs, as PyTorch's context_parallel and "
+                           f"Transformer Engine run it), not the shifted mask the traced step used")
     out = {
         "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
         "tokens_per_s_per_gpu": tok_rate, "mfu": mfu, "hfu": hfu,
