@@ -132,7 +132,7 @@ class LedgerMode(TorchDispatchMode):
         self.zeroed: set = set()
         self.scalar_sites: dict = {}  # op index -> user line, for 0-dim forward outputs
         self.errors: list[str] = []
-        self._copied: dict = {}      # storage of a contiguous() copy -> (its copy key, source dim order)
+        self._copied: dict = {}      # lifetime of a contiguous() copy -> (its copy key, source dim order)
         self._casts: dict = {}       # lifetime of a dtype cast's output -> (copy key, source dtype)
         self.sdpa_depth = 0          # > 0 inside F.scaled_dot_product_attention (see attention_hook)
         self.sdpa_causal = False
@@ -145,7 +145,7 @@ class LedgerMode(TorchDispatchMode):
         self.views = [0] * len(PHASES)   # view/alias ops per phase (no bytes moved)
         self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
         self._last_mark = None
-        self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
+        self.derived_params: dict = {}   # lifetime of a cast/copy of a parameter -> the parameter's storage
         self.gathered_params: dict = {}  # FSDP2: storage of a parameter's unsharded buffer -> numel
         self.tensor_parallel = 1         # the largest global/local split of a weight at a matmul
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
@@ -345,6 +345,18 @@ class LedgerMode(TorchDispatchMode):
         if self.on_collective is not None:
             self.on_collective(op, func, args, kwargs, out)
 
+    def _life(self, t):
+        """``t``'s storage by identity that dies with it: the storage's lifetime index while the
+        tracker follows it (a storage freed and another made at the same address are two
+        lifetimes), else the storage's address as a tagged tuple (not tracked: never freed
+        while the step is traced, e.g. a parameter, or a wrapper's outer storage)."""
+        st = self.storages
+        if st.dead:
+            st.drain()
+        key = t.untyped_storage()._cdata
+        k = st.live.get(key)
+        return k if k is not None else ("storage", key)
+
     def _is_view(self, func, args, out) -> bool:
         """The schema says ``func`` aliases its input; the first time each op is seen, confirm
         it by storage identity (an op that made new storage after all is tracked as a copy)."""
@@ -380,7 +392,7 @@ class LedgerMode(TorchDispatchMode):
         copy bought nothing. (A permute to some other layout is new work, e.g. K^T for Q K^T.)"""
         src = args[0]
         if isinstance(src, _Tensor) and isinstance(out, _Tensor) and not out.is_contiguous():
-            hit = self._copied.get(src.untyped_storage()._cdata)
+            hit = self._copied.get(self._life(src))
             if hit is not None and hit[0] in self.copies and _dim_order(out) == hit[1]:
                 self.copies[hit[0]][2]["permuted_back"] = True
 
@@ -402,8 +414,8 @@ class LedgerMode(TorchDispatchMode):
                 if key in ps:
                     self.matmul_params.add(key)
                     found = True
-                elif key in self.derived_params:          # autocast's bf16 copy of a weight
-                    self.matmul_params.add(self.derived_params[key])
+                elif self.derived_params and (derived := self.derived_params.get(self._life(a))) is not None:
+                    self.matmul_params.add(derived)      # autocast's bf16 copy of a weight
                     found = True
                 elif key in self.gathered_params:         # FSDP2's all-gathered weight
                     self.matmul_params.add(key)     # its numel: the parameter's view, unpadded
@@ -467,8 +479,10 @@ class LedgerMode(TorchDispatchMode):
             if isinstance(a, _Tensor) and a.dim() >= 2:
                 key = a.untyped_storage()._cdata
                 owner = owners.get(key)
-                if owner is None and key in self.derived_params:     # autocast's copy of it
-                    owner = owners.get(self.derived_params[key])
+                if owner is None and self.derived_params:            # autocast's copy of it
+                    derived = self.derived_params.get(self._life(a))
+                    if derived is not None:
+                        owner = owners.get(derived)
                 if owner is not None and owner != mod and scope.is_ancestor(mod, owner):
                     if _grad_enabled() and _needs_grad(args[:3]):
                         scope.owns_node(owner)
@@ -483,7 +497,7 @@ class LedgerMode(TorchDispatchMode):
         if isinstance(src, _Tensor) and isinstance(out, _Tensor) and src.dim() >= 3:
             key = src.untyped_storage()._cdata
             if key in self.param_storages:
-                self.derived_params[out.untyped_storage()._cdata] = key
+                self.derived_params[self._life(out)] = key
 
     def _note_copy(self, func, args, kwargs, out, phase, mod, nbytes):
         src = args[1] if func is _aten.copy_.default else args[0]
@@ -503,9 +517,11 @@ class LedgerMode(TorchDispatchMode):
         if func is _aten._to_copy.default and phase != BACKWARD:
             key = src.untyped_storage()._cdata
             if key in self.param_storages:              # e.g. autocast casting a weight
-                self.derived_params[dst.untyped_storage()._cdata] = key
-            elif key in self.derived_params:
-                self.derived_params[dst.untyped_storage()._cdata] = self.derived_params[key]
+                self.derived_params[self._life(dst)] = key
+            elif self.derived_params:
+                derived = self.derived_params.get(self._life(src))
+                if derived is not None:
+                    self.derived_params[self._life(dst)] = derived
         loc = user_frame() if phase != BACKWARD else None   # backward runs in the engine
         key = (func.__name__, mod, phase, loc, reason)
         row = self.copies.get(key)
@@ -519,7 +535,7 @@ class LedgerMode(TorchDispatchMode):
             # that copy is needed whatever follows, so it is never "permuted back"
             if len(self._copied) > 256:
                 self._copied.clear()
-            self._copied[dst.untyped_storage()._cdata] = (key, _dim_order(src))
+            self._copied[self._life(dst)] = (key, _dim_order(src))
         if reason.startswith("dtype") and phase != BACKWARD:
             self._note_cast(key, src, dst, row, nbytes)
 
