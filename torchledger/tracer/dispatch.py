@@ -316,7 +316,7 @@ class LedgerMode(TorchDispatchMode):
                 written += nbytes(o)
                 if track:
                     for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
-                        st.add(s, TEMP, at=idx, op=func)
+                        st.add(s, TEMP, at=idx, op=func, tensor=o)
         return read, written
 
     def _collective(self, func, args, kwargs, out, phase, mod, idx) -> None:

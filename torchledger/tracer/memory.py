@@ -107,6 +107,7 @@ class StorageTracker:
         self.nbytes: list[int] = []
         self.cat: list[int] = []
         self.op: list = []                  # the op that made each storage (None: not an op)
+        self.made: dict[int, list] = {}     # lifetime index -> weakrefs of the tensors ops returned on it
         self.live: dict[int, int] = {}      # storage cdata -> lifetime index (while alive)
         self._refs: dict[int, object] = {}
         self._owner: dict[int, tuple] = {}  # id(weakref) -> (storage cdata, lifetime index)
@@ -114,14 +115,16 @@ class StorageTracker:
         self.now = 0                        # ops completed so far (set by the dispatch mode)
         self.closed = False
 
-    def add(self, storage, category: int, at: int | None = None, op=None) -> int:
-        """Start tracking ``storage`` (an UntypedStorage) made by ``op`` (if an op made it);
-        returns its lifetime index."""
+    def add(self, storage, category: int, at: int | None = None, op=None, tensor=None) -> int:
+        """Start tracking ``storage`` (an UntypedStorage) made by ``op`` (if an op made it, as
+        the storage of its output ``tensor``); returns its lifetime index."""
         if self.dead:
             self.drain()
         key = storage._cdata
         k = self.live.get(key)
         if k is not None:
+            if tensor is not None:          # another tensor on it (``_unsafe_view``, in place)
+                self._made_by(k, tensor)
             return k
         k = len(self.alloc)
         self.alloc.append(self.now if at is None else at)
@@ -133,7 +136,18 @@ class StorageTracker:
         ref = weakref.ref(storage, self.dead.append)
         self._refs[key] = ref
         self._owner[id(ref)] = (key, k)
+        if tensor is not None:
+            self.made[k] = [weakref.ref(tensor)]
         return k
+
+    def _made_by(self, k: int, tensor) -> None:
+        """Note ``tensor`` among the (at most 4 live) tensors ops returned on lifetime ``k``."""
+        refs = self.made.get(k)
+        if refs is None:
+            self.made[k] = [weakref.ref(tensor)]
+        elif refs[-1]() is not tensor:
+            refs[:] = [r for r in refs if r() is not None][-3:]
+            refs.append(weakref.ref(tensor))
 
     def drain(self) -> None:
         """Note the storages that died since the last call as freed now (before ``now``
@@ -185,6 +199,7 @@ class StorageTracker:
         return {k: self._refs[key] for key, k in self.live.items() if key in self._refs}
 
     def release(self) -> None:
+        self.made.clear()
         self._refs.clear()
         self.live.clear()
         self._owner.clear()

@@ -200,6 +200,7 @@ class StepTracer:
         self._params, self._optimizers, self._param_storages = [], [], {}
         self.scope = self.storages = self.mode = self.history = None
         self._saved, self._grads_after_step, self._carried, self.carry_in = {}, {}, {}, {}
+        self._carried_tensor = {}
         self._output_caches, self._cuda_marks = [], []
 
     # -- what exists before the step ---------------------------------------------------------
@@ -221,10 +222,13 @@ class StepTracer:
             for _, t in state_tensors(opt):
                 self._track(t, OPT, "optimizer state", at=0)
         self._carried = {}              # lifetime index -> origin, for storages from earlier steps
+        self._carried_tensor = {}       # ... -> weakref of the tensor the op that made it returned
         for entry in self.carry_in.values():
             s = entry["ref"]()
             if s is not None:
-                self._carried[st.add(s, entry["category"], at=0)] = entry["origin"]
+                k = st.add(s, entry["category"], at=0)
+                self._carried[k] = entry["origin"]
+                self._carried_tensor[k] = entry.get("tensor")
 
     def _storages(self, t, what: str) -> list:
         """``memory.storages(t)``, or [] with a warning for a tensor kind that has none."""
