@@ -66,6 +66,9 @@ _PASSTHROUGH = {id(op) for op in (  # no arithmetic, no memory, no phase: not re
                              ("_record_function_exit", "default"),
                              ("_record_function_exit", "_RecordFunction"))))
     if op is not None}
+_NO_KWARGS: dict = {}
+_PRIM_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
 _SAFE_SOFTMAX = getattr(getattr(_aten, "_safe_softmax", None), "default", None)  # SDPA math only
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _MUL_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Scalar}  # zero when times 0
@@ -75,6 +78,13 @@ try:                                  # a deprecation wrapper's frame is not the
     _COLLECTIVE_SKIP = _SKIP_DIRS + (_te.__file__,)
 except ImportError:
     _COLLECTIVE_SKIP = _SKIP_DIRS
+
+
+#: id(func) -> (aliases an input, is a copy, is a permute, zeroes (1) / scales (2), gathers):
+#: what an op's schema says, worked out once per process; the ops are pinned in _PINNED so an
+#: id is never reused by another object
+_FINFO: dict = {}
+_PINNED: list = []
 
 
 def _is_alias_op(func) -> bool:
@@ -95,16 +105,37 @@ def user_frame(skip=_SKIP_DIRS) -> str | None:
         if fn == _RUNNER:
             return None
         if not fn.startswith(skip) and not fn.startswith("<frozen"):
-            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+            rel = _RELPATH.get(fn)
+            if rel is None:
+                rel = _RELPATH[fn] = os.path.relpath(fn) if not fn.startswith("<") else fn
+            return f"{rel}:{f.f_lineno}"
         f = f.f_back
     return None
+
+
+_RELPATH: dict = {}     # file -> its path relative to the working directory (see LedgerMode)
+_RELPATH_CWD: list = [None]
 
 
 class LedgerMode(TorchDispatchMode):
     """Aggregates every op into the recorder (see ``step.StepTracer``)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # NB: TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo (five Python
+        # calls per op) so that dynamo never compiles it; a traced step runs with the compile
+        # stance forced eager (compiled.py), so dynamo never runs there. Where torch has no
+        # stance to force, keep the wrapper.
+        return not hasattr(getattr(torch, "compiler", None), "set_stance")
+
     def __init__(self, scope, storages, params_by_storage):
         super().__init__()
+        fake = sys.modules.get("torch._subclasses.fake_tensor")    # none made before its import
+        self._fake = getattr(fake, "FakeTensor", None)
+        cwd = os.getcwd()
+        if _RELPATH_CWD[0] != cwd:      # user_frame's cache holds paths relative to the cwd
+            _RELPATH.clear()
+            _RELPATH_CWD[0] = cwd
         self.scope = scope
         self.storages = storages
         self.param_storages = params_by_storage      # storage cdata -> param numel
@@ -154,8 +185,14 @@ class LedgerMode(TorchDispatchMode):
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = kwargs or _NO_KWARGS       # shared, never written: no dict made per op
         if id(func) in _PASSTHROUGH or self.quiet:   # metadata queries (fake tensors ask prim.device often)
+            if func is _PRIM_DEVICE and self._fake is not None and len(args) == 1 and type(args[0]) is self._fake:
+                # NB: FakeTensorMode's own answer (fake_tensor._device_handler), given here: a 7B
+                # fake step asks ~14,000 times, and each trip through FakeTensorMode.dispatch costs
+                # more than the rest of this method
+                a = args[0]
+                return _META if a.fake_mode.in_kernel_invocation else a.fake_device
             return func(*args, **kwargs)
         try:                    # where we are is known before the op runs (CUDA marks need it)
             node = _current_node()
@@ -212,10 +249,13 @@ class LedgerMode(TorchDispatchMode):
             return
         info = self._finfo.get(fid)
         if info is None:
-            info = self._finfo[fid] = (_is_alias_op(func), func in _COPY_OPS,
-                                       func in _PERMUTE_OPS,
-                                       1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
-                                       func in _GATHER_OPS)
+            info = _FINFO.get(fid)
+            if info is None:
+                info = _FINFO[fid] = (_is_alias_op(func), func in _COPY_OPS, func in _PERMUTE_OPS,
+                                      1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
+                                      func in _GATHER_OPS)
+                _PINNED.append(func)
+            self._finfo[fid] = info
             self.funcs[fid] = func
         alias = info[0]
 

@@ -107,7 +107,7 @@ class StorageTracker:
         self.nbytes: list[int] = []
         self.cat: list[int] = []
         self.op: list = []                  # the op that made each storage (None: not an op)
-        self.made: dict[int, list] = {}     # lifetime index -> weakrefs of the tensors ops returned on it
+        self.made: dict = {}                # lifetime index -> weakref(s) of the tensors ops returned on it
         self.live: dict[int, int] = {}      # storage cdata -> lifetime index (while alive)
         self._refs: dict[int, object] = {}
         self._owner: dict[int, tuple] = {}  # id(weakref) -> (storage cdata, lifetime index)
@@ -137,17 +137,26 @@ class StorageTracker:
         self._refs[key] = ref
         self._owner[id(ref)] = (key, k)
         if tensor is not None:
-            self.made[k] = [weakref.ref(tensor)]
+            self.made[k] = weakref.ref(tensor)
         return k
 
     def _made_by(self, k: int, tensor) -> None:
-        """Note ``tensor`` among the (at most 4 live) tensors ops returned on lifetime ``k``."""
+        """Note ``tensor`` among the (at most 4 live) tensors ops returned on lifetime ``k``
+        (one weakref, or a list of them once there are two)."""
         refs = self.made.get(k)
         if refs is None:
-            self.made[k] = [weakref.ref(tensor)]
+            self.made[k] = weakref.ref(tensor)
+        elif type(refs) is not list:
+            if refs() is not tensor:
+                self.made[k] = [refs, weakref.ref(tensor)] if refs() is not None else weakref.ref(tensor)
         elif refs[-1]() is not tensor:
             refs[:] = [r for r in refs if r() is not None][-3:]
             refs.append(weakref.ref(tensor))
+
+    def made_refs(self, k: int) -> list:
+        """Weakrefs of the tensors ops returned on lifetime ``k`` (see ``_made_by``)."""
+        refs = self.made.get(k)
+        return [] if refs is None else refs if type(refs) is list else [refs]
 
     def drain(self) -> None:
         """Note the storages that died since the last call as freed now (before ``now``

@@ -6,8 +6,7 @@ traced step, with their origin (step, op, module, user line for loss-like scalar
 references to the tensors ops returned on it. A storage that arrives through the carry and is still
 alive at the end of the next step was kept across steps: the leak analyzer reads
 ``memory["retained"]``; it holds an autograd graph when one of those tensors is alive with
-a ``grad_fn``. A storage the step did not make (the input batch, fed again each step) is not
-carried. The work is bounded by the step's own storages, never by the Python heap: no
+a ``grad_fn``. The work is bounded by the step's own storages, never by the Python heap: no
 ``gc.get_objects()`` walk, and when a carried storage is still alive one collection of the
 young generations (objects made since the last steps), not of the whole heap.
 
@@ -37,7 +36,7 @@ def retention(tracer, model, record) -> None:
     st = tracer.storages
     carried = tracer._carried
     alive = {k: ref for k, ref in st.alive_at_end().items()
-             if st.cat[k] in (TEMP, ACT) and (k in carried or st.op[k] is not None) and ref() is not None}
+             if st.cat[k] in (TEMP, ACT) and ref() is not None}
     if any(k in carried for k in alive):
         # a storage kept since an earlier step may be held only by a reference cycle that
         # gc would free: collect the young generations once (only when something was kept;
@@ -45,7 +44,6 @@ def retention(tracer, model, record) -> None:
         gc.collect(1)
         alive = {k: ref for k, ref in alive.items() if ref() is not None}
     retained, new_count, new_bytes = {}, 0, 0
-    made = st.made
     for k, ref in alive.items():
         storage = ref()
         if storage is None:
@@ -66,7 +64,7 @@ def retention(tracer, model, record) -> None:
         # a plain weakref: the tracker's (whose callback holds the whole tracker) stays here
         tracer.carry_out[storage._cdata] = {"ref": weakref.ref(storage), "category": st.cat[k],
                                             "origin": origin,
-                                            "tensor": made.get(k, tracer._carried_tensor.get(k))}
+                                            "tensor": st.made_refs(k) or tracer._carried_tensor.get(k)}
         del storage
     record.memory["retained"] = sorted(retained.values(), key=lambda g: -g["bytes"])
     record.memory["retained_new"] = {"count": new_count, "bytes": new_bytes}
