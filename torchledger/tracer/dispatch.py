@@ -314,9 +314,9 @@ class LedgerMode(TorchDispatchMode):
 
         track = not alias or self._view_checked.get(id(func)) is False   # an "alias" that copied
         try:
-            read, written = self._io(args, out, track, idx, func)
+            read, written = self._io(args, out, track, idx, func, phase)
         except (RuntimeError, NotImplementedError):  # sparse: no nbytes, no single storage
-            read, written = self._io(args, out, track, idx, func, nbytes=tensor_bytes, storages=storages)
+            read, written = self._io(args, out, track, idx, func, phase, nbytes=tensor_bytes, storages=storages)
         row[3] += read
         row[4] += written
         if info[1]:
@@ -331,7 +331,7 @@ class LedgerMode(TorchDispatchMode):
             if isinstance(first, _Tensor) and first.dim() == 0:
                 self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
 
-    def _io(self, args, out, track, idx, func, nbytes=_Tensor.nbytes.__get__, storages=None):
+    def _io(self, args, out, track, idx, func, phase, nbytes=_Tensor.nbytes.__get__, storages=None):
         """Bytes read and written by an op; tracks the storages it made when ``track``. The
         default reads ``.nbytes`` and one storage per tensor (fast); the caller retries with
         ``memory.tensor_bytes``/``memory.storages`` for tensors without one (sparse)."""
@@ -345,6 +345,9 @@ class LedgerMode(TorchDispatchMode):
                         read += nbytes(b)
         written = 0
         st = self.storages
+        # the tensors a graph can be kept through (retention.py): forward and recomputation
+        # outputs; no weakref for the others (each one feeds the gc)
+        graph = phase == FORWARD or phase == RECOMPUTE
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
                 if _is_wrapper(type(o)):        # a DTensor: this rank's local shard
@@ -356,7 +359,7 @@ class LedgerMode(TorchDispatchMode):
                 written += nbytes(o)
                 if track:
                     for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
-                        st.add(s, TEMP, at=idx, op=func, tensor=o)
+                        st.add(s, TEMP, at=idx, op=func, tensor=o if graph else None)
         return read, written
 
     def _collective(self, func, args, kwargs, out, phase, mod, idx) -> None:

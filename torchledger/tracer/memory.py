@@ -110,7 +110,8 @@ class StorageTracker:
         self.made: dict = {}                # lifetime index -> weakref(s) of the tensors ops returned on it
         self.live: dict[int, int] = {}      # storage cdata -> lifetime index (while alive)
         self._refs: dict[int, object] = {}
-        self._owner: dict[int, tuple] = {}  # id(weakref) -> (storage cdata, lifetime index)
+        self._owner: dict[int, int] = {}    # id(weakref) -> lifetime index (no tuple per storage:
+        self._owner_key: dict[int, int] = {}  # ... -> storage cdata      every tuple feeds the gc)
         self.dead: list = []                # weakrefs whose storage died, not yet drained
         self.now = 0                        # ops completed so far (set by the dispatch mode)
         self.closed = False
@@ -135,7 +136,8 @@ class StorageTracker:
         self.live[key] = k
         ref = weakref.ref(storage, self.dead.append)
         self._refs[key] = ref
-        self._owner[id(ref)] = (key, k)
+        self._owner[id(ref)] = k
+        self._owner_key[id(ref)] = key
         if tensor is not None:
             self.made[k] = weakref.ref(tensor)
         return k
@@ -164,7 +166,8 @@ class StorageTracker:
         dead = self.dead
         while dead:
             ref = dead.pop()
-            key, k = self._owner.pop(id(ref), (None, None))
+            k = self._owner.pop(id(ref), None)
+            key = self._owner_key.pop(id(ref), None)
             if k is None or self.closed or self.free[k] >= 0:   # already freed by a resize to 0
                 continue
             self.free[k] = self.now
@@ -212,6 +215,7 @@ class StorageTracker:
         self._refs.clear()
         self.live.clear()
         self._owner.clear()
+        self._owner_key.clear()
         self.dead.clear()
 
     def timeline(self, n_ops: int) -> np.ndarray:
