@@ -132,8 +132,11 @@ class LedgerMode(TorchDispatchMode):
         super().__init__()
         fake = sys.modules.get("torch._subclasses.fake_tensor")    # none made before its import
         self._fake = getattr(fake, "FakeTensor", None)
-        cwd = os.getcwd()
-        if _RELPATH_CWD[0] != cwd:      # user_frame's cache holds paths relative to the cwd
+        try:
+            cwd = os.getcwd()
+        except OSError:                 # a working directory that was removed: no cache
+            cwd = None
+        if cwd is None or _RELPATH_CWD[0] != cwd:   # user_frame's cache holds paths relative to the cwd
             _RELPATH.clear()
             _RELPATH_CWD[0] = cwd
         self.scope = scope
@@ -350,7 +353,11 @@ class LedgerMode(TorchDispatchMode):
         graph = phase == FORWARD or phase == RECOMPUTE
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
-                if _is_wrapper(type(o)):        # a DTensor: this rank's local shard
+                cls = type(o)
+                wrapper = _WRAPPERS.get(cls)
+                if wrapper is None:
+                    wrapper = _is_wrapper(cls)
+                if wrapper:                     # a DTensor: this rank's local shard
                     written += tensor_bytes(o)
                     if track:
                         for s in _storages_of(o):

@@ -111,8 +111,9 @@ class StorageTracker:
         self.live: dict[int, int] = {}      # storage cdata -> lifetime index (while alive)
         self._refs: dict[int, object] = {}
         self._owner: dict[int, int] = {}    # id(weakref) -> lifetime index (no tuple per storage:
-        self._owner_key: dict[int, int] = {}  # ... -> storage cdata      every tuple feeds the gc)
+        self.keys: list[int] = []           # lifetime index -> storage cdata   each feeds the gc)
         self.dead: list = []                # weakrefs whose storage died, not yet drained
+        self._died = self.dead.append       # the weakref callback: C, made once
         self.now = 0                        # ops completed so far (set by the dispatch mode)
         self.closed = False
 
@@ -133,11 +134,11 @@ class StorageTracker:
         self.nbytes.append(storage.nbytes())
         self.cat.append(category)
         self.op.append(op)
+        self.keys.append(key)
         self.live[key] = k
-        ref = weakref.ref(storage, self.dead.append)
+        ref = weakref.ref(storage, self._died)
         self._refs[key] = ref
         self._owner[id(ref)] = k
-        self._owner_key[id(ref)] = key
         if tensor is not None:
             self.made[k] = weakref.ref(tensor)
         return k
@@ -167,9 +168,9 @@ class StorageTracker:
         while dead:
             ref = dead.pop()
             k = self._owner.pop(id(ref), None)
-            key = self._owner_key.pop(id(ref), None)
             if k is None or self.closed or self.free[k] >= 0:   # already freed by a resize to 0
                 continue
+            key = self.keys[k]
             self.free[k] = self.now
             if self.live.get(key) == k:
                 del self.live[key]
@@ -215,7 +216,6 @@ class StorageTracker:
         self._refs.clear()
         self.live.clear()
         self._owner.clear()
-        self._owner_key.clear()
         self.dead.clear()
 
     def timeline(self, n_ops: int) -> np.ndarray:
