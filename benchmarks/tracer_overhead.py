@@ -6,9 +6,16 @@
    sequence 128, AdamW): untraced, torchledger, FlopCounterMode, torch.profiler (memory and
    FLOPs), MemTracker, and an empty pass-through TorchDispatchMode (the floor any dispatch
    tracer pays). Runs are interleaved round-robin and the median is kept, so machine
-   noise hits every variant alike. Target: torchledger <= 1.15x untraced.
+   noise hits every variant alike. Target: torchledger <= 1.05x untraced, and below
+   FlopCounterMode.
 2. The llama2-7b preset on fake tensors (batch 1, sequence 2048, fp32, AdamW): untraced fake
-   step against the traced fake step. Target: <= 2x.
+   step against the traced fake step, and against a pass-through dispatch mode (the floor on
+   fake tensors too). Target: <= 1.15x.
+
+Each variant's wall-clock time (``time.perf_counter``) and this process's CPU time
+(``time.process_time``) are both taken; on a machine shared with other jobs the wall clock
+also counts the time the process waited for a core, so the CPU-time ratio is the steadier
+one (``--threads 1`` makes CPU time and wall time the same work).
 """
 from __future__ import annotations
 
@@ -38,6 +45,18 @@ def small_gpt():
     return model, opt, inputs
 
 
+def _pass_through_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    return PassThrough
+
+
+_PassThrough = _pass_through_class()
+
+
 def variants(model, opt, inputs):
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -57,14 +76,8 @@ def variants(model, opt, inputs):
                                     profile_memory=True, with_flops=True):
             step(model, opt, inputs)
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class PassThrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     def pass_through():
-        with PassThrough():
+        with _PassThrough():
             step(model, opt, inputs)
 
     out = {"untraced": untraced, "torchledger": ledger, "pass-through dispatch mode": pass_through,
@@ -90,13 +103,22 @@ def bench_small(repeats: int) -> dict:
     for fn in runs.values():          # warm-up: optimizer state, allocator, lazy inits
         fn()
     times = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
     for _ in range(repeats):
         for k, fn in runs.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    base = statistics.median(times["untraced"])
-    return {k: {"median_ms": 1e3 * statistics.median(v), "ratio": statistics.median(v) / base}
+            cpu[k].append(time.process_time() - c0)
+    return _summary(times, cpu, "untraced")
+
+
+def _summary(times: dict, cpu: dict, base_key: str) -> dict:
+    base, cbase = statistics.median(times[base_key]), statistics.median(cpu[base_key])
+    return {k: {"median_ms": 1e3 * statistics.median(v), "ratio": statistics.median(v) / base,
+                "cpu_median_ms": 1e3 * statistics.median(cpu[k]),
+                "cpu_ratio": statistics.median(cpu[k]) / cbase,
+                "ratio_spread": [min(v) / base, max(v) / base]}
             for k, v in times.items()}
 
 
@@ -108,18 +130,29 @@ def bench_fake_7b(repeats: int) -> dict:
         opt = torch.optim.AdamW(model.parameters())
         inputs = example_inputs("llama2-7b", batch=1, seq_len=2048)
         step(model, opt, inputs)                       # warm-up (optimizer state exists after)
-        times = {"untraced fake": [], "torchledger fake": []}
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+
+        def untraced():
             step(model, opt, inputs)
-            times["untraced fake"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+
+        def traced():
             with torchledger.trace(model, optimizer=opt, tokens=2048):
                 step(model, opt, inputs)
-            times["torchledger fake"].append(time.perf_counter() - t0)
-    base = statistics.median(times["untraced fake"])
-    return {k: {"median_ms": 1e3 * statistics.median(v), "ratio": statistics.median(v) / base}
-            for k, v in times.items()}
+
+        def pass_through():
+            with _PassThrough():
+                step(model, opt, inputs)
+
+        runs = {"untraced fake": untraced, "torchledger fake": traced,
+                "pass-through dispatch mode fake": pass_through}
+        times = {k: [] for k in runs}
+        cpu = {k: [] for k in runs}
+        for _ in range(repeats):
+            for k, fn in runs.items():
+                c0, t0 = time.process_time(), time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+                cpu[k].append(time.process_time() - c0)
+    return _summary(times, cpu, "untraced fake")
 
 
 def main():
@@ -127,8 +160,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--skip-7b", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                "small_gpt_cpu": bench_small(args.repeats)}
     if not args.skip_7b:
@@ -137,7 +171,9 @@ def main():
         if isinstance(rows, dict):
             print(section)
             for k, v in rows.items():
-                print(f"  {k:32s} {v['median_ms']:10.1f} ms  {v['ratio']:6.2f}x")
+                print(f"  {k:32s} {v['median_ms']:10.1f} ms  {v['ratio']:6.2f}x"
+                      f"  (min-max {v['ratio_spread'][0]:.2f}-{v['ratio_spread'][1]:.2f}x)"
+                      f"  cpu {v['cpu_median_ms']:10.1f} ms  {v['cpu_ratio']:6.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -146,7 +146,7 @@ def fake_world(world_size: int, mesh_shape: tuple, rank: int = 0, names: Optiona
         # NB: the mesh is made before any FakeTensorMode is entered: its rank tensor is real.
         names = tuple(names) if names else mesh_dim_names(len(mesh_shape))
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
-        with _mesh_coordinates_real(), _fsdp_padding_shared(), simulated_ddp():
+        with _mesh_coordinates_real(), _rank_chunks_only(), simulated_ddp():
             yield mesh
     finally:
         if dist.is_initialized():
@@ -172,6 +172,63 @@ def _clear_dtensor_caches() -> None:
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
 
+
+
+class _Chunks:
+    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n`` (FSDP2's
+    ``_chunk_with_empty``), each chunk made when it is asked for: FSDP2 reads this rank's chunk
+    and chunk 0 of each parameter, and making all ``n`` views (twice per parameter) is what made
+    a simulated world's setup grow with its size (1,024 ranks: 199 of 229 s)."""
+
+    def __init__(self, tensor, n: int, dim: int):
+        self.tensor, self.n, self.dim = tensor, n, dim
+        size = tensor.size(dim)
+        self.step = -(-size // n)                            # torch.chunk's chunk size
+        self.real = -(-size // self.step)                    # chunks torch.chunk returns
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if i >= self.real:
+            return self[0].new_empty(0)
+        start = i * self.step
+        return self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+@contextlib.contextmanager
+def _rank_chunks_only():
+    """While the world lasts, FSDP2 shards each parameter through ``_Chunks`` (the same views
+    of the same sizes, made one at a time); put back on the way out."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:              # another torch: nothing to patch
+        yield
+        return
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        yield
+        return
+
+    def chunk_with_empty(tensor, num_chunks, dim):
+        if tensor.dim() == 0 or tensor.size(dim) == 0 or num_chunks <= 1:
+            return original(tensor, num_chunks, dim)
+        return _Chunks(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
 
 
 @contextlib.contextmanager
@@ -210,39 +267,6 @@ def _mesh_coordinates_real():
         DeviceMesh._compute_coordinate_on_dim = original
         if isinstance(mesh_of, property):
             DeviceMesh.mesh = mesh_of
-
-
-@contextlib.contextmanager
-def _fsdp_padding_shared():
-    """While the world lasts, FSDP2's ``_chunk_with_empty`` pads its list of per-rank chunks
-    with one shared empty tensor instead of a new one per rank: on fake tensors each
-    ``new_empty(0)`` is a fake dispatch (about 0.4 ms here), made twice per parameter for each
-    of the N ranks, so ``fully_shard`` alone took 41 s of a 48 s audit at N = 8,192 and grew
-    linearly with N. Only the calling rank's chunk is ever read (``chunks[rank]``), and rank
-    0's is the tensor's first chunk, never padding. The original is put back on the way out;
-    a torch without the function is left as it is."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param
-    except ImportError:             # pragma: no cover - torch without FSDP2
-        yield
-        return
-    original = getattr(_fsdp_param, "_chunk_with_empty", None)
-    if original is None:
-        yield
-        return
-
-    def chunk_with_empty(tensor, num_chunks, dim):
-        import torch
-        chunks = list(torch.chunk(tensor, num_chunks, dim=dim))
-        if len(chunks) < num_chunks:
-            chunks.extend([chunks[0].new_empty(0)] * (num_chunks - len(chunks)))
-        return chunks
-
-    _fsdp_param._chunk_with_empty = chunk_with_empty
-    try:
-        yield
-    finally:
-        _fsdp_param._chunk_with_empty = original
 
 
 class _KeepBuckets:

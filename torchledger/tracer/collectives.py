@@ -44,6 +44,8 @@ invisible to any dispatch mode: torch.compile'd steps are traced by ``tracer/com
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -135,9 +137,18 @@ def lookup() -> set:
         import torch.distributed  # noqa: F401  registers the c10d ops
     except Exception:       # a torch built without distributed: no collective can run either
         pass
+    # NB: ops are registered by imports: resolve again only when a module was imported since
+    # the last time (a trace's fixed cost, not a walk of every op namespace per step)
+    if _LOOKED_UP and _LOOKED_UP[0] == len(sys.modules):
+        return _LOOKED_UP[1]
     COLLECTIVES.update(_resolve(_TABLE))
     IGNORED.update(_resolve({k: None for k in _IGNORED}))
-    return {id(op) for op in COLLECTIVES} | {id(op) for op in IGNORED}
+    ids = frozenset({id(op) for op in COLLECTIVES} | {id(op) for op in IGNORED})
+    _LOOKED_UP[:] = [len(sys.modules), ids]
+    return ids
+
+
+_LOOKED_UP: list = []       # [len(sys.modules) when resolved, the ids]
 
 
 def _nbytes(x) -> int:

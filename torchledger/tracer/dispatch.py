@@ -67,6 +67,9 @@ _PASSTHROUGH = {id(op) for op in (  # no arithmetic, no memory, no phase: not re
                              ("_record_function_exit", "default"),
                              ("_record_function_exit", "_RecordFunction"))))
     if op is not None}
+_NO_KWARGS: dict = {}
+_PRIM_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
 _SAFE_SOFTMAX = getattr(getattr(_aten, "_safe_softmax", None), "default", None)  # SDPA math only
 _ZERO_OPS = {_aten.zero_.default, _aten.fill_.Scalar, _aten._foreach_zero_.default}
 _MUL_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Scalar}  # zero when times 0
@@ -76,6 +79,13 @@ try:                                  # a deprecation wrapper's frame is not the
     _COLLECTIVE_SKIP = _SKIP_DIRS + (_te.__file__,)
 except ImportError:
     _COLLECTIVE_SKIP = _SKIP_DIRS
+
+
+#: id(func) -> (aliases an input, is a copy, is a permute, zeroes (1) / scales (2), gathers):
+#: what an op's schema says, worked out once per process; the ops are pinned in _PINNED so an
+#: id is never reused by another object
+_FINFO: dict = {}
+_PINNED: list = []
 
 
 def _is_alias_op(func) -> bool:
@@ -96,16 +106,40 @@ def user_frame(skip=_SKIP_DIRS) -> str | None:
         if fn == _RUNNER:
             return None
         if not fn.startswith(skip) and not fn.startswith("<frozen"):
-            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+            rel = _RELPATH.get(fn)
+            if rel is None:
+                rel = _RELPATH[fn] = os.path.relpath(fn) if not fn.startswith("<") else fn
+            return f"{rel}:{f.f_lineno}"
         f = f.f_back
     return None
+
+
+_RELPATH: dict = {}     # file -> its path relative to the working directory (see LedgerMode)
+_RELPATH_CWD: list = [None]
 
 
 class LedgerMode(TorchDispatchMode):
     """Aggregates every op into the recorder (see ``step.StepTracer``)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # NB: TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo (five Python
+        # calls per op) so that dynamo never compiles it; a traced step runs with the compile
+        # stance forced eager (compiled.py), so dynamo never runs there. Where torch has no
+        # stance to force, keep the wrapper.
+        return not hasattr(getattr(torch, "compiler", None), "set_stance")
+
     def __init__(self, scope, storages, params_by_storage):
         super().__init__()
+        fake = sys.modules.get("torch._subclasses.fake_tensor")    # none made before its import
+        self._fake = getattr(fake, "FakeTensor", None)
+        try:
+            cwd = os.getcwd()
+        except OSError:                 # a working directory that was removed: no cache
+            cwd = None
+        if cwd is None or _RELPATH_CWD[0] != cwd:   # user_frame's cache holds paths relative to the cwd
+            _RELPATH.clear()
+            _RELPATH_CWD[0] = cwd
         self.scope = scope
         self.storages = storages
         self.param_storages = params_by_storage      # storage cdata -> param numel
@@ -133,7 +167,7 @@ class LedgerMode(TorchDispatchMode):
         self.zeroed: set = set()
         self.scalar_sites: dict = {}  # op index -> user line, for 0-dim forward outputs
         self.errors: list[str] = []
-        self._copied: dict = {}      # storage of a contiguous() copy -> (its copy key, source dim order)
+        self._copied: dict = {}      # lifetime of a contiguous() copy -> (its copy key, source dim order)
         self._casts: dict = {}       # lifetime of a dtype cast's output -> (copy key, source dtype)
         self.sdpa_depth = 0          # > 0 inside F.scaled_dot_product_attention (see attention_hook)
         self.sdpa_causal = False
@@ -146,7 +180,7 @@ class LedgerMode(TorchDispatchMode):
         self.views = [0] * len(PHASES)   # view/alias ops per phase (no bytes moved)
         self.marks = None            # list of {time_us, module, phase} on CUDA (allocator join)
         self._last_mark = None
-        self.derived_params: dict = {}   # storage of a cast/copy of a parameter -> its numel
+        self.derived_params: dict = {}   # lifetime of a cast/copy of a parameter -> the parameter's storage
         self.gathered_params: dict = {}  # FSDP2: storage of a parameter's unsharded buffer -> numel
         self.tensor_parallel = 1         # the largest global/local split of a weight at a matmul
         self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
@@ -155,8 +189,14 @@ class LedgerMode(TorchDispatchMode):
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = kwargs or _NO_KWARGS       # shared, never written: no dict made per op
         if id(func) in _PASSTHROUGH or self.quiet:   # metadata queries (fake tensors ask prim.device often)
+            if func is _PRIM_DEVICE and self._fake is not None and len(args) == 1 and type(args[0]) is self._fake:
+                # NB: FakeTensorMode's own answer (fake_tensor._device_handler), given here: a 7B
+                # fake step asks ~14,000 times, and each trip through FakeTensorMode.dispatch costs
+                # more than the rest of this method
+                a = args[0]
+                return _META if a.fake_mode.in_kernel_invocation else a.fake_device
             return func(*args, **kwargs)
         try:                    # where we are is known before the op runs (CUDA marks need it)
             node = _current_node()
@@ -217,10 +257,13 @@ class LedgerMode(TorchDispatchMode):
             return
         info = self._finfo.get(fid)
         if info is None:
-            info = self._finfo[fid] = (_is_alias_op(func), func in _COPY_OPS,
-                                       func in _PERMUTE_OPS,
-                                       1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
-                                       func in _GATHER_OPS)
+            info = _FINFO.get(fid)
+            if info is None:
+                info = _FINFO[fid] = (_is_alias_op(func), func in _COPY_OPS, func in _PERMUTE_OPS,
+                                      1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
+                                      func in _GATHER_OPS)
+                _PINNED.append(func)
+            self._finfo[fid] = info
             self.funcs[fid] = func
         alias = info[0]
 
@@ -279,9 +322,9 @@ class LedgerMode(TorchDispatchMode):
 
         track = not alias or self._view_checked.get(id(func)) is False   # an "alias" that copied
         try:
-            read, written = self._io(args, out, track, idx, func)
+            read, written = self._io(args, out, track, idx, func, phase)
         except (RuntimeError, NotImplementedError):  # sparse: no nbytes, no single storage
-            read, written = self._io(args, out, track, idx, func, nbytes=tensor_bytes, storages=storages)
+            read, written = self._io(args, out, track, idx, func, phase, nbytes=tensor_bytes, storages=storages)
         row[3] += read
         row[4] += written
         note_op(self, fid, func, args, phase, mod, fc, read, written)   # i23-time: shapes + fusion chains (opshapes.py)
@@ -297,7 +340,7 @@ class LedgerMode(TorchDispatchMode):
             if isinstance(first, _Tensor) and first.dim() == 0:
                 self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
 
-    def _io(self, args, out, track, idx, func, nbytes=_Tensor.nbytes.__get__, storages=None):
+    def _io(self, args, out, track, idx, func, phase, nbytes=_Tensor.nbytes.__get__, storages=None):
         """Bytes read and written by an op; tracks the storages it made when ``track``. The
         default reads ``.nbytes`` and one storage per tensor (fast); the caller retries with
         ``memory.tensor_bytes``/``memory.storages`` for tensors without one (sparse)."""
@@ -311,9 +354,16 @@ class LedgerMode(TorchDispatchMode):
                         read += nbytes(b)
         written = 0
         st = self.storages
+        # the tensors a graph can be kept through (retention.py): forward and recomputation
+        # outputs; no weakref for the others (each one feeds the gc)
+        graph = phase == FORWARD or phase == RECOMPUTE
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
-                if _is_wrapper(type(o)):        # a DTensor: this rank's local shard
+                cls = type(o)
+                wrapper = _WRAPPERS.get(cls)
+                if wrapper is None:
+                    wrapper = _is_wrapper(cls)
+                if wrapper:                     # a DTensor: this rank's local shard
                     written += tensor_bytes(o)
                     if track:
                         for s in _storages_of(o):
@@ -322,7 +372,7 @@ class LedgerMode(TorchDispatchMode):
                 written += nbytes(o)
                 if track:
                     for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
-                        st.add(s, TEMP, at=idx, op=func)
+                        st.add(s, TEMP, at=idx, op=func, tensor=o if graph else None)
         return read, written
 
     def inner_collective(self, func, args, kwargs, out, phase, mod) -> None:
@@ -355,6 +405,18 @@ class LedgerMode(TorchDispatchMode):
         row[4] += nbytes["bus_bytes"]
         if self.on_collective is not None:
             self.on_collective(op, func, args, kwargs, out)
+
+    def _life(self, t):
+        """``t``'s storage by identity that dies with it: the storage's lifetime index while the
+        tracker follows it (a storage freed and another made at the same address are two
+        lifetimes), else the storage's address as a tagged tuple (not tracked: never freed
+        while the step is traced, e.g. a parameter, or a wrapper's outer storage)."""
+        st = self.storages
+        if st.dead:
+            st.drain()
+        key = t.untyped_storage()._cdata
+        k = st.live.get(key)
+        return k if k is not None else ("storage", key)
 
     def _is_view(self, func, args, out) -> bool:
         """The schema says ``func`` aliases its input; the first time each op is seen, confirm
@@ -391,7 +453,7 @@ class LedgerMode(TorchDispatchMode):
         copy bought nothing. (A permute to some other layout is new work, e.g. K^T for Q K^T.)"""
         src = args[0]
         if isinstance(src, _Tensor) and isinstance(out, _Tensor) and not out.is_contiguous():
-            hit = self._copied.get(src.untyped_storage()._cdata)
+            hit = self._copied.get(self._life(src))
             if hit is not None and hit[0] in self.copies and _dim_order(out) == hit[1]:
                 self.copies[hit[0]][2]["permuted_back"] = True
 
@@ -413,8 +475,8 @@ class LedgerMode(TorchDispatchMode):
                 if key in ps:
                     self.matmul_params.add(key)
                     found = True
-                elif key in self.derived_params:          # autocast's bf16 copy of a weight
-                    self.matmul_params.add(self.derived_params[key])
+                elif self.derived_params and (derived := self.derived_params.get(self._life(a))) is not None:
+                    self.matmul_params.add(derived)      # autocast's bf16 copy of a weight
                     found = True
                 elif key in self.gathered_params:         # FSDP2's all-gathered weight
                     self.matmul_params.add(key)     # its numel: the parameter's view, unpadded
@@ -478,8 +540,10 @@ class LedgerMode(TorchDispatchMode):
             if isinstance(a, _Tensor) and a.dim() >= 2:
                 key = a.untyped_storage()._cdata
                 owner = owners.get(key)
-                if owner is None and key in self.derived_params:     # autocast's copy of it
-                    owner = owners.get(self.derived_params[key])
+                if owner is None and self.derived_params:            # autocast's copy of it
+                    derived = self.derived_params.get(self._life(a))
+                    if derived is not None:
+                        owner = owners.get(derived)
                 if owner is not None and owner != mod and scope.is_ancestor(mod, owner):
                     if _grad_enabled() and _needs_grad(args[:3]):
                         scope.owns_node(owner)
@@ -494,7 +558,7 @@ class LedgerMode(TorchDispatchMode):
         if isinstance(src, _Tensor) and isinstance(out, _Tensor) and src.dim() >= 3:
             key = src.untyped_storage()._cdata
             if key in self.param_storages:
-                self.derived_params[out.untyped_storage()._cdata] = key
+                self.derived_params[self._life(out)] = key
 
     def _note_copy(self, func, args, kwargs, out, phase, mod, nbytes):
         src = args[1] if func is _aten.copy_.default else args[0]
@@ -514,9 +578,11 @@ class LedgerMode(TorchDispatchMode):
         if func is _aten._to_copy.default and phase != BACKWARD:
             key = src.untyped_storage()._cdata
             if key in self.param_storages:              # e.g. autocast casting a weight
-                self.derived_params[dst.untyped_storage()._cdata] = key
-            elif key in self.derived_params:
-                self.derived_params[dst.untyped_storage()._cdata] = self.derived_params[key]
+                self.derived_params[self._life(dst)] = key
+            elif self.derived_params:
+                derived = self.derived_params.get(self._life(src))
+                if derived is not None:
+                    self.derived_params[self._life(dst)] = derived
         loc = user_frame() if phase != BACKWARD else None   # backward runs in the engine
         key = (func.__name__, mod, phase, loc, reason)
         row = self.copies.get(key)
@@ -530,7 +596,7 @@ class LedgerMode(TorchDispatchMode):
             # that copy is needed whatever follows, so it is never "permuted back"
             if len(self._copied) > 256:
                 self._copied.clear()
-            self._copied[dst.untyped_storage()._cdata] = (key, _dim_order(src))
+            self._copied[self._life(dst)] = (key, _dim_order(src))
         if reason.startswith("dtype") and phase != BACKWARD:
             self._note_cast(key, src, dst, row, nbytes)
 

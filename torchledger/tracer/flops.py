@@ -538,4 +538,4 @@ def op_flops(func, args: tuple, kwargs: Optional[dict], out: Any) -> Optional[Fl
         _HANDLERS[id(func)] = handler
     if handler is None:
         return None
-    return handler(args, kwargs or {}, out)
+    return handler(args, kwargs if kwargs is not None else {}, out)

@@ -107,21 +107,26 @@ class StorageTracker:
         self.nbytes: list[int] = []
         self.cat: list[int] = []
         self.op: list = []                  # the op that made each storage (None: not an op)
+        self.made: dict = {}                # lifetime index -> weakref(s) of the tensors ops returned on it
         self.live: dict[int, int] = {}      # storage cdata -> lifetime index (while alive)
         self._refs: dict[int, object] = {}
-        self._owner: dict[int, tuple] = {}  # id(weakref) -> (storage cdata, lifetime index)
+        self._owner: dict[int, int] = {}    # id(weakref) -> lifetime index (no tuple per storage:
+        self.keys: list[int] = []           # lifetime index -> storage cdata   each feeds the gc)
         self.dead: list = []                # weakrefs whose storage died, not yet drained
+        self._died = self.dead.append       # the weakref callback: C, made once
         self.now = 0                        # ops completed so far (set by the dispatch mode)
         self.closed = False
 
-    def add(self, storage, category: int, at: int | None = None, op=None) -> int:
-        """Start tracking ``storage`` (an UntypedStorage) made by ``op`` (if an op made it);
-        returns its lifetime index."""
+    def add(self, storage, category: int, at: int | None = None, op=None, tensor=None) -> int:
+        """Start tracking ``storage`` (an UntypedStorage) made by ``op`` (if an op made it, as
+        the storage of its output ``tensor``); returns its lifetime index."""
         if self.dead:
             self.drain()
         key = storage._cdata
         k = self.live.get(key)
         if k is not None:
+            if tensor is not None:          # another tensor on it (``_unsafe_view``, in place)
+                self._made_by(k, tensor)
             return k
         k = len(self.alloc)
         self.alloc.append(self.now if at is None else at)
@@ -129,11 +134,32 @@ class StorageTracker:
         self.nbytes.append(storage.nbytes())
         self.cat.append(category)
         self.op.append(op)
+        self.keys.append(key)
         self.live[key] = k
-        ref = weakref.ref(storage, self.dead.append)
+        ref = weakref.ref(storage, self._died)
         self._refs[key] = ref
-        self._owner[id(ref)] = (key, k)
+        self._owner[id(ref)] = k
+        if tensor is not None:
+            self.made[k] = weakref.ref(tensor)
         return k
+
+    def _made_by(self, k: int, tensor) -> None:
+        """Note ``tensor`` among the (at most 4 live) tensors ops returned on lifetime ``k``
+        (one weakref, or a list of them once there are two)."""
+        refs = self.made.get(k)
+        if refs is None:
+            self.made[k] = weakref.ref(tensor)
+        elif type(refs) is not list:
+            if refs() is not tensor:
+                self.made[k] = [refs, weakref.ref(tensor)] if refs() is not None else weakref.ref(tensor)
+        elif refs[-1]() is not tensor:
+            refs[:] = [r for r in refs if r() is not None][-3:]
+            refs.append(weakref.ref(tensor))
+
+    def made_refs(self, k: int) -> list:
+        """Weakrefs of the tensors ops returned on lifetime ``k`` (see ``_made_by``)."""
+        refs = self.made.get(k)
+        return [] if refs is None else refs if type(refs) is list else [refs]
 
     def drain(self) -> None:
         """Note the storages that died since the last call as freed now (before ``now``
@@ -141,9 +167,10 @@ class StorageTracker:
         dead = self.dead
         while dead:
             ref = dead.pop()
-            key, k = self._owner.pop(id(ref), (None, None))
+            k = self._owner.pop(id(ref), None)
             if k is None or self.closed or self.free[k] >= 0:   # already freed by a resize to 0
                 continue
+            key = self.keys[k]
             self.free[k] = self.now
             if self.live.get(key) == k:
                 del self.live[key]
@@ -185,6 +212,7 @@ class StorageTracker:
         return {k: self._refs[key] for key, k in self.live.items() if key in self._refs}
 
     def release(self) -> None:
+        self.made.clear()
         self._refs.clear()
         self.live.clear()
         self._owner.clear()

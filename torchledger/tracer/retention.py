@@ -1,17 +1,24 @@
 """What outlives a step: storages kept across steps, gradients left uncleared, module caches.
 
-Run once at the end of a traced step. Storages the step allocated (temporaries and
+Run once at the end of a traced step. Storages the step's ops made (temporaries and
 activations) that are still alive become the ``carry`` a ``Ledger`` hands to the next
-traced step, with their origin (step, op, module, user line for loss-like scalars). A
-storage that arrives through the carry and is still alive at the end of the next step was
-kept across steps: the leak analyzer reads ``memory["retained"]``. Whether such a storage
-holds an autograd graph is found by one ``gc`` scan for the tensors that use it (done only
-when something was retained, so clean loops pay nothing).
+traced step, with their origin (step, op, module, user line for loss-like scalars) and weak
+references to the tensors ops returned on it. A storage that arrives through the carry and is still
+alive at the end of the next step was kept across steps: the leak analyzer reads
+``memory["retained"]``; it holds an autograd graph when one of those tensors is alive with
+a ``grad_fn``. The work is bounded by the step's own storages, never by the Python heap: no
+``gc.get_objects()`` walk, and when a carried storage is still alive one collection of the
+young generations (objects made since the last steps), not of the whole heap.
+
+Known limitations: a storage held only by a reference cycle that Python's collector has
+already moved to its oldest generation counts as retained until that collector runs (the
+leak rules need steady growth over several steps, which such a cycle does not keep up); a
+graph kept through a tensor that no op returned on the storage (a view made by an alias op)
+is found when that tensor keeps one of them alive (a view keeps its base).
 """
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 
 import torch
@@ -27,15 +34,16 @@ _PRIVATE = {"_parameters", "_buffers", "_modules"}
 def retention(tracer, model, record) -> None:
     """Fill ``record.memory`` retained/grads/module_caches and ``tracer.carry_out``."""
     st = tracer.storages
+    carried = tracer._carried
     alive = {k: ref for k, ref in st.alive_at_end().items()
              if st.cat[k] in (TEMP, ACT) and ref() is not None}
-    if any(k in tracer._carried for k in alive):
+    if any(k in carried for k in alive):
         # a storage kept since an earlier step may be held only by a reference cycle that
-        # gc would free: collect once (only when something was kept) and look again
-        gc.collect()
+        # gc would free: collect the young generations once (only when something was kept;
+        # bounded by what was allocated lately, not by the heap) and look again
+        gc.collect(1)
         alive = {k: ref for k, ref in alive.items() if ref() is not None}
     retained, new_count, new_bytes = {}, 0, 0
-    kept_refs = {}
     for k, ref in alive.items():
         storage = ref()
         if storage is None:
@@ -51,13 +59,13 @@ def retention(tracer, model, record) -> None:
                                               age_steps=tracer.step_index - origin["step"]))
             g["count"] += 1
             g["bytes"] += st.nbytes[k]
-            kept_refs[storage._cdata] = g
+            if not g["holds_graph"] and _holds_graph(tracer._carried_tensor.get(k)):
+                g["holds_graph"] = True
         # a plain weakref: the tracker's (whose callback holds the whole tracker) stays here
         tracer.carry_out[storage._cdata] = {"ref": weakref.ref(storage), "category": st.cat[k],
-                                            "origin": origin}
+                                            "origin": origin,
+                                            "tensor": st.made_refs(k) or tracer._carried_tensor.get(k)}
         del storage
-    if kept_refs:
-        _mark_graphs(kept_refs)
     record.memory["retained"] = sorted(retained.values(), key=lambda g: -g["bytes"])
     record.memory["retained_new"] = {"count": new_count, "bytes": new_bytes}
     record.memory["grads"] = _grads(tracer)
@@ -75,18 +83,17 @@ def _origin(tracer, k: int) -> dict:
             "location": mode.scalar_sites.get(i)}
 
 
-def _mark_graphs(kept: dict) -> None:
-    """Set ``holds_graph`` on the groups whose storages back a tensor with a grad_fn."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")       # isinstance() on deprecated torch proxies warns
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
-                    g = kept.get(obj.untyped_storage()._cdata)
-                    if g is not None:
-                        g["holds_graph"] = True
-            except Exception:
-                continue
+def _holds_graph(refs) -> bool:
+    """A tensor behind the weakrefs ``refs`` (those ops returned on the storage) is alive
+    with a ``grad_fn``."""
+    for ref in refs or ():
+        t = ref()
+        try:
+            if t is not None and t.grad_fn is not None:
+                return True
+        except Exception:   # a tensor kind without autograd metadata
+            continue
+    return False
 
 
 def _grads(tracer) -> dict:

@@ -205,6 +205,7 @@ class StepTracer:
         self._params, self._optimizers, self._param_storages = [], [], {}
         self.scope = self.storages = self.mode = self.history = None
         self._saved, self._grads_after_step, self._carried, self.carry_in = {}, {}, {}, {}
+        self._carried_tensor = {}
         self._output_caches, self._cuda_marks = [], []
 
     # -- what exists before the step ---------------------------------------------------------
@@ -234,10 +235,13 @@ class StepTracer:
             for _, t in state_tensors(opt):
                 self._track(t, OPT, "optimizer state", at=0)
         self._carried = {}              # lifetime index -> origin, for storages from earlier steps
+        self._carried_tensor = {}       # ... -> weakref of the tensor the op that made it returned
         for entry in self.carry_in.values():
             s = entry["ref"]()
             if s is not None:
-                self._carried[st.add(s, entry["category"], at=0)] = entry["origin"]
+                k = st.add(s, entry["category"], at=0)
+                self._carried[k] = entry["origin"]
+                self._carried_tensor[k] = entry.get("tensor")
 
     def _storages(self, t, what: str) -> list:
         """``memory.storages(t)``, or [] with a warning for a tensor kind that has none."""
@@ -284,7 +288,8 @@ class StepTracer:
         return self._detached(t)
 
     def _detached(self, t):
-        """What autograd keeps for a saved tensor: ``t`` without its autograd history.
+        """What autograd keeps for a saved tensor: ``t`` without its autograd history when
+        ``t`` is the output of the op being recorded.
 
         Returning ``t`` itself makes a cycle for every op that saves its own output (relu,
         exp, softmax...): output -> grad_fn -> saved output. The cycle runs through C++, so
@@ -292,13 +297,22 @@ class StepTracer:
         (an eval forward without no_grad) would live for the rest of the process (torch's
         ``saved_tensors_hooks`` docs: return ``x.detach()``). Autograd gives the unpacked
         tensor its history back; the detach shares storage and version counter, and is not
-        recorded (``mode.quiet``). A tensor with no ``grad_fn`` (a weight, an input) holds
-        no graph and closes no cycle: it is kept as it is, which spares a detach per saved
-        weight (on fake tensors each detach is a FakeTensorMode op)."""
+        recorded (``mode.quiet``). Any other saved tensor closes no cycle and is kept as it
+        is: a weight or an input has no ``grad_fn``, and a saved input's ``grad_fn`` is an
+        older node, which never reaches the node saving it. The node being made is the
+        newest on this thread (its sequence number is one below the counter), so only a
+        tensor whose ``grad_fn`` is that node is detached (on fake tensors each detach is a
+        FakeTensorMode op)."""
+        try:
+            fn = t.grad_fn
+            if fn is None or fn._sequence_nr() < _get_sequence_nr() - 1:
+                return t
+        except Exception as e:
+            self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
         mode = self.mode
         mode.quiet += 1
         try:
-            return t if t.grad_fn is None else t.detach()
+            return t.detach()
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
             return t
@@ -393,6 +407,7 @@ class StepTracer:
 
 
 _current_node = torch._C._current_autograd_node
+_get_sequence_nr = torch._C._autograd._get_sequence_nr
 
 
 def _unpack(t):
