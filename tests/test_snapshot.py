@@ -97,7 +97,7 @@ def test_refusal_names_the_global():
         load_snapshot(gadgets("m")["subprocess.Popen"])
 
 
-@pytest.mark.parametrize("data, words", [
+_BAD_INPUTS = [
     (b"", "is empty"),
     (pickle.dumps(make.history())[:-40], "truncated"),
     (b"hello, this is text", "not a valid pickle"),
@@ -111,7 +111,12 @@ def test_refusal_names_the_global():
     (pickle.dumps({"segments": [{"blocks": []}]}), "segments[0]"),
     (pickle.dumps({"segments": [{"total_size": 4, "blocks": [{"size": 4}]}]}), "segments[0].blocks[0]"),
     (pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1}]]}), "device_traces[0][0]"),
-])
+]
+
+
+# ids from the words: the data holds pickles of timed histories and gzip's mtime, which differ
+# between processes, and pytest-xdist's workers must collect the same ids
+@pytest.mark.parametrize("data, words", _BAD_INPUTS, ids=[words for _, words in _BAD_INPUTS])
 def test_bad_input_is_one_line(tmp_path, data, words):
     with pytest.raises(SnapshotError) as e:
         load_snapshot(data)

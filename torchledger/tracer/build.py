@@ -100,7 +100,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["bytes_read"], t["bytes_written"] = read, written
     t["view_ops"] = {PHASES[i]: n for i, n in enumerate(mode.views)}
     rec.ops = ops
-    try:                                # i23-time: matmul/attention shapes, fusion chains
+    try:                                # matmul/attention shapes, fusion chains (opshapes.py)
         from .opshapes import attach_shapes
         attach_shapes(mode, scope, ops)
     except Exception as e:  # never cost the user the record

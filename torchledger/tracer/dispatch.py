@@ -22,7 +22,7 @@ from .collectives import FSDP_COPY_OUT, IGNORED, InnerCollectives, describe, loo
 from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
-from .opshapes import note_op   # i23-time: step-time model's per-op facts
+from .opshapes import note_op   # the step-time model's per-op facts
 
 __all__ = ["LedgerMode", "PHASES"]
 
@@ -327,7 +327,7 @@ class LedgerMode(TorchDispatchMode):
             read, written = self._io(args, out, track, idx, func, phase, nbytes=tensor_bytes, storages=storages)
         row[3] += read
         row[4] += written
-        note_op(self, fid, func, args, phase, mod, fc, read, written)   # i23-time: shapes + fusion chains (opshapes.py)
+        note_op(self, fid, func, args, phase, mod, fc, read, written)   # shapes + fusion chains (opshapes.py)
         if info[1]:
             self._note_copy(func, args, kwargs, out, phase, mod, written)
         elif info[4] and phase != BACKWARD:
@@ -347,7 +347,7 @@ class LedgerMode(TorchDispatchMode):
         read = 0
         for a in args:
             if isinstance(a, _Tensor):
-                read += tensor_bytes(a) if _is_wrapper(type(a)) else nbytes(a)   # i23-time: a DTensor reads its local shard
+                read += tensor_bytes(a) if _is_wrapper(type(a)) else nbytes(a)   # a DTensor reads its local shard
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, _Tensor):
