@@ -41,7 +41,18 @@ def hook_state():
         "sigint": signal.getsignal(signal.SIGINT),
         "lock": _lifecycle().LOCK.locked(),
         "mode_flag": _python_dispatch._is_in_torch_dispatch_mode,
+        "compile_stance": _compile_stance(),
     }
+
+
+def _compile_stance():
+    """torch.compile's global stance and dynamo's stance callback (the tracer forces eager
+    while it is in: left behind, nothing compiles again in the process)."""
+    try:
+        from torch._dynamo import eval_frame
+    except Exception:  # noqa: BLE001  a torch without dynamo
+        return None
+    return (getattr(eval_frame, "_stance", None), getattr(eval_frame, "_callback_from_stance", None))
 
 
 def _lifecycle():

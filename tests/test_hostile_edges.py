@@ -154,19 +154,25 @@ def test_ledger_untraced_times_skip_a_clock_gone_backwards():
 
 
 # -- item 3: the largest simulated world --------------------------------------------------
-def test_the_simulated_world_pads_fsdp_chunks_with_one_tensor():
-    """FSDP2 pads its per-rank chunk list with a fake new_empty(0) per rank: 2 per parameter
-    per rank made --world-size 1048576 run for more than 300 s. In a simulated world the
-    padding is one shared tensor; the original comes back after."""
+def test_the_simulated_world_makes_only_the_chunks_fsdp_reads():
+    """FSDP2 chunks each parameter into one view per rank and pads the list with a fake
+    new_empty(0) per missing rank: twice per parameter per rank made --world-size 1048576 run
+    for more than 300 s. In a simulated world the chunk list makes each chunk when it is
+    read (the same shapes torch.chunk gives); the original comes back after."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torchledger.world import fake_world
     original = _fsdp_param._chunk_with_empty
     with fake_world(4096, (4096,)):
         with FakeTensorMode():
-            chunks = _fsdp_param._chunk_with_empty(torch.ones(3, 2), 4096, 0)
-        assert len(chunks) == 4096 and [tuple(c.shape) for c in chunks[:4]] == [(1, 2)] * 3 + [(0,)]
-        assert len({id(c) for c in chunks[3:]}) == 1
+            t = torch.ones(3, 2)
+            chunks = _fsdp_param._chunk_with_empty(t, 4096, 0)
+            assert not isinstance(chunks, list)                     # nothing made up front
+            assert len(chunks) == 4096 and [tuple(c.shape) for c in chunks[:4]] == [(1, 2)] * 3 + [(0,)]
+            assert tuple(chunks[-1].shape) == (0,) and tuple(chunks[2].shape) == (1, 2)
+            # as torch.chunk pads: 7 rows over 4 ranks are chunks of 2, 2, 2, 1
+            seven = _fsdp_param._chunk_with_empty(torch.ones(7, 2), 4, 0)
+            assert [c.shape[0] for c in seven] == [2, 2, 2, 1]
     assert _fsdp_param._chunk_with_empty is original
 
 

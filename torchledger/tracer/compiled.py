@@ -66,7 +66,7 @@ def observe_run(tracer, model, stack, undo=None):
     info = tracer.run_info = {"compiled_modules": [], "compiled_calls": 0, "autocast": None}
     try:
         model, info["compiled_modules"] = _unwrap(model)
-        _force_eager(info, stack)
+        _force_eager(info, stack, undo)
         # our global module hooks make an OptimizedModule warn that they fire twice; they are
         # ours and fire harmlessly on the wrapper (it is not in the traced tree)
         stack.enter_context(warnings.catch_warnings())
@@ -83,16 +83,27 @@ def observe_run(tracer, model, stack, undo=None):
     return model
 
 
-def _force_eager(info, stack) -> None:
+def _force_eager(info, stack, undo=None) -> None:
+    """The traced step runs eagerly (``set_stance("force_eager")``) and counts the compiled
+    calls it skips. Each undo is registered before its change (on ``undo``, the lifecycle's
+    list, which keeps an interrupted undo to run again, else on ``stack``): a Ctrl-C between
+    the two leaves an undo with nothing to do, never a change nobody undoes (it left the
+    process's torch.compile forced eager: nothing compiled again after an interrupted trace)."""
     set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
     if set_stance is None:                  # torch < 2.6: nothing to protect the cache with
         info["unprotected"] = True
         return
-    stack.enter_context(set_stance("force_eager"))
+    register = undo or stack.callback
     try:
         from torch._dynamo import eval_frame
     except Exception:  # noqa: BLE001
-        return
+        eval_frame = None
+    setter, prior = getattr(eval_frame, "_set_stance", None), getattr(eval_frame, "_stance", None)
+    if setter is not None and prior is not None:
+        register(lambda: eval_frame._stance is prior or setter(prior))
+        set_stance("force_eager")           # a plain call sets it; the undo above puts back ``prior``
+    else:                                   # another torch: its context manager
+        stack.enter_context(set_stance("force_eager"))
     original = getattr(eval_frame, "_callback_from_stance", None)
     if original is None:
         return
@@ -102,8 +113,8 @@ def _force_eager(info, stack) -> None:
             info["compiled_calls"] += 1
         return original(callback)
 
+    register(lambda: setattr(eval_frame, "_callback_from_stance", original))
     eval_frame._callback_from_stance = counting
-    stack.callback(setattr, eval_frame, "_callback_from_stance", original)
 
 
 def _autocast_probe(info, ours=None):
