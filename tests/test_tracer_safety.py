@@ -374,7 +374,7 @@ def test_a_failing_compile_probe_is_a_warning_not_an_error(monkeypatch):
     # the probe runs first in __enter__: its warning must land in the record, not raise
     from torchledger.tracer import compiled
 
-    def broken(info, stack):
+    def broken(info, stack, undo=None):
         raise RuntimeError("dynamo changed")
     monkeypatch.setattr(compiled, "_force_eager", broken)
     model = torch.nn.Linear(8, 4, bias=False)
