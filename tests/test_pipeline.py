@@ -124,6 +124,8 @@ def test_1f1b_collective_rows_are_sends_and_receives(one_f_one_b):
     assert rows[("recv", "backward")]["bytes_received"] == 4 * ACT
     assert not [c for c in one_f_one_b.collectives if c["phase"] == "other"]
     assert {c["location"] for c in one_f_one_b.collectives} == {None}     # torchledger's runner
+    # dist.send is isend + wait: one call, one collective, no false "not seen"
+    assert not [w for w in one_f_one_b.warnings if w.startswith("collectives not seen")]
     # rank 0's rows: its blocks and embedding, not the placeholders of rank 1's
     names = {m["name"] for m in one_f_one_b.modules}
     assert {"blocks.0", "blocks.1", "tok_emb"} <= names and not names & {"blocks.2", "lm_head"}
