@@ -164,6 +164,37 @@ def test_interleaved_fsdp_gathers_and_reduces_once_per_step(interleaved):
     assert interleaved.meta["audit"]["plan"][-1].endswith("reshard_after_forward=False (pipelined)")
 
 
+@pytest.fixture(scope="module")
+def mixed(tiny4):
+    from torchledger.audit import run_audit
+    return run_audit(tiny4, mesh="dp=2,pp=2", plan={"micro_batches": 2, "precision": "bf16-mixed"}).record
+
+
+def _static_row(rec):
+    return next(c for c in rec.predictions["comparisons"] if c["quantity"].startswith("static bytes"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["interleaved", "mixed"])
+def test_static_bytes_are_the_stage_shards(case, request):
+    """The measured static bytes of a stage are its parameters' shards as the step starts:
+    later micro-steps see FSDP2's gathered parameters (and the optimizer's sharded ones as
+    'master weights'), which made the 405B stage 17.7x its reference."""
+    rec = request.getfixturevalue(case)
+    t = rec.totals
+    # the bounding rank's params sharded over dp=2: rank 0 (2 x 50,304 + embedding 32,768) / 2
+    # = 66,688; rank 1 (2 x 50,304 + head 32,768 + norm 64) / 2 = 66,720 fp32 shards (FSDP2's
+    # MixedPrecisionPolicy keeps the shards in fp32; bf16 is the gathered copy)
+    n = {0: 66_688, 1: 66_720}[t["pipeline"]["bounding_rank"]]
+    assert t["param_bytes"] == t["trainable_param_bytes"] == 4 * n
+    assert rec.optimizer["master_weight_bytes"] == 0
+    row = _static_row(rec)
+    # 16 B per param: fp32 weight 4 + gradient 4 + AdamW's two moments 8
+    assert row["predicted"] == 16 * n
+    # measured: the same, plus AdamW's fp32 step scalar per parameter tensor (a few dozen B)
+    assert 0 < row["measured"] - 16 * n <= 4 * 20 and row["ratio"] < 1.001
+
+
 def test_micro_batches_from_the_global_batch():
     from torchledger.parallel.layout import parse_layout
     from torchledger.parallel.pipeline import _micro_batches

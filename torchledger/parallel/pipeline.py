@@ -536,8 +536,13 @@ def _composed_record(traced, stage, m):
                       for sub in values[-1]}
     t["peak_bytes"] = stage["peak_bytes"]
     first = traced.get("first") or traced["only"]
-    t["param_bytes"] = first.totals.get("param_bytes", t.get("param_bytes"))
-    t["optimizer_state_bytes"] = first.totals.get("optimizer_state_bytes", t.get("optimizer_state_bytes"))
+    # the static figures as the step starts (the first micro-step's): in the later ones FSDP2
+    # keeps the parameters gathered, so model.parameters() are the unsharded tensors, and the
+    # optimizer's sharded fp32 parameters, not among them, would read as master weights
+    for key in ("param_bytes", "trainable_param_bytes", "optimizer_state_bytes"):
+        t[key] = first.totals.get(key, t.get(key))
+    if first.optimizer:
+        rec.optimizer = copy.deepcopy(first.optimizer)
     t["activation_bytes"] = stage["activation_bytes_per_micro_batch"] + \
         max(0, stage["in_flight"] - len(stage["chunks"])) * stage["chunk_activation_bytes"]
     cfg = rec.meta.get("config")
