@@ -164,6 +164,30 @@ def test_interleaved_fsdp_gathers_and_reduces_once_per_step(interleaved):
     assert interleaved.meta["audit"]["plan"][-1].endswith("reshard_after_forward=False (pipelined)")
 
 
+@pytest.mark.slow
+def test_step_time_of_the_stage_is_its_m_micro_steps(interleaved):
+    """The predicted step of a stage runs its traced micro-step m = 4 times, FSDP2's gathers
+    in the first and its reduce-scatters in the last; MFU is the step's FLOPs over it."""
+    from torchledger.analyzers.steptime import op_seconds, predict_step_time
+    from torchledger.formulas import steptime as st
+    from torchledger.formulas.hardware import get_gpu
+    rec = interleaved
+    for c in rec.collectives:       # how many of the 4 micro-steps issue the row
+        assert c["micro_steps"] == (1 if c["op"] in ("all_gather", "reduce_scatter") else 4), c
+    h100 = get_gpu("h100")
+    eff = st.efficiency(h100)
+    p = predict_step_time(rec, h100)
+    assert p["micro_batches"] == 4
+    fwd = sum(op_seconds(r, h100, eff, "fp32")["seconds"] for r in rec.ops if r["phase"] == "forward")
+    assert fwd > 0 and p["by_phase"]["forward"] == pytest.approx(4 * fwd)
+    # bubble (p - 1) / (v m) = 1 / 8 of the 4 micro-steps' forward and backward
+    compute = sum(p["by_phase"].get(k, 0) for k in ("forward", "backward", "recompute"))
+    assert p["bubble_seconds"] == pytest.approx(compute / 8)
+    assert p["mfu"] == pytest.approx(rec.totals["flops"]["total"] / p["seconds"] / st._peak(h100, "fp32", eff))
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(rec.totals["tokens"] / p["seconds"])
+    assert rec.totals["tokens"] == 4 * 2 * 32                  # 4 micro-batches of 2 x 32
+
+
 @pytest.fixture(scope="module")
 def mixed(tiny4):
     from torchledger.audit import run_audit

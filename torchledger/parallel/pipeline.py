@@ -38,7 +38,9 @@ figures are in ``totals.pipeline``::
 
 Known limitations: the spec's inputs are one micro-batch; the rank's peak adds whole
 chunk-micro-batches to the traced one (the schedule's order of frees inside a micro-step is
-not replayed); modules[] rows are the bounding rank's, their FLOPs over all m micro-batches.
+not replayed); modules[] rows are the bounding rank's, their FLOPs over all m micro-batches;
+ops[] rows are one micro-step's (the last, with the optimizer step); collectives[] rows are the
+step's, each with ``micro_steps``, the number of micro-steps that issue it.
 """
 from __future__ import annotations
 
@@ -555,9 +557,15 @@ def _composed_record(traced, stage, m):
     for kind, r in traced.items():
         for c in r.collectives:
             key = tuple(c.get(k) for k in ("op", "group_size", "phase", "module", "location", "group_span"))
-            row = rows.setdefault(key, dict(c, count=0, bytes=0, bytes_received=0, algo_bytes=0, bus_bytes=0))
+            row = rows.setdefault(key, dict(c, count=0, bytes=0, bytes_received=0, algo_bytes=0, bus_bytes=0,
+                                            micro_steps=0))
             for k in ("count", "bytes", "bytes_received", "algo_bytes", "bus_bytes"):
                 row[k] += w[kind] * (c.get(k) or 0)
+        for key in {tuple(c.get(k) for k in ("op", "group_size", "phase", "module", "location", "group_span"))
+                    for c in r.collectives}:
+            # how many of the m micro-steps issue this row (m: every one; 1: FSDP2's gathers
+            # in the first, its reductions in the last): the step-time prediction's schedule
+            rows[key]["micro_steps"] += w[kind]
     rec.collectives = sorted(rows.values(), key=lambda c: -c["bytes"] - c["bytes_received"])
     # the rank's own modules: the placeholders of what other ranks hold are not its rows
     rec.modules = [row for row in rec.modules if not (row.get("type") == "Identity" and not row.get("params"))]
