@@ -335,3 +335,34 @@ def test_a_composed_pipeline_stage_is_m_micro_steps():
     assert p["mfu"] == pytest.approx(12e11 / p["seconds"] / 100e12)
     assert p["tokens_per_s_per_gpu"] == pytest.approx(4000 / p["seconds"])
     assert sum(p["by_kind"].values()) == pytest.approx(p["seconds"])
+
+
+def test_a_composed_stage_reduces_every_micro_step_rows_under_its_backward():
+    """A reduction a stage issues in every micro-step (context parallel's K/V gradients) runs
+    under that micro-step's backward, a quarter of the row each time; FSDP2's (once) in the last."""
+    from torchledger.analyzers.steptime import collective_row_seconds, predict_step_time
+    from torchledger.formulas import hardware
+    hardware._ensure_loaded()
+    part = hardware.register_gpu("Round-pp2", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
+                                 nvlink="100GB/s", nic="10GB/s",
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0})
+    rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
+    rec.totals["pipeline"] = {"stages": 2, "micro_batches": 4, "schedule": "zero-bubble", "per_stage": []}
+    gathers = [{"op": "all_gather", "phase": "forward", "module": b, "count": 1, "bytes": 10, "algo_bytes": 80,
+                "group_size": 8, "group_span": 8, "micro_steps": 1} for b in ("b0", "b1")]
+    # b1's reduce-scatter, 4 calls of 1.1e8 B over 8 ranks in a node: ~0.96 ms each
+    rs = {"op": "reduce_scatter", "phase": "backward", "module": "b1", "count": 4, "bytes": 44 * 10 ** 7,
+          "algo_bytes": 44 * 10 ** 7, "group_size": 8, "group_span": 8, "micro_steps": 4}
+    rec.collectives = gathers
+    eff = st.efficiency(part)
+    g = sum(collective_row_seconds(c, part, eff)[0] for c in gathers)
+    base = predict_step_time(rec, part)["seconds"]
+    assert base == pytest.approx(4 * 6e-3 + collective_row_seconds(gathers[0], part, eff)[0])
+    rec.collectives = gathers + [rs]
+    r = collective_row_seconds(rs, part, eff)[0]
+    assert 2e-3 < r < 8e-3 and g < 1e-4
+    # every micro-step: r / 4 < 2 ms under b0's backward (2 ms): hidden
+    assert predict_step_time(rec, part)["seconds"] == pytest.approx(base)
+    # once, in the last micro-step: r > 2 ms under b0's backward: r - 2 ms exposed
+    rs["micro_steps"] = 1
+    assert predict_step_time(rec, part)["seconds"] == pytest.approx(base + r - 2e-3)

@@ -243,7 +243,8 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     serial = 0.0                 # exposed in forward/backward (TP, p2p, the rest), per step
     after_comm = 0.0             # optimizer / other phases: after the last reduction, once
     pre = {"every": {"forward": {}, "backward": {}}, "first": {"forward": {}, "backward": {}}}
-    post: dict = {}
+    post: dict = {}              # unit -> its reductions in the last micro-step
+    post_every: dict = {}        # unit -> its reductions in every micro-step (a stage's CP K/V grads)
     spread: list = []            # backward reductions with no unit (DDP buckets)
     tail_comm = 0.0              # reductions of the root / no unit: after the last block
     reduced_once = 0.0           # reductions (last micro-step only) of a one-micro-step record
@@ -269,7 +270,9 @@ def predict_step_time(rec, gpu, options=None) -> dict:
             where[unit] = where.get(unit, 0.0) + per_micro
         elif op in _REDUCE_OPS and group == "backward":
             reduced_once += 0.0 if composed else secs
-            if unit is not None and unit != "":
+            if composed and every and unit is not None and unit != "":
+                post_every[unit] = post_every.get(unit, 0.0) + per_micro
+            elif unit is not None and unit != "":
                 post[unit] = post.get(unit, 0.0) + secs
             elif units:
                 tail_comm += secs
@@ -305,8 +308,8 @@ def predict_step_time(rec, gpu, options=None) -> dict:
             f_units = [(gather("forward", ""), 0.0, 0.0)] if "" in units else []
             f_units += [(gather("forward", u), f_comp[u], 0.0) for u in ordered]
             fwd = st.overlap_timeline(f_units, tail_compute=fwd_total - sum(c for _, c, _ in f_units))
-            b_units = [(gather("backward", u), b_comp[u], post.get(u, 0.0) if last else 0.0)
-                       for u in reversed(ordered)]
+            b_units = [(gather("backward", u), b_comp[u],
+                        post_every.get(u, 0.0) + (post.get(u, 0.0) if last else 0.0)) for u in reversed(ordered)]
             b_rest = bwd_total - sum(c for _, c, _ in b_units)
             tail = [(0.0, 0.0, tail_comm)] if tail_comm and last else []
             bwd = st.overlap_timeline(b_units + tail, head_compute=b_rest)
