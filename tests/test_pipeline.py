@@ -188,6 +188,27 @@ def test_step_time_of_the_stage_is_its_m_micro_steps(interleaved):
     assert rec.totals["tokens"] == 4 * 2 * 32                  # 4 micro-batches of 2 x 32
 
 
+@pytest.mark.slow
+def test_references_are_the_stages(one_f_one_b):
+    """The closed forms of a stage describe what it holds: rank 0's 2 blocks and the embedding
+    (no final norm, no head), and the activations of one micro-batch in as many layers as its
+    schedule keeps (the 405B stage read 0.957x of the whole model's ends)."""
+    rows = {r["quantity"]: r for r in one_f_one_b.predictions["comparisons"]}
+    assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 0
+    # 2 x 50,304 + 32,768 = 133,376 (the whole model's formula adds the norm 64 and head 32,768)
+    exact = rows["parameters (exact formula)"]
+    assert exact["predicted"] == exact["measured"] == 133_376
+    assert exact["explanation"].startswith("pipeline stage: its 2 blocks and the embedding")
+    # 12 L d^2 + V d = 12 x 2 x 64^2 + 512 x 64 = 98,304 + 32,768 = 131,072
+    assert rows["parameters (12*L*d^2 + V*d)"]["predicted"] == 131_072
+    # Korthikanti per layer, one micro-batch (s = 32, b = 2, h = 64; fused attention: no s x s
+    # scores): 34 sbh = 34 x 32 x 2 x 64 = 139,264 B; rank 0 holds its 2 blocks of the traced
+    # micro-batch and, under 1F1B at p = 2, one more micro-batch of its chunk (2 blocks): 4 layers
+    act = rows["activation bytes vs Korthikanti (16-bit)"]
+    assert act["predicted"] == 4 * 139_264
+    assert "one micro-batch (64 tokens) x 4 layers" in act["explanation"]
+
+
 @pytest.fixture(scope="module")
 def mixed(tiny4):
     from torchledger.audit import run_audit

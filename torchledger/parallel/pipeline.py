@@ -510,6 +510,7 @@ def _compose(traced, layout, r, m, schedule, meta) -> dict:
     # holds them during the step (accumulated unsharded until the last micro-batch's reduce)
     static = sharded + (last.totals.get("grad_bytes") or 0) + (first.totals.get("optimizer_state_bytes") or 0)
     return {"rank": r, "chunks": meta["chunks"], "blocks": meta["blocks"], "flops": flops,
+            "embedding": 0 in meta["chunks"], "head": p * v - 1 in meta["chunks"],
             "comm_bytes": comm, "p2p_bytes": p2p, "static_bytes": static,
             "activation_bytes_per_micro_batch": steady.totals["activation_bytes"],
             "chunk_activation_bytes": chunk_act, "in_flight": held, "traced_peak_bytes": traced_peak,
@@ -550,7 +551,14 @@ def _composed_record(traced, stage, m):
     cfg = rec.meta.get("config")
     if isinstance(cfg, dict) and "n_layers" in cfg:
         # the closed forms of this rank: its blocks (attention 12LTd, Korthikanti per layer)
-        rec.meta["config"] = dict(cfg, n_layers=stage["blocks"], pipeline_stage=True)
+        # what the stage holds (the parameter rows count its ends only), and the layers of one
+        # micro-batch's activations it keeps at its peak (Korthikanti's row per layer): its
+        # blocks, plus the schedule's extra chunk-micro-batches of blocks / v layers each
+        extra = max(0, stage["in_flight"] - len(stage["chunks"]))
+        rec.meta["config"] = dict(cfg, n_layers=stage["blocks"], pipeline_stage=True,
+                                  stage_embedding=stage["embedding"], stage_head=stage["head"],
+                                  stage_micro_batches=m,
+                                  stage_layers_in_flight=stage["blocks"] + extra * stage["blocks"] / len(stage["chunks"]))
     from ..analyzers.compare import record_predictions
     rec.predictions = record_predictions(rec)
     rows = {}
