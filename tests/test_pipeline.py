@@ -209,6 +209,29 @@ def test_references_are_the_stages(one_f_one_b):
     assert "one micro-batch (64 tokens) x 4 layers" in act["explanation"]
 
 
+@pytest.mark.slow
+def test_the_report_names_the_bounding_stage(one_f_one_b):
+    from torchledger.render.common import run_notes
+    from torchledger.units import fmt_bytes
+    [line] = [x for x in run_notes(one_f_one_b) if x.startswith("pipeline:")]
+    s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
+    assert "2 stages x 1 virtual, 4 micro-batches, 1f1b (bubble 0.250)" in line
+    assert "this report is stage 0's, the largest peak (2 blocks and the embedding)" in line
+    assert f"peak per stage: 0 {fmt_bytes(s0['peak_bytes'], True)}, 1 {fmt_bytes(s1['peak_bytes'], True)}" in line
+
+
+def test_the_pipeline_line_groups_alike_ranks():
+    from torchledger.render.common import pipeline_line
+    stages = [{"rank": 0, "ranks_alike": [0], "blocks": 14, "embedding": True, "peak_bytes": 3 * 2 ** 30},
+              {"rank": 1, "ranks_alike": list(range(1, 8)), "blocks": 14, "peak_bytes": 2 * 2 ** 30},
+              {"rank": 8, "ranks_alike": [8], "blocks": 14, "head": True, "peak_bytes": 2 ** 30}]
+    line = pipeline_line({"pipeline": {"stages": 9, "virtual_stages": 7, "micro_batches": 18,
+                                       "schedule": "interleaved", "bubble_fraction": 8 / 126,
+                                       "bounding_rank": 0, "per_stage": stages}})
+    assert "peak per stage: 0 3.0 GiB, 1-7 2.0 GiB, 8 1.0 GiB" in line and "(bubble 0.063)" in line
+    assert pipeline_line({"flops": {}}) is None
+
+
 @pytest.fixture(scope="module")
 def mixed(tiny4):
     from torchledger.audit import run_audit
