@@ -114,6 +114,8 @@ def test_1f1b_first_stage_holds_p_micro_batches(one_f_one_b):
     assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 0
     assert one_f_one_b.totals["param_bytes"] == 133_376 * 4
     assert one_f_one_b.totals["peak_bytes"] == s0["peak_bytes"]
+    # the report's categories add up to the stage's peak (the extra micro-batch: activations)
+    assert sum(one_f_one_b.memory["peak_breakdown"].values()) == s0["peak_bytes"]
     assert not dist.is_initialized()
 
 
@@ -141,6 +143,8 @@ def test_interleaved_by_hand(interleaved):
     # micro-step holds v = 2 of them
     assert (s0["in_flight"], s1["in_flight"]) == (5, 3)
     assert s0["peak_bytes"] == s0["traced_peak_bytes"] + 3 * s0["chunk_activation_bytes"]
+    bound = _stage(interleaved, pp["bounding_rank"])
+    assert sum(interleaved.memory["peak_breakdown"].values()) == bound["peak_bytes"] == interleaved.totals["peak_bytes"]
     # rank 0's parameters, FSDP2-sharded over dp=2: (2 x 50,304 + 32,768) / 2 = 66,688 fp32
     assert _stage(interleaved, 0)["static_bytes"] >= 66_688 * 4
     assert s1["peak_bytes"] == s1["traced_peak_bytes"] + 1 * s1["chunk_activation_bytes"]

@@ -497,14 +497,14 @@ def _compose(traced, layout, r, m, schedule, meta) -> dict:
     first = traced.get("first") or traced["only"]
     sharded = first.totals.get("param_bytes") or 0
     peaks = []
-    for rec in traced.values():
-        peak = rec.totals["peak_bytes"]
+    for kind, rec in traced.items():
+        peak, extra_params = rec.totals["peak_bytes"], 0
         if (rec.totals.get("param_bytes") or 0) > sharded:
             # NB: parameters FSDP2 keeps gathered across micro-batches are the module's
             # parameters then; the sharded ones (the first micro-step's) are alive beside them
-            peak += sharded
-        peaks.append(peak)
-    traced_peak = max(peaks)
+            extra_params = sharded
+        peaks.append((peak + extra_params, kind, extra_params))
+    traced_peak, peak_kind, peak_extra_params = max(peaks, key=lambda x: x[0])
     last = traced.get("last") or traced["only"]
     # parameters and optimizer state as the step starts (sharded), gradients as the rank
     # holds them during the step (accumulated unsharded until the last micro-batch's reduce)
@@ -515,7 +515,8 @@ def _compose(traced, layout, r, m, schedule, meta) -> dict:
             "activation_bytes_per_micro_batch": steady.totals["activation_bytes"],
             "chunk_activation_bytes": chunk_act, "in_flight": held, "traced_peak_bytes": traced_peak,
             "peak_bytes": traced_peak + max(0, held - v) * chunk_act,
-            "micro_steps_traced": list(traced)}
+            "micro_steps_traced": list(traced), "peak_micro_step": peak_kind,
+            "peak_sharded_param_bytes": peak_extra_params}
 
 
 #: Totals that add up over micro-steps (ints, or dicts of ints per phase/kind).
@@ -538,6 +539,18 @@ def _composed_record(traced, stage, m):
             t[key] = {sub: sum(w[k] * (r.totals[key].get(sub) or 0) for k, r in traced.items())
                       for sub in values[-1]}
     t["peak_bytes"] = stage["peak_bytes"]
+    # the peak's categories add up to it: the micro-step that peaked, the sharded parameters
+    # alive beside the gathered ones, the schedule's extra chunk-micro-batches as activations
+    src = traced.get(stage.get("peak_micro_step")) or last
+    breakdown = dict((src.memory or {}).get("peak_breakdown") or {})
+    if breakdown:
+        breakdown["parameters"] = breakdown.get("parameters", 0) + stage.get("peak_sharded_param_bytes", 0)
+        breakdown["activations"] = breakdown.get("activations", 0) + \
+            max(0, stage["in_flight"] - len(stage["chunks"])) * stage["chunk_activation_bytes"]
+        rec.memory["peak_breakdown"] = breakdown
+        rec.memory["peak_bytes"] = stage["peak_bytes"]
+        for key in ("peak_phase", "peak_module"):
+            t[key] = src.totals.get(key, t.get(key))
     first = traced.get("first") or traced["only"]
     # the static figures as the step starts (the first micro-step's): in the later ones FSDP2
     # keeps the parameters gathered, so model.parameters() are the unsharded tensors, and the
