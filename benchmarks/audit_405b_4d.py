@@ -63,6 +63,16 @@ def main():
         print(f"{s['rank']:>4} {alike:>8} {s['blocks']:>6} {s['in_flight']:>9} {s['peak_bytes'] / gb:>8.1f} "
               f"{s['static_bytes'] / gb:>9.2f} {s['activation_bytes_per_micro_batch'] / gb:>9.2f} "
               f"{s['comm_bytes']['total'] / gb:>8.1f} {s['p2p_bytes'] / gb:>7.2f} {s['flops']['total'] / 1e12:>8.0f}")
+    st = (rec.get("predictions") or {}).get("step_time") or {}
+    if st:
+        print(f"predicted step time on {st['gpu']}: {st['seconds']:.2f} s ({st['micro_batches']} micro-batches), "
+              f"MFU {st['mfu']:.3f}, bubble {st['bubble_seconds']:.2f} s, communication {st['comm_seconds']:.2f} s "
+              f"({st['comm_exposed_seconds']:.2f} s exposed)")
+    for row in (rec.get("predictions") or {}).get("comparisons") or ():
+        print(f"  {row['quantity']:<42} {row['measured']:>26,} vs {row['predicted']:>26,}  {row['ratio']:.3f}x")
+    for finding in rec.get("findings") or ():
+        if finding["rule"].startswith(("TL-CMP", "TL-TRACE", "TL-MFU")):
+            print(f"  {finding['rule']}: {finding['message'][:160]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"wall_s": wall, "cpu_s": cpu, "pipeline": pp}, f, indent=1)

@@ -131,3 +131,31 @@ def test_every_collective_seen_no_warning(mesh4):
         dist.all_gather_into_tensor(out, torch.ones(8))
     assert not [w for w in t.record.warnings if w.startswith("collectives not seen")]
     assert {c["op"] for c in t.record.collectives} == {"all_reduce", "all_gather"}
+
+
+def test_blocking_p2p_counts_once(mesh4):
+    """``dist.send`` is ``isend`` + wait and ``dist.recv`` is ``irecv`` + wait: one user call
+    each, one collective each, no false "not seen" (a pipeline stage's p2p, issue 22)."""
+    model = torch.nn.Linear(4, 4)
+    buf = torch.empty(64)                               # 64 x 4 B = 256 B
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 4)).sum().backward()
+        dist.send(torch.ones(64), dst=1)
+        dist.recv(buf, src=1)
+        dist.isend(torch.ones(64), dst=2).wait()
+    assert not [w for w in t.record.warnings if w.startswith("collectives not seen")]
+    def total(op, key):
+        return sum(c[key] for c in t.record.collectives if c["op"] == op)
+    assert total("send", "count") == 2 and total("send", "bytes") == 2 * 256
+    assert total("recv", "count") == 1 and total("recv", "bytes_received") == 256
+
+
+def test_a_send_the_dispatch_mode_cannot_see_is_named(mesh4):
+    model = torch.nn.Linear(4, 4)
+    with torchledger.trace(model) as t:
+        model(torch.randn(2, 4)).sum().backward()
+        dist.send(torch.ones(64), dst=1)                # seen
+        with torch._C._DisableTorchDispatch():
+            dist.send(torch.ones(64), dst=1)            # not seen: 2 calls, 1 seen
+    [w] = [w for w in t.record.warnings if w.startswith("collectives not seen")]
+    assert "send 2 time(s)" in w and "saw 1" in w

@@ -114,6 +114,8 @@ def test_1f1b_first_stage_holds_p_micro_batches(one_f_one_b):
     assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 0
     assert one_f_one_b.totals["param_bytes"] == 133_376 * 4
     assert one_f_one_b.totals["peak_bytes"] == s0["peak_bytes"]
+    # the report's categories add up to the stage's peak (the extra micro-batch: activations)
+    assert sum(one_f_one_b.memory["peak_breakdown"].values()) == s0["peak_bytes"]
     assert not dist.is_initialized()
 
 
@@ -124,6 +126,8 @@ def test_1f1b_collective_rows_are_sends_and_receives(one_f_one_b):
     assert rows[("recv", "backward")]["bytes_received"] == 4 * ACT
     assert not [c for c in one_f_one_b.collectives if c["phase"] == "other"]
     assert {c["location"] for c in one_f_one_b.collectives} == {None}     # torchledger's runner
+    # dist.send is isend + wait: one call, one collective, no false "not seen"
+    assert not [w for w in one_f_one_b.warnings if w.startswith("collectives not seen")]
     # rank 0's rows: its blocks and embedding, not the placeholders of rank 1's
     names = {m["name"] for m in one_f_one_b.modules}
     assert {"blocks.0", "blocks.1", "tok_emb"} <= names and not names & {"blocks.2", "lm_head"}
@@ -139,6 +143,8 @@ def test_interleaved_by_hand(interleaved):
     # micro-step holds v = 2 of them
     assert (s0["in_flight"], s1["in_flight"]) == (5, 3)
     assert s0["peak_bytes"] == s0["traced_peak_bytes"] + 3 * s0["chunk_activation_bytes"]
+    bound = _stage(interleaved, pp["bounding_rank"])
+    assert sum(interleaved.memory["peak_breakdown"].values()) == bound["peak_bytes"] == interleaved.totals["peak_bytes"]
     # rank 0's parameters, FSDP2-sharded over dp=2: (2 x 50,304 + 32,768) / 2 = 66,688 fp32
     assert _stage(interleaved, 0)["static_bytes"] >= 66_688 * 4
     assert s1["peak_bytes"] == s1["traced_peak_bytes"] + 1 * s1["chunk_activation_bytes"]
@@ -160,6 +166,105 @@ def test_interleaved_fsdp_gathers_and_reduces_once_per_step(interleaved):
     reduces = sum(c["count"] for c in interleaved.collectives if c["op"] == "reduce_scatter")
     assert gathers == 3 and reduces == 3
     assert interleaved.meta["audit"]["plan"][-1].endswith("reshard_after_forward=False (pipelined)")
+
+
+@pytest.mark.slow
+def test_step_time_of_the_stage_is_its_m_micro_steps(interleaved):
+    """The predicted step of a stage runs its traced micro-step m = 4 times, FSDP2's gathers
+    in the first and its reduce-scatters in the last; MFU is the step's FLOPs over it."""
+    from torchledger.analyzers.steptime import op_seconds, predict_step_time
+    from torchledger.formulas import steptime as st
+    from torchledger.formulas.hardware import get_gpu
+    rec = interleaved
+    for c in rec.collectives:       # how many of the 4 micro-steps issue the row
+        assert c["micro_steps"] == (1 if c["op"] in ("all_gather", "reduce_scatter") else 4), c
+    h100 = get_gpu("h100")
+    eff = st.efficiency(h100)
+    p = predict_step_time(rec, h100)
+    assert p["micro_batches"] == 4
+    fwd = sum(op_seconds(r, h100, eff, "fp32")["seconds"] for r in rec.ops if r["phase"] == "forward")
+    assert fwd > 0 and p["by_phase"]["forward"] == pytest.approx(4 * fwd)
+    # bubble (p - 1) / (v m) = 1 / 8 of the 4 micro-steps' forward and backward
+    compute = sum(p["by_phase"].get(k, 0) for k in ("forward", "backward", "recompute"))
+    assert p["bubble_seconds"] == pytest.approx(compute / 8)
+    assert p["mfu"] == pytest.approx(rec.totals["flops"]["total"] / p["seconds"] / st._peak(h100, "fp32", eff))
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(rec.totals["tokens"] / p["seconds"])
+    assert rec.totals["tokens"] == 4 * 2 * 32                  # 4 micro-batches of 2 x 32
+
+
+@pytest.mark.slow
+def test_references_are_the_stages(one_f_one_b):
+    """The closed forms of a stage describe what it holds: rank 0's 2 blocks and the embedding
+    (no final norm, no head), and the activations of one micro-batch in as many layers as its
+    schedule keeps (the 405B stage read 0.957x of the whole model's ends)."""
+    rows = {r["quantity"]: r for r in one_f_one_b.predictions["comparisons"]}
+    assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 0
+    # 2 x 50,304 + 32,768 = 133,376 (the whole model's formula adds the norm 64 and head 32,768)
+    exact = rows["parameters (exact formula)"]
+    assert exact["predicted"] == exact["measured"] == 133_376
+    assert exact["explanation"].startswith("pipeline stage: its 2 blocks and the embedding")
+    # 12 L d^2 + V d = 12 x 2 x 64^2 + 512 x 64 = 98,304 + 32,768 = 131,072
+    assert rows["parameters (12*L*d^2 + V*d)"]["predicted"] == 131_072
+    # Korthikanti per layer, one micro-batch (s = 32, b = 2, h = 64; fused attention: no s x s
+    # scores): 34 sbh = 34 x 32 x 2 x 64 = 139,264 B; rank 0 holds its 2 blocks of the traced
+    # micro-batch and, under 1F1B at p = 2, one more micro-batch of its chunk (2 blocks): 4 layers
+    act = rows["activation bytes vs Korthikanti (16-bit)"]
+    assert act["predicted"] == 4 * 139_264
+    assert "one micro-batch (64 tokens) x 4 layers" in act["explanation"]
+
+
+@pytest.mark.slow
+def test_the_report_names_the_bounding_stage(one_f_one_b):
+    from torchledger.render.common import run_notes
+    from torchledger.units import fmt_bytes
+    [line] = [x for x in run_notes(one_f_one_b) if x.startswith("pipeline:")]
+    s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
+    assert "2 stages x 1 virtual, 4 micro-batches, 1f1b (bubble 0.250)" in line
+    assert "this report is stage 0's, the largest peak (2 blocks and the embedding)" in line
+    assert f"peak per stage: 0 {fmt_bytes(s0['peak_bytes'], True)}, 1 {fmt_bytes(s1['peak_bytes'], True)}" in line
+
+
+def test_the_pipeline_line_groups_alike_ranks():
+    from torchledger.render.common import pipeline_line
+    stages = [{"rank": 0, "ranks_alike": [0], "blocks": 14, "embedding": True, "peak_bytes": 3 * 2 ** 30},
+              {"rank": 1, "ranks_alike": list(range(1, 8)), "blocks": 14, "peak_bytes": 2 * 2 ** 30},
+              {"rank": 8, "ranks_alike": [8], "blocks": 14, "head": True, "peak_bytes": 2 ** 30}]
+    line = pipeline_line({"pipeline": {"stages": 9, "virtual_stages": 7, "micro_batches": 18,
+                                       "schedule": "interleaved", "bubble_fraction": 8 / 126,
+                                       "bounding_rank": 0, "per_stage": stages}})
+    assert "peak per stage: 0 3.0 GiB, 1-7 2.0 GiB, 8 1.0 GiB" in line and "(bubble 0.063)" in line
+    assert pipeline_line({"flops": {}}) is None
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny4):
+    from torchledger.audit import run_audit
+    return run_audit(tiny4, mesh="dp=2,pp=2", plan={"micro_batches": 2, "precision": "bf16-mixed"}).record
+
+
+def _static_row(rec):
+    return next(c for c in rec.predictions["comparisons"] if c["quantity"].startswith("static bytes"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["interleaved", "mixed"])
+def test_static_bytes_are_the_stage_shards(case, request):
+    """The measured static bytes of a stage are its parameters' shards as the step starts:
+    later micro-steps see FSDP2's gathered parameters (and the optimizer's sharded ones as
+    'master weights'), which made the 405B stage 17.7x its reference."""
+    rec = request.getfixturevalue(case)
+    t = rec.totals
+    # the bounding rank's params sharded over dp=2: rank 0 (2 x 50,304 + embedding 32,768) / 2
+    # = 66,688; rank 1 (2 x 50,304 + head 32,768 + norm 64) / 2 = 66,720 fp32 shards (FSDP2's
+    # MixedPrecisionPolicy keeps the shards in fp32; bf16 is the gathered copy)
+    n = {0: 66_688, 1: 66_720}[t["pipeline"]["bounding_rank"]]
+    assert t["param_bytes"] == t["trainable_param_bytes"] == 4 * n
+    assert rec.optimizer["master_weight_bytes"] == 0
+    row = _static_row(rec)
+    # 16 B per param: fp32 weight 4 + gradient 4 + AdamW's two moments 8
+    assert row["predicted"] == 16 * n
+    # measured: the same, plus AdamW's fp32 step scalar per parameter tensor (a few dozen B)
+    assert 0 < row["measured"] - 16 * n <= 4 * 20 and row["ratio"] < 1.001
 
 
 def test_micro_batches_from_the_global_batch():

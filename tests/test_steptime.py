@@ -316,3 +316,72 @@ def test_pipeline_bubble_from_the_record():
     assert predict_step_time(rec, part)["bubble_seconds"] == pytest.approx(3 / 24 * flat)
     rec.totals["pipeline"]["schedule"] = "zero-bubble"
     assert predict_step_time(rec, part)["bubble_seconds"] == 0
+
+
+def test_a_composed_pipeline_stage_is_m_micro_steps():
+    """A pipeline audit's record (``totals.pipeline.per_stage``) holds one micro-step's ops and
+    the step's totals and collectives: the prediction runs its ops m times, its once-only
+    collectives once, and divides the step's FLOPs by the step's time (issue 22 x 23: the
+    405B stage had one micro-step's time over eighteen's FLOPs, MFU 1.53)."""
+    from torchledger.analyzers.steptime import collective_row_seconds, predict_step_time
+    from torchledger.formulas import hardware
+    hardware._ensure_loaded()
+    part = hardware.register_gpu("Round-pp", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
+                                 nvlink="100GB/s", nic="10GB/s",
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0})
+    rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
+    rec.totals.update(tokens=4000)    # the step's: 4 micro-batches of 1,000
+    rec.totals["flops"] = {"forward": 4 * 10 ** 11, "backward": 8 * 10 ** 11, "optimizer": 0,
+                           "total": 12 * 10 ** 11, "other": 0}
+    rec.totals["pipeline"] = {"stages": 2, "virtual_stages": 1, "micro_batches": 4, "schedule": "1f1b",
+                              "bubble_fraction": 0.25, "per_stage": [{"rank": 0}]}
+    gather = {"op": "all_gather", "phase": "forward", "module": "b0", "count": 1, "bytes": 10 ** 8,
+              "algo_bytes": 8 * 10 ** 8, "group_size": 8, "group_span": 8, "micro_steps": 1}
+    send = {"op": "send", "phase": "forward", "module": None, "count": 4, "bytes": 4 * 10 ** 6,
+            "algo_bytes": 4 * 10 ** 6, "group_size": 2, "group_span": 9, "micro_steps": 4}
+    rec.collectives = [gather, send]
+    g, s = collective_row_seconds(gather, part, st.efficiency(part))[0], collective_row_seconds(
+        send, part, st.efficiency(part))[0]
+    p = predict_step_time(rec, part)
+    assert p["micro_batches"] == 4
+    # 4 micro-steps x 6 ms; the gather (first micro-step only) before b0's forward, nothing to
+    # hide it under: g exposed once; the sends (the step's 4) exposed; bubble 0.25 x 24 ms
+    assert p["seconds"] == pytest.approx(4 * 6e-3 + g + s + 6e-3)
+    assert p["bubble_seconds"] == pytest.approx(6e-3)
+    assert p["comm_seconds"] == pytest.approx(g + s)                 # the step's rows: not x 4
+    assert p["by_phase"]["forward"] == pytest.approx(4 * 2e-3)
+    # the step's FLOPs (1.2e12) over the step's time at 100 TFLOP/s; tokens likewise
+    assert p["mfu"] == pytest.approx(12e11 / p["seconds"] / 100e12)
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(4000 / p["seconds"])
+    assert sum(p["by_kind"].values()) == pytest.approx(p["seconds"])
+
+
+def test_a_composed_stage_reduces_every_micro_step_rows_under_its_backward():
+    """A reduction a stage issues in every micro-step (context parallel's K/V gradients) runs
+    under that micro-step's backward, a quarter of the row each time; FSDP2's (once) in the last."""
+    from torchledger.analyzers.steptime import collective_row_seconds, predict_step_time
+    from torchledger.formulas import hardware
+    hardware._ensure_loaded()
+    part = hardware.register_gpu("Round-pp2", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
+                                 nvlink="100GB/s", nic="10GB/s",
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0})
+    rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
+    rec.totals["pipeline"] = {"stages": 2, "micro_batches": 4, "schedule": "zero-bubble", "per_stage": []}
+    gathers = [{"op": "all_gather", "phase": "forward", "module": b, "count": 1, "bytes": 10, "algo_bytes": 80,
+                "group_size": 8, "group_span": 8, "micro_steps": 1} for b in ("b0", "b1")]
+    # b1's reduce-scatter, 4 calls of 1.1e8 B over 8 ranks in a node: ~0.96 ms each
+    rs = {"op": "reduce_scatter", "phase": "backward", "module": "b1", "count": 4, "bytes": 44 * 10 ** 7,
+          "algo_bytes": 44 * 10 ** 7, "group_size": 8, "group_span": 8, "micro_steps": 4}
+    rec.collectives = gathers
+    eff = st.efficiency(part)
+    g = sum(collective_row_seconds(c, part, eff)[0] for c in gathers)
+    base = predict_step_time(rec, part)["seconds"]
+    assert base == pytest.approx(4 * 6e-3 + collective_row_seconds(gathers[0], part, eff)[0])
+    rec.collectives = gathers + [rs]
+    r = collective_row_seconds(rs, part, eff)[0]
+    assert 2e-3 < r < 8e-3 and g < 1e-4
+    # every micro-step: r / 4 < 2 ms under b0's backward (2 ms): hidden
+    assert predict_step_time(rec, part)["seconds"] == pytest.approx(base)
+    # once, in the last micro-step: r > 2 ms under b0's backward: r - 2 ms exposed
+    rs["micro_steps"] = 1
+    assert predict_step_time(rec, part)["seconds"] == pytest.approx(base + r - 2e-3)

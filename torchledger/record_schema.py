@@ -224,7 +224,7 @@ COPY = _Obj({"op": STR, "module": OPT_STR, "phase": STR, "location": OPT_STR, "r
              "count": COUNT, "bytes": COUNT})
 COLLECTIVE = _Obj({"op": STR, "phase": STR, "module": OPT_STR, "location": OPT_STR,
                    **{k: COUNT for k in ("bytes", "group_size", "count", "bytes_received", "algo_bytes",
-                                         "bus_bytes", "group_span")},
+                                         "bus_bytes", "group_span", "micro_steps")},
                    "predicted_seconds": NONNEG, "predicted_algorithm": STR},
                   required=("op", "bytes", "count"))
 FINDING = _Obj({"rule": STR, "severity": _Str(("error", "warning", "info")), "message": STR,

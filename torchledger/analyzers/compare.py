@@ -90,6 +90,23 @@ def _base(t, p) -> str:
     return "per_weight" if _uneven(p) or (counts_samples(t) and "flops_6nd_per_weight" in p) else "6nd"
 
 
+def _stage(record):
+    """A pipeline stage's record (``parallel.pipeline``): what it holds, or None."""
+    cfg = record.meta.get("config")
+    if not isinstance(cfg, dict) or not cfg.get("pipeline_stage") or "stage_embedding" not in cfg:
+        return None
+    return {"embedding": bool(cfg["stage_embedding"]), "head": bool(cfg["stage_head"]),
+            "blocks": int(cfg.get("n_layers") or 0), "micro_batches": max(int(cfg.get("stage_micro_batches") or 1), 1),
+            "layers_in_flight": float(cfg.get("stage_layers_in_flight") or cfg.get("n_layers") or 0)}
+
+
+def _stage_text(stage) -> str:
+    ends = [e for e, held in (("the embedding", stage["embedding"]), ("the final norm and LM head", stage["head"]))
+            if held]
+    return (f"pipeline stage: its {stage['blocks']} blocks" + (" and " + " and ".join(ends) if ends else
+                                                                " (no embedding, no head)") + "; ")
+
+
 def _tp(totals) -> int:
     """The tensor-parallel degree a record saw (weights split at their matmuls), 1 without."""
     return max(int(totals.get("tensor_parallel") or 1), 1)
@@ -113,8 +130,14 @@ def predictions(record) -> dict:
             # gradient; 6 x sum(P x rows) when everything trains
             out["flops_per_weight_grads"] = int(t["param_matmul_flops_forward"]) + int(t["param_matmul_flops_grad"])
     cfg, shape, T = _config(record), _shape(record), _seq_len(record)
+    stage = _stage(record)
     if cfg is not None and _exact_formula_fits(record.meta.get("config")):
-        out["params_exact"] = count_params(cfg).total
+        count = count_params(cfg)
+        out["params_exact"] = count.total
+        if stage is not None:       # a pipeline stage: its blocks, and the ends it holds
+            b = count.breakdown
+            out["params_exact"] -= ((0 if stage["embedding"] else b["embeddings"] + b["positions"])
+                                    + (0 if stage["head"] else b["final_norm"] + b["lm_head"]))
     lengths = _enc_dec_lengths(record, shape, D, T)
     if shape is not None and lengths is not None:       # encoder-decoder (T5, BART)
         L, d, V, d_attn, n_enc, n_dec = shape[:6]
@@ -139,6 +162,8 @@ def predictions(record) -> dict:
             base = _base_value(out, _base(t, out))
             out["flops_6nd_attention"] = base + attn
             out["flops_6nd_attention_causal"] = base + attn // 2
+        if stage is not None and shape.n_enc is None:   # one V*d if the stage holds an end
+            out["params_12ld2"] = 12 * L * d * d + (V * d if stage["embedding"] or stage["head"] else 0)
     if cfg is not None and D and T:
         fused = _attention_storage(record)[0]
         if lengths is not None:
@@ -150,8 +175,13 @@ def predictions(record) -> dict:
             out["activation_bytes_korthikanti_16bit"] = shape.n_enc * enc + shape.n_dec * dec
         else:
             tp, sp = _tp(t), sequence_parallel(record)
-            layer = korthikanti_layer(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, sp=sp, fused=fused)
-            out["activation_bytes_korthikanti_16bit"] = round(cfg.n_layers * layer)
+            if stage is not None:   # one micro-batch's layers, as many as the schedule keeps
+                layer = korthikanti_layer(T, D // T // stage["micro_batches"], cfg.d_model, cfg.n_heads,
+                                          tp=tp, sp=sp, fused=fused)
+                out["activation_bytes_korthikanti_16bit"] = round(stage["layers_in_flight"] * layer)
+            else:
+                layer = korthikanti_layer(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, sp=sp, fused=fused)
+                out["activation_bytes_korthikanti_16bit"] = round(cfg.n_layers * layer)
             if tp > 1:
                 out["activation_korthikanti_row"] = ("tp+sp (PyTorch)" if sp else "tp", tp)
     opt = record.optimizer or {}
@@ -193,9 +223,11 @@ def comparisons(record, p=None) -> list:
     rows = []
     cfg = _config(record)
     if "params_exact" in p:
+        stage = _stage(record)
         rows.append(_row("parameters (exact formula)", t["params"], p["params_exact"],
-                         "exact count from the config" if t["params"] == p["params_exact"] else
-                         "the model has parameters the config formula does not describe"))
+                         (_stage_text(stage) if stage is not None else "")
+                         + ("exact count from the config" if t["params"] == p["params_exact"] else
+                            "the model has parameters the config formula does not describe")))
     shape = _shape(record)
     lengths = _enc_dec_lengths(record, shape, t.get("tokens", 0), _seq_len(record))
     if "params_12ld2" in p:
@@ -204,8 +236,9 @@ def comparisons(record, p=None) -> list:
             enc_dec = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; cross-attention "
                        f"counted: 12d^2 per encoder layer, 16d^2 per decoder layer (self 4d^2 + "
                        f"cross 4d^2 + MLP 8d^2), 12*{shape.n_enc}*d^2 + 16*{shape.n_dec}*d^2 + V*d; ")
+        stage = _stage(record)
         rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
-                         enc_dec + (_explain_12ld2(cfg, record.meta.get("config")) if cfg is not None else
+                         (_stage_text(stage) if stage is not None else "") + enc_dec + (_explain_12ld2(cfg, record.meta.get("config")) if cfg is not None else
                                     "L, d and V found from the modules (no config): " + _explain_partial(record))))
     base = _base(t, p)
     if base == "6nd" and "flops_6nd" in p:
@@ -271,6 +304,11 @@ def comparisons(record, p=None) -> list:
                       f"layers at s = {lengths.t_dec:,}, each decoder layer with its cross-attention "
                       f"block (9*s_d*b*h + 4*s_e*b*h + 5*a*s_d*s_e*b; {lengths.how}); ")
         kind = p.get("activation_korthikanti_row")
+        stage = _stage(record)
+        if stage is not None and lengths is None:
+            layers += (f"pipeline stage: one micro-batch ({t.get('tokens', 0) // stage['micro_batches']:,} tokens) "
+                       f"x {stage['layers_in_flight']:g} layers, its {stage['blocks']} blocks and the schedule's "
+                       f"extra in-flight micro-batches of a chunk's blocks; ")
         if kind and kind[0] == "tp":
             layers += (f"tensor parallel {kind[1]}: Table 2's TP row sbh(10 + 24/t + 5as/(ht)) (LayerNorm and "
                        f"block inputs and dropout masks, 10sbh, stay whole on every rank); ")

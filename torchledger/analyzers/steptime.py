@@ -25,9 +25,11 @@ framework schedules them:
 * a pipeline bubble when the record says the step is pipelined (``totals.pipeline``:
   ``stages`` p, ``micro_batches`` m, ``virtual_stages`` v, ``schedule``, and
   ``bubble_fraction`` when the audit computed it): that fraction, else (p-1)/(v m), of the
-  compute for 1F1B/interleaved/GPipe, none for zero-bubble; else 0. A pipelined record (the
-  layouts issue's composed stage) already holds all m micro-batches of the bounding stage, so
-  its m is not applied again.
+  compute for 1F1B/interleaved/GPipe, none for zero-bubble; else 0. A pipeline audit's
+  composed stage (``totals.pipeline.per_stage``) holds one micro-step's ops and the step's
+  totals and collectives (each row with ``micro_steps``, how many micro-steps issue it): its
+  ops run m times, FSDP2's gathers in the first micro-step, reductions in the last, p2p and
+  TP collectives (the step's rows) exposed; its FLOPs and tokens are not multiplied again.
 
 The result is ``predictions.step_time`` (INTERFACE.md "Predicted step time"), with
 ``modules[].predicted_seconds`` (inclusive, compute only, x M) and
@@ -181,9 +183,15 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     compiled = compiled and fusion_known
     t = rec.totals
     audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
-    micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
+    pipe = t.get("pipeline") if isinstance(t.get("pipeline"), dict) else None
+    # a pipeline audit's composed stage (``per_stage``): its ops are one micro-step's, its
+    # totals and collectives the whole step's (m micro-steps, each row with ``micro_steps``)
+    composed = pipe is not None and isinstance(pipe.get("per_stage"), list) and bool(pipe.get("micro_batches"))
+    if composed:
+        micro = max(int(pipe["micro_batches"]), 1)
+    else:
+        micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
     cp = int((t.get("parallel_dims") or {}).get("cp") or 1)
-
     # -- compute: every op row, by phase, kind and module ----------------------------------
     by_phase = {p: 0.0 for p in _PHASES}
     kinds = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "launch": 0.0}
@@ -222,6 +230,11 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         unit_compute[key] = unit_compute.get(key, 0.0) + secs
 
     # -- communication: every collective row, and how it overlaps --------------------------
+    # Each row runs in every micro-step ("every": its seconds split evenly over them), in the
+    # first only (FSDP2's gathers a pipeline stage keeps until the last micro-batch) or in the
+    # last only (gradient reductions: no_sync / set_requires_gradient_sync(False) before it).
+    # A record of one micro-step (gradient accumulation): its rows are one micro-step's, the
+    # reductions the last's. A composed pipeline stage: its rows are the step's.
     tp = int(t.get("tensor_parallel") or 1)
     gpn = gpu.gpus_per_node or 8
     coll_seconds = []
@@ -235,11 +248,14 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     order = {n: i for i, n in enumerate(names)}
     units = {(c.get("module") if c.get("module") not in (None, "(no module)") else "")
              for c in rows if c.get("op") in _GATHER_OPS and c.get("phase") == "forward"}
-    exposed_serial = {"forward": 0.0, "backward": 0.0, "after": 0.0}
-    pre = {"forward": {}, "backward": {}}
-    post: dict = {}
+    serial = 0.0                 # exposed in forward/backward (TP, p2p, the rest), per step
+    after_comm = 0.0             # optimizer / other phases: after the last reduction, once
+    pre = {"every": {"forward": {}, "backward": {}}, "first": {"forward": {}, "backward": {}}}
+    post: dict = {}              # unit -> its reductions in the last micro-step
+    post_every: dict = {}        # unit -> its reductions in every micro-step (a stage's CP K/V grads)
     spread: list = []            # backward reductions with no unit (DDP buckets)
     tail_comm = 0.0              # reductions of the root / no unit: after the last block
+    reduced_once = 0.0           # reductions (last micro-step only) of a one-micro-step record
     for c, (secs, _) in zip(rows, coll_seconds):
         phase, op = c.get("phase"), c.get("op")
         r, nodes = st.group_layout(int(c.get("group_size") or 1), c.get("group_span"), gpn)
@@ -247,24 +263,33 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else "after"
         module = c.get("module") if c.get("module") not in (None, "(no module)") else ""
         unit = _unit_of(module, units) if units else None
-        if is_tp or group == "after":
-            exposed_serial[group] += secs
-        elif op in _GATHER_OPS and unit is not None and group in pre:
-            pre[group][unit] = pre[group].get(unit, 0.0) + secs
+        if composed:
+            steps = int(c.get("micro_steps") or (micro if op in ("send", "recv") or is_tp else 1))
+            every = steps >= micro
+            per_micro = secs / micro if every else secs
+        else:
+            every, per_micro = True, secs
+        if group == "after":
+            after_comm += secs
+        elif is_tp:
+            serial += secs if composed else micro * secs
+        elif op in _GATHER_OPS and unit is not None:
+            where = pre["every" if every else "first"][group]
+            where[unit] = where.get(unit, 0.0) + per_micro
         elif op in _REDUCE_OPS and group == "backward":
-            if unit is not None and unit != "":
+            reduced_once += 0.0 if composed else secs
+            if composed and every and unit is not None and unit != "":
+                post_every[unit] = post_every.get(unit, 0.0) + per_micro
+            elif unit is not None and unit != "":
                 post[unit] = post.get(unit, 0.0) + secs
             elif units:
                 tail_comm += secs
             else:
                 spread.append(secs)
         else:
-            exposed_serial[group] += secs
+            serial += secs if composed else micro * secs
 
-    # per step: gathers and TP collectives run in every micro-batch, gradient reductions in the
-    # last only, the optimizer's once
-    once = sum(post.values()) + tail_comm + sum(spread) + exposed_serial["after"]
-    comm_step = micro * (comm_total - once) + once
+    comm_step = comm_total if composed else micro * (comm_total - reduced_once - after_comm) + reduced_once + after_comm
 
     def unit_time(group, unit):
         """Compute of ``unit`` in ``group`` without the units nested in it."""
@@ -278,36 +303,43 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     fwd_total = sum(s for (g, _), s in unit_compute.items() if g == "forward")
     bwd_total = sum(s for (g, _), s in unit_compute.items() if g == "backward")
     after_total = sum(s for (g, _), s in unit_compute.items() if g not in ("forward", "backward"))
-    if units:
-        f_units = [(pre["forward"].get(""), 0.0, 0.0)] if "" in units else []
-        f_units += [(pre["forward"].get(u, 0.0), unit_time("forward", u), 0.0) for u in ordered]
-        f_rest = fwd_total - sum(c for _, c, _ in f_units)
-        fwd = st.overlap_timeline([(p or 0.0, c, q) for p, c, q in f_units], tail_compute=f_rest)
-        b_units = [(pre["backward"].get(u, 0.0), unit_time("backward", u), post.get(u, 0.0))
-                   for u in reversed(ordered)]
-        b_rest = bwd_total - sum(c for _, c, _ in b_units)
-        bwd_sync = st.overlap_timeline(b_units + ([(0.0, 0.0, tail_comm)] if tail_comm else []),
-                                       head_compute=b_rest)
-        bwd_nosync = st.overlap_timeline([(p, c, 0.0) for p, c, _ in b_units], head_compute=b_rest)
-    else:
-        fwd = st.overlap_timeline([], head_compute=fwd_total)
-        n = len(spread)
-        if n:
-            slices = [(0.0, bwd_total / n, s) for s in spread]
-            bwd_sync = st.overlap_timeline(slices)
+    f_comp = {u: unit_time("forward", u) for u in ordered}
+    b_comp = {u: unit_time("backward", u) for u in ordered}
+
+    def micro_step(first: bool, last: bool) -> float:
+        """One micro-step: forward and backward with the gathers it issues, and the
+        reductions if it is the last."""
+        def gather(group, u):
+            g = pre["every"][group].get(u, 0.0)
+            return g + (pre["first"][group].get(u, 0.0) if first else 0.0)
+        if units:
+            f_units = [(gather("forward", ""), 0.0, 0.0)] if "" in units else []
+            f_units += [(gather("forward", u), f_comp[u], 0.0) for u in ordered]
+            fwd = st.overlap_timeline(f_units, tail_compute=fwd_total - sum(c for _, c, _ in f_units))
+            b_units = [(gather("backward", u), b_comp[u],
+                        post_every.get(u, 0.0) + (post.get(u, 0.0) if last else 0.0)) for u in reversed(ordered)]
+            b_rest = bwd_total - sum(c for _, c, _ in b_units)
+            tail = [(0.0, 0.0, tail_comm)] if tail_comm and last else []
+            bwd = st.overlap_timeline(b_units + tail, head_compute=b_rest)
         else:
-            bwd_sync = st.overlap_timeline([], head_compute=bwd_total)
-        bwd_nosync = st.overlap_timeline([], head_compute=bwd_total)
-    micro_sync = fwd["seconds"] + bwd_sync["seconds"] + exposed_serial["forward"] + exposed_serial["backward"]
-    micro_nosync = fwd["seconds"] + bwd_nosync["seconds"] + exposed_serial["forward"] + exposed_serial["backward"]
+            fwd = st.overlap_timeline([], head_compute=fwd_total)
+            if spread and last:
+                bwd = st.overlap_timeline([(0.0, bwd_total / len(spread), s) for s in spread])
+            else:
+                bwd = st.overlap_timeline([], head_compute=bwd_total)
+        return fwd["seconds"] + bwd["seconds"]
+
+    if micro > 1:
+        passes = micro_step(True, False) + (micro - 2) * micro_step(False, False) + micro_step(False, True)
+    else:
+        passes = micro_step(True, True)
     compute_step = micro * (fwd_total + bwd_total) + after_total
-    seconds = (micro - 1) * micro_nosync + micro_sync + after_total + exposed_serial["after"]
+    seconds = passes + serial + after_total + after_comm
 
     # -- pipeline bubble ---------------------------------------------------------------------
     bubble = 0.0
-    pipe = t.get("pipeline")
     assumptions = []
-    if isinstance(pipe, dict) and int(pipe.get("stages") or pipe.get("pp") or 1) > 1:
+    if pipe is not None and int(pipe.get("stages") or pipe.get("pp") or 1) > 1:
         p = int(pipe.get("stages") or pipe.get("pp"))
         m = max(int(pipe.get("micro_batches") or micro), 1)
         v = max(int(pipe.get("virtual_stages") or 1), 1)
@@ -319,14 +351,18 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         seconds += bubble
         assumptions.append(f"pipeline {p} stages, {m} micro-batches, {sched}: bubble (p-1)/(v m) = {frac:.3f} "
                            f"of the compute")
+        if composed:
+            assumptions.append(f"the bounding stage's step: {m} micro-steps of its traced one, FSDP2's gathers in "
+                               f"the first, gradient reductions in the last, p2p and TP collectives exposed")
     exposed = max(0.0, seconds - compute_step - bubble)
 
     # -- rates ---------------------------------------------------------------------------------
-    flops = float((t.get("flops") or {}).get("total") or 0) * micro
-    hflops = float(t.get("hardware_flops") or 0) * micro
+    per_step = 1 if composed else micro      # a composed stage's totals are its step's already
+    flops = float((t.get("flops") or {}).get("total") or 0) * per_step
+    hflops = float(t.get("hardware_flops") or 0) * per_step
     mdtype = max(dtype_flops, key=dtype_flops.get) if dtype_flops else dtype
     peak = st._peak(gpu, mdtype, eff)
-    tokens = (t.get("tokens") or 0) * micro
+    tokens = (t.get("tokens") or 0) * per_step
     from ..record import counts_samples
     tok_rate = tokens / seconds if tokens and seconds and not counts_samples(t) else None
     mfu = flops / seconds / peak if seconds and flops else None

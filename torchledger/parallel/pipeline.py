@@ -38,7 +38,9 @@ figures are in ``totals.pipeline``::
 
 Known limitations: the spec's inputs are one micro-batch; the rank's peak adds whole
 chunk-micro-batches to the traced one (the schedule's order of frees inside a micro-step is
-not replayed); modules[] rows are the bounding rank's, their FLOPs over all m micro-batches.
+not replayed); modules[] rows are the bounding rank's, their FLOPs over all m micro-batches;
+ops[] rows are one micro-step's (the last, with the optimizer step); collectives[] rows are the
+step's, each with ``micro_steps``, the number of micro-steps that issue it.
 """
 from __future__ import annotations
 
@@ -495,24 +497,26 @@ def _compose(traced, layout, r, m, schedule, meta) -> dict:
     first = traced.get("first") or traced["only"]
     sharded = first.totals.get("param_bytes") or 0
     peaks = []
-    for rec in traced.values():
-        peak = rec.totals["peak_bytes"]
+    for kind, rec in traced.items():
+        peak, extra_params = rec.totals["peak_bytes"], 0
         if (rec.totals.get("param_bytes") or 0) > sharded:
             # NB: parameters FSDP2 keeps gathered across micro-batches are the module's
             # parameters then; the sharded ones (the first micro-step's) are alive beside them
-            peak += sharded
-        peaks.append(peak)
-    traced_peak = max(peaks)
+            extra_params = sharded
+        peaks.append((peak + extra_params, kind, extra_params))
+    traced_peak, peak_kind, peak_extra_params = max(peaks, key=lambda x: x[0])
     last = traced.get("last") or traced["only"]
     # parameters and optimizer state as the step starts (sharded), gradients as the rank
     # holds them during the step (accumulated unsharded until the last micro-batch's reduce)
     static = sharded + (last.totals.get("grad_bytes") or 0) + (first.totals.get("optimizer_state_bytes") or 0)
     return {"rank": r, "chunks": meta["chunks"], "blocks": meta["blocks"], "flops": flops,
+            "embedding": 0 in meta["chunks"], "head": p * v - 1 in meta["chunks"],
             "comm_bytes": comm, "p2p_bytes": p2p, "static_bytes": static,
             "activation_bytes_per_micro_batch": steady.totals["activation_bytes"],
             "chunk_activation_bytes": chunk_act, "in_flight": held, "traced_peak_bytes": traced_peak,
             "peak_bytes": traced_peak + max(0, held - v) * chunk_act,
-            "micro_steps_traced": list(traced)}
+            "micro_steps_traced": list(traced), "peak_micro_step": peak_kind,
+            "peak_sharded_param_bytes": peak_extra_params}
 
 
 #: Totals that add up over micro-steps (ints, or dicts of ints per phase/kind).
@@ -535,24 +539,54 @@ def _composed_record(traced, stage, m):
             t[key] = {sub: sum(w[k] * (r.totals[key].get(sub) or 0) for k, r in traced.items())
                       for sub in values[-1]}
     t["peak_bytes"] = stage["peak_bytes"]
+    # the peak's categories add up to it: the micro-step that peaked, the sharded parameters
+    # alive beside the gathered ones, the schedule's extra chunk-micro-batches as activations
+    src = traced.get(stage.get("peak_micro_step")) or last
+    breakdown = dict((src.memory or {}).get("peak_breakdown") or {})
+    if breakdown:
+        breakdown["parameters"] = breakdown.get("parameters", 0) + stage.get("peak_sharded_param_bytes", 0)
+        breakdown["activations"] = breakdown.get("activations", 0) + \
+            max(0, stage["in_flight"] - len(stage["chunks"])) * stage["chunk_activation_bytes"]
+        rec.memory["peak_breakdown"] = breakdown
+        rec.memory["peak_bytes"] = stage["peak_bytes"]
+        for key in ("peak_phase", "peak_module"):
+            t[key] = src.totals.get(key, t.get(key))
     first = traced.get("first") or traced["only"]
-    t["param_bytes"] = first.totals.get("param_bytes", t.get("param_bytes"))
-    t["optimizer_state_bytes"] = first.totals.get("optimizer_state_bytes", t.get("optimizer_state_bytes"))
+    # the static figures as the step starts (the first micro-step's): in the later ones FSDP2
+    # keeps the parameters gathered, so model.parameters() are the unsharded tensors, and the
+    # optimizer's sharded fp32 parameters, not among them, would read as master weights
+    for key in ("param_bytes", "trainable_param_bytes", "optimizer_state_bytes"):
+        t[key] = first.totals.get(key, t.get(key))
+    if first.optimizer:
+        rec.optimizer = copy.deepcopy(first.optimizer)
     t["activation_bytes"] = stage["activation_bytes_per_micro_batch"] + \
         max(0, stage["in_flight"] - len(stage["chunks"])) * stage["chunk_activation_bytes"]
     cfg = rec.meta.get("config")
     if isinstance(cfg, dict) and "n_layers" in cfg:
         # the closed forms of this rank: its blocks (attention 12LTd, Korthikanti per layer)
-        rec.meta["config"] = dict(cfg, n_layers=stage["blocks"], pipeline_stage=True)
+        # what the stage holds (the parameter rows count its ends only), and the layers of one
+        # micro-batch's activations it keeps at its peak (Korthikanti's row per layer): its
+        # blocks, plus the schedule's extra chunk-micro-batches of blocks / v layers each
+        extra = max(0, stage["in_flight"] - len(stage["chunks"]))
+        rec.meta["config"] = dict(cfg, n_layers=stage["blocks"], pipeline_stage=True,
+                                  stage_embedding=stage["embedding"], stage_head=stage["head"],
+                                  stage_micro_batches=m,
+                                  stage_layers_in_flight=stage["blocks"] + extra * stage["blocks"] / len(stage["chunks"]))
     from ..analyzers.compare import record_predictions
     rec.predictions = record_predictions(rec)
     rows = {}
     for kind, r in traced.items():
         for c in r.collectives:
             key = tuple(c.get(k) for k in ("op", "group_size", "phase", "module", "location", "group_span"))
-            row = rows.setdefault(key, dict(c, count=0, bytes=0, bytes_received=0, algo_bytes=0, bus_bytes=0))
+            row = rows.setdefault(key, dict(c, count=0, bytes=0, bytes_received=0, algo_bytes=0, bus_bytes=0,
+                                            micro_steps=0))
             for k in ("count", "bytes", "bytes_received", "algo_bytes", "bus_bytes"):
                 row[k] += w[kind] * (c.get(k) or 0)
+        for key in {tuple(c.get(k) for k in ("op", "group_size", "phase", "module", "location", "group_span"))
+                    for c in r.collectives}:
+            # how many of the m micro-steps issue this row (m: every one; 1: FSDP2's gathers
+            # in the first, its reductions in the last): the step-time prediction's schedule
+            rows[key]["micro_steps"] += w[kind]
     rec.collectives = sorted(rows.values(), key=lambda c: -c["bytes"] - c["bytes_received"])
     # the rank's own modules: the placeholders of what other ranks hold are not its rows
     rec.modules = [row for row in rec.modules if not (row.get("type") == "Identity" and not row.get("params"))]

@@ -95,6 +95,9 @@ def run_notes(record) -> list:
                      f"is each rank's report")
     if audit.get("loss"):
         lines.append(f"loss: {audit['loss']}")
+    pipe = pipeline_line(record.totals)
+    if pipe:
+        lines.append(pipe)
     compiled = meta.get("compiled") or {}
     if compiled:
         where = ", ".join(compiled.get("modules") or []) or "compiled functions"
@@ -115,6 +118,30 @@ def run_notes(record) -> list:
         lines.append(f"suppressed: {hidden.get('count', 0)} finding(s)" + (f" ({rules})" if rules else "")
                      + f" by ignore = {', '.join(hidden['ignore'])}; they do not count for --fail-on")
     return lines
+
+
+def _ranks(rs) -> str:
+    rs = sorted(rs)
+    return f"{rs[0]}-{rs[-1]}" if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)) else ", ".join(map(str, rs))
+
+
+def pipeline_line(totals):
+    """A pipeline audit's record is its bounding stage's: which one, what it holds, and every
+    stage's peak (``totals.pipeline``); None for other records."""
+    pp = totals.get("pipeline")
+    if not isinstance(pp, dict) or not isinstance(pp.get("per_stage"), list) or not pp["per_stage"]:
+        return None
+    stages = pp["per_stage"]
+    bound = next((s for s in stages if s.get("rank") == pp.get("bounding_rank")), stages[0])
+    ends = [e for e, k in (("the embedding", "embedding"), ("the head", "head")) if bound.get(k)]
+    holds = f"{bound.get('blocks', '?')} blocks" + (" and " + " and ".join(ends) if ends else "")
+    peaks = ", ".join(f"{_ranks(s.get('ranks_alike') or [s.get('rank')])} {fmt_bytes(s.get('peak_bytes') or 0, True)}"
+                      for s in stages)
+    return (f"pipeline: {pp.get('stages')} stages x {pp.get('virtual_stages', 1)} virtual, "
+            f"{pp.get('micro_batches')} micro-batches, {pp.get('schedule')} (bubble "
+            f"{float(pp.get('bubble_fraction') or 0):.3f}); this report is stage {bound.get('rank')}'s, the largest "
+            f"peak ({holds}); peak per stage: {peaks}; totals are the step's (m micro-batches), the module "
+            f"table's peaks and activations one traced micro-step's")
 
 
 def mfu_line(totals):

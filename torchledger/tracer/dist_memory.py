@@ -92,21 +92,33 @@ def _count_api_calls(tracer, life, mode) -> None:
     disabled, from under another mode's handler, by code that talks to the process group
     around the dispatcher) is named in ``record.warnings`` (``dist_record``) instead of
     silently missing from ``comm_bytes``."""
+    import threading
+
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     mode.api_calls = {}
+    # NB: the blocking p2p calls are built on the others (``send`` calls ``isend`` and waits,
+    # ``recv`` calls ``irecv``): one user call is one collective, so a call made inside a
+    # counted call is not counted again (per thread: autograd may run backward elsewhere)
+    inside = threading.local()
+
     for name, op in _API.items():
         original = getattr(c10d, name, None)
         if original is None or not callable(original):
             continue
 
         def counted(*args, __original=original, __op=op, **kwargs):
+            outer = not getattr(inside, "depth", 0)
             try:
-                if tracer._ours() and not mode.quiet:
+                if outer and tracer._ours() and not mode.quiet:
                     mode.api_calls[__op] = mode.api_calls.get(__op, 0) + 1
             except Exception:  # noqa: BLE001  never raise into the user's step
                 pass
-            return __original(*args, **kwargs)
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                inside.depth -= 1
 
         counted.__wrapped__ = original
         counted.__name__ = getattr(original, "__name__", name)
