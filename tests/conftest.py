@@ -75,6 +75,19 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture
+def fake_pg():
+    """PyTorch's fake process group of 4 ranks, this process rank 0 (collectives return at once
+    and move no data; the tracer sees them as on NCCL/gloo), destroyed after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

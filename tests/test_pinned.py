@@ -27,16 +27,6 @@ from torchledger.tracer.ranks import mesh_shape
 N = 4
 
 
-@pytest.fixture
-def fake_pg():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def _traced(fn):
     model = nn.Linear(2, 2)
     with torchledger.trace(model) as t:

@@ -95,15 +95,8 @@ def check_comm(record, options=None) -> list:
     ratio = measured / closed.total if closed.total else None
     text = (f"comm per step {measured:,} bytes sent by this rank vs {closed.total:,} for {strategy} "
             f"over {n} ranks" + (f" ({ratio:.3f}x)" if ratio is not None else ""))
-    out = [Finding("TL-COMM-001", "info", text, measured=measured, expected=closed.total, hint=why)]
-    if ratio is not None and ratio > 1.5:
-        out.append(Finding("TL-COMM-002", "warning",
-                           f"this rank sent {ratio:.2f}x the {strategy} closed form ({measured:,} vs "
-                           f"{closed.total:,} bytes): something communicates that the strategy does not need",
-                           measured=measured, expected=closed.total,
-                           hint="look for a collective in a loop, an all-reduce of parameters instead of "
-                                "gradients, or gathers repeated per micro-batch in the Collectives table"))
-    return out
+    return _verdict([Finding("TL-COMM-001", "info", text, measured=measured, expected=closed.total, hint=why)],
+                    ratio, strategy, measured, closed.total)
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -170,12 +163,17 @@ def _check_layout(record, layout) -> list:
     text = (f"comm per step {measured:,} bytes sent by this rank vs {closed.total:,} for {strategy}"
             + (f" ({ratio:.3f}x)" if ratio is not None else "")
             + (" (data-parallel collectives only)" if tp_rows else ""))
-    out = [Finding("TL-COMM-001", "info", text, measured=measured, expected=closed.total, hint=why + tp_note)]
+    return _verdict([Finding("TL-COMM-001", "info", text, measured=measured, expected=closed.total,
+                             hint=why + tp_note)], ratio, strategy, measured, closed.total)
+
+
+def _verdict(out: list, ratio, strategy: str, measured: int, expected: int) -> list:
+    """TL-COMM-001 (``out``) and, when the step sent more than 1.5x its closed form, TL-COMM-002."""
     if ratio is not None and ratio > 1.5:
         out.append(Finding("TL-COMM-002", "warning",
                            f"this rank sent {ratio:.2f}x the {strategy} closed form ({measured:,} vs "
-                           f"{closed.total:,} bytes): something communicates that the strategy does not need",
-                           measured=measured, expected=closed.total,
+                           f"{expected:,} bytes): something communicates that the strategy does not need",
+                           measured=measured, expected=expected,
                            hint="look for a collective in a loop, an all-reduce of parameters instead of "
                                 "gradients, or gathers repeated per micro-batch in the Collectives table"))
     return out
