@@ -81,12 +81,20 @@ def test_device_is_case_insensitive(tmp_path, device):
     assert json.loads(r.stdout)["meta"]["audit"]["device"] == device.lower()
 
 
-def test_output_into_a_missing_folder_fails_before_the_audit(tmp_path):
+def test_output_into_a_missing_folder_makes_it_as_record_save_does(tmp_path):
+    path = _file(tmp_path, LOADS)
+    out = tmp_path / "no" / "such" / "out.json"
+    r = run("audit", path, "--steps", "1", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["schema"] == "torchledger/1"     # the format from the suffix
+
+
+def test_output_folder_that_cannot_be_made_fails_before_the_audit(tmp_path):
     body = LOADS.replace("def audit_spec():", "def audit_spec():\n        raise SystemExit('ran')")
     path = _file(tmp_path, body)
-    out = tmp_path / "no" / "such" / "out.json"
-    one_line_error(run("audit", path, "--output", str(out)), "the folder", "does not exist", "mkdir -p")
-    assert not out.parent.exists()
+    (tmp_path / "a_file").write_text("in the way")
+    out = tmp_path / "a_file" / "sub" / "out.json"
+    one_line_error(run("audit", path, "--output", str(out)), "cannot create the folder", "is a file")
 
 
 MOE = """

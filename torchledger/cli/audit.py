@@ -53,11 +53,13 @@ def _peak(peak_flops, gpu, dtype="bf16"):
 
 def _emit(text: str, output) -> None:
     from ..render import write_atomic
+    from ..render.output import make_folders
     from .supervise import handed_over
     if handed_over(text, output):       # in audit's child process: the parent writes it
         return
     if output:
         try:
+            make_folders(output, f"--output {output}")
             write_atomic(output, text if text.endswith("\n") else text + "\n")
         except OSError as e:
             raise InputError(f"--output {output}: cannot write ({e.strerror or e})") from None
@@ -274,13 +276,23 @@ def _rank_output(output):
 
 
 def _check_folder(flag: str, path) -> None:
-    """``--output a/b/out.json`` into a folder that does not exist: one line, before the run."""
+    """``--output a/b/out.json``: folders that do not exist are made when the file is written
+    (as ``record.save()`` and ``Ledger.save()`` make them); one that cannot be made (a file in
+    the way, a folder not writable) is one line before the run, not after minutes of it."""
     if not path:
         return
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InputError(f"{flag} {path}: the folder {os.path.dirname(path) or folder} does not exist; "
-                         f"create it first (mkdir -p) or write elsewhere")
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing == folder:
+        return                               # written as before (write_atomic says the rest)
+    if not os.path.isdir(existing):
+        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
+                         f"{existing} is a file, not a folder; write elsewhere")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
+                         f"{existing} is not writable; write elsewhere")
 
 
 def _write_snapshot(run, path) -> None:
@@ -290,6 +302,8 @@ def _write_snapshot(run, path) -> None:
         reason = run.record.memory.get("allocator", {}).get("reason", "no allocator history")
         raise InputError(f"--memory-snapshot {path}: {reason}")
     try:
+        from ..render.output import make_folders
+        make_folders(path, f"--memory-snapshot {path}")
         write_atomic(path, pickle.dumps(run.snapshot))
     except OSError as e:
         raise InputError(f"--memory-snapshot {path}: cannot write ({e.strerror or e})") from None
