@@ -4,8 +4,9 @@
     torchrun --standalone --nproc_per_node 2 examples/pp_ranks.py runs/
     torchledger report runs/1f1b/step1/rank0.json runs/1f1b/step1/rank1.json
 
-A tiny MLP of two ``Linear(DIM, DIM) + ReLU`` pairs is cut in two stages, one per rank. Each
-rank traces two steps of ``MICRO_BATCHES`` micro-batches of ``BATCH // MICRO_BATCHES`` rows
+A tiny MLP of two ``Linear(DIM, DIM) + ReLU`` pairs is cut in two stages, one per rank
+(``interleaved``: four pairs cut in four stages, rank r holding stages r and r + 2 in an
+``nn.ModuleList``, run by ``ScheduleInterleaved1F1B``). Each rank traces two steps of ``MICRO_BATCHES`` micro-batches of ``BATCH // MICRO_BATCHES`` rows
 through a ``Ledger`` on its stage's module, and writes each record to
 ``OUT/<schedule>/step<i>/rank{r}.json``. The schedule's sends and receives land in the phase
 of the work they carry: a stage's activations (sent by stage 0, received by stage 1) in
@@ -28,19 +29,27 @@ import torchledger
 BATCH, DIM, MICRO_BATCHES, STEPS = 8, 8, 2, 2
 
 
-def stage_module(rank: int) -> nn.Module:
+def stage_modules(rank: int, world: int, chunks: int) -> list:
+    """This rank's stages of a model of ``chunks * world`` Linear + ReLU pairs: r, r + world..."""
     torch.manual_seed(0)                          # the same full model on every rank
-    full = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.ReLU())
-    return nn.Sequential(*list(full)[2 * rank: 2 * rank + 2])
+    pairs = [nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU()) for _ in range(chunks * world)]
+    return [(i, pairs[i]) for i in range(rank, chunks * world, world)]
 
 
 def run(out: str, rank: int, schedule: str) -> list:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
     world = dist.get_world_size()
-    module = stage_module(rank)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    sched = cls(stage, MICRO_BATCHES, loss_fn=lambda out, target: (out - target).square().mean())
+    chunks = 2 if schedule == "interleaved" else 1
+    mine = stage_modules(rank, world, chunks)
+    stages = [PipelineStage(m, i, chunks * world, torch.device("cpu")) for i, m in mine]
+    loss = lambda out, target: (out - target).square().mean()   # noqa: E731
+    if schedule == "interleaved":
+        module = nn.ModuleList([m for _, m in mine])
+        sched = ScheduleInterleaved1F1B(stages, MICRO_BATCHES, loss_fn=loss)
+    else:
+        module = mine[0][1]
+        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stages[0], MICRO_BATCHES, loss_fn=loss)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     ledger = torchledger.Ledger(module, optimizer=opt)
     x = torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(1))
@@ -59,7 +68,7 @@ def run(out: str, rank: int, schedule: str) -> list:
     return paths
 
 
-def main(out: str, schedules=("1f1b", "gpipe")) -> None:
+def main(out: str, schedules=("1f1b", "gpipe", "interleaved")) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
@@ -73,5 +82,6 @@ def main(out: str, schedules=("1f1b", "gpipe")) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        sys.exit("usage: torchrun --standalone --nproc_per_node 2 examples/pp_ranks.py OUT_DIR [1f1b|gpipe ...]")
-    main(sys.argv[1], tuple(sys.argv[2:]) or ("1f1b", "gpipe"))
+        sys.exit("usage: torchrun --standalone --nproc_per_node 2 examples/pp_ranks.py OUT_DIR "
+                 "[1f1b|gpipe|interleaved ...]")
+    main(sys.argv[1], tuple(sys.argv[2:]) or ("1f1b", "gpipe", "interleaved"))

@@ -1,6 +1,6 @@
 """Real pipeline-parallel steps (issue 22, item 1 on real tensors): examples/pp_ranks.py under
-torchrun (2 CPU ranks, gloo), PyTorch's own ``PipelineStage`` with ``Schedule1F1B`` and
-``ScheduleGPipe``; each rank's records checked by hand: every send and receive of the
+torchrun (2 CPU ranks, gloo), PyTorch's own ``PipelineStage`` with ``Schedule1F1B``,
+``ScheduleGPipe`` and ``ScheduleInterleaved1F1B`` (2 stages per rank); each rank's records checked by hand: every send and receive of the
 schedule recorded with its bytes, in the phase of the work it carries."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def pp_records(tmp_path_factory):
-    """OUT/{1f1b,gpipe}/step{0,1}/rank{0,1}.json."""
+    """OUT/{1f1b,gpipe,interleaved}/step{0,1}/rank{0,1}.json."""
     out = tmp_path_factory.mktemp("pp")
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
@@ -40,48 +40,67 @@ def pp_records(tmp_path_factory):
 
 
 def p2p(rec) -> dict:
-    """(op, phase) -> [count, bytes sent, bytes received] of the record's collectives."""
+    """(op, phase, module) -> [count, bytes sent, bytes received] of the record's collectives."""
     out = {}
     for c in rec["collectives"]:
-        row = out.setdefault((c["op"], c["phase"]), [0, 0, 0])
+        row = out.setdefault((c["op"], c["phase"], c["module"]), [0, 0, 0])
         row[0] += c["count"]
         row[1] += c["bytes"]
         row[2] += c["bytes_received"]
     return out
 
 
+def expected(rank: int, world: int, chunks: int, mb: int, m: int) -> dict:
+    """By hand: stage s of S = chunks x world (rank r holds r, r + world, ...) receives its
+    activations in forward unless first, sends them unless last; in backward it receives their
+    gradients unless last and sends its inputs' unless first; m micro-batches of mb bytes each.
+    The module: the stage's own (the traced model itself, or its ModuleList entry)."""
+    out, S = {}, chunks * world
+    for j, s in enumerate(range(rank, S, world)):
+        mod = "" if chunks == 1 else str(j)
+        if s > 0:
+            out[("recv", "forward", mod)] = [m, 0, m * mb]
+            out[("send", "backward", mod)] = [m, m * mb, 0]
+        if s < S - 1:
+            out[("send", "forward", mod)] = [m, m * mb, 0]
+            out[("recv", "backward", mod)] = [m, 0, m * mb]
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
 def test_a_stages_sends_and_receives_land_in_their_phase(pp_records, schedule):
     # 2 micro-batches of [4, 8] fp32 activations: 4*8*4 = 128 B each way per micro-batch
-    mb = 4 * 8 * 4
+    mb, m, chunks = 4 * 8 * 4, 2, 2 if schedule == "interleaved" else 1
     for step in (0, 1):
         recs = [json.loads((pp_records / schedule / f"step{step}" / f"rank{r}.json").read_text())
                 for r in (0, 1)]
         got = [p2p(rec) for rec in recs]
-        # stage 0 sends its activations in forward and receives their gradients in backward;
-        # stage 1 the other way round
-        assert {k: v for k, v in got[0].items() if k[1] != "other"} == \
-            {("send", "forward"): [2, 2 * mb, 0], ("recv", "backward"): [2, 0, 2 * mb]}
-        assert {k: v for k, v in got[1].items() if k[1] != "other"} == \
-            {("recv", "forward"): [2, 0, 2 * mb], ("send", "backward"): [2, 2 * mb, 0]}
-        for rec in recs:
-            assert all(c["module"] == "" for c in rec["collectives"] if c["phase"] != "other")  # the stage
-            assert rec["warnings"] == []
-        assert recs[0]["totals"]["comm_bytes"]["forward"] == recs[1]["totals"]["comm_bytes"]["backward"] == 2 * mb
-        assert recs[0]["totals"]["comm_bytes"]["backward"] == recs[1]["totals"]["comm_bytes"]["forward"] == 0
-        # what one rank sends the other receives, phase by phase
+        for r in (0, 1):
+            assert {k: v for k, v in got[r].items() if k[1] != "other"} == expected(r, 2, chunks, mb, m)
+            assert recs[r]["warnings"] == []
+            comm = recs[r]["totals"]["comm_bytes"]
+            for phase in ("forward", "backward"):     # totals: the bytes sent, phase by phase
+                assert comm[phase] == sum(v[1] for k, v in expected(r, 2, chunks, mb, m).items()
+                                          if k[1] == phase)
+        # what one rank sends the other receives, phase by phase (the set-up's "other" too)
         for phase in ("forward", "backward", "other"):
-            assert got[0].get(("send", phase), [0, 0])[1] == got[1].get(("recv", phase), [0, 0, 0])[2]
-            assert got[1].get(("send", phase), [0, 0])[1] == got[0].get(("recv", phase), [0, 0, 0])[2]
+            def total(g, op, i):
+                return sum(v[i] for k, v in g.items() if k[0] == op and k[1] == phase)
+            assert total(got[0], "send", 1) == total(got[1], "recv", 2)
+            assert total(got[1], "send", 1) == total(got[0], "recv", 2)
         if step == 1:        # the first step's set-up (vote, shape metadata) is not repeated
             assert all(k[1] != "other" for g in got for k in g)
-            # the step is the stage's: forward 2 micro-batches x 2*4*8*8 = 1024 FLOPs per rank;
-            # backward: the weight grads (1024), and on stage 1 its input grads too (1024)
-            assert [r["totals"]["flops"]["forward"] for r in recs] == [1024, 1024]
-            assert [r["totals"]["flops"]["backward"] for r in recs] == [1024, 2048]
+            # the step is the stage's: forward m x 2*4*8*8 = 1024 FLOPs per stage; backward
+            # the weight grads (1024), and the input grads (1024) on every stage but the first
+            fwd = [r["totals"]["flops"]["forward"] for r in recs]
+            bwd = [r["totals"]["flops"]["backward"] for r in recs]
+            if chunks == 1:
+                assert (fwd, bwd) == ([1024, 1024], [1024, 2048])
+            else:            # rank 0: stages 0 and 2, rank 1: stages 1 and 3
+                assert (fwd, bwd) == ([2048, 2048], [1024 + 2048, 2048 + 2048])
         else:
-            assert got[0][("send", "other")][0] == got[1][("recv", "other")][0] == 3
+            assert any(k[1] == "other" for k in got[0])
 
 
 def test_the_stage_methods_are_wrapped_only_for_the_step():
