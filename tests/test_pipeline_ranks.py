@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from torchledger.tracer.collectives import PIPELINE_SETUP_WARNING
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pp_ranks.py")
 
@@ -78,7 +80,8 @@ def test_a_stages_sends_and_receives_land_in_their_phase(pp_records, schedule):
         got = [p2p(rec) for rec in recs]
         for r in (0, 1):
             assert {k: v for k, v in got[r].items() if k[1] != "other"} == expected(r, 2, chunks, mb, m)
-            assert recs[r]["warnings"] == []
+            # the first step runs the stages' set-up, and its record says so
+            assert recs[r]["warnings"] == ([PIPELINE_SETUP_WARNING] if step == 0 else [])
             comm = recs[r]["totals"]["comm_bytes"]
             for phase in ("forward", "backward"):     # totals: the bytes sent, phase by phase
                 assert comm[phase] == sum(v[1] for k, v in expected(r, 2, chunks, mb, m).items()
@@ -101,22 +104,34 @@ def test_a_stages_sends_and_receives_land_in_their_phase(pp_records, schedule):
                 assert (fwd, bwd) == ([2048, 2048], [1024 + 2048, 2048 + 2048])
         else:
             assert any(k[1] == "other" for k in got[0])
+            # the set-up's metadata inference: each stage's forward once more, on one [4, 8]
+            # micro-batch (2*4*8*8 = 512 FLOPs, on meta tensors), counted and warned about
+            later = [json.loads((pp_records / schedule / "step1" / f"rank{r}.json").read_text())
+                     for r in (0, 1)]
+            assert [a["totals"]["flops"]["forward"] - b["totals"]["flops"]["forward"]
+                    for a, b in zip(recs, later)] == [512 * chunks] * 2
 
 
 def test_the_stage_methods_are_wrapped_only_for_the_step():
-    """The four methods that make a stage's P2POps are wrapped while a step is traced (the
-    pipelining module imported), and put back after, even when the step raises."""
+    """The four methods that make a stage's P2POps, and its two set-up methods, are wrapped
+    while a step is traced (the pipelining module imported), and put back after, even when the
+    step raises."""
     import torch
     import torch.nn as nn
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     import torchledger
+    from torch.distributed.pipelining.stage import PipelineStage
     names = ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops")
     before = [getattr(_PipelineStageBase, n) for n in names]
+    setup = ("_forward_metadata_inference", "_backward_metadata_inference")
+    before_setup = [PipelineStage.__dict__[n] for n in setup]
     m = nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="boom"):
         with torchledger.trace(m):
             assert all(getattr(_PipelineStageBase, n).__wrapped__ is f for n, f in zip(names, before))
+            assert all(PipelineStage.__dict__[n].__wrapped__ is f for n, f in zip(setup, before_setup))
             m(torch.ones(1, 2)).sum().backward()
             raise RuntimeError("boom")
     assert [getattr(_PipelineStageBase, n) for n in names] == before
+    assert [PipelineStage.__dict__[n] for n in setup] == before_setup

@@ -50,7 +50,9 @@ phase "other". ``pipeline_p2p_hook`` tags each ``P2POp`` the stage hands its sch
 (``get_fwd_recv_ops``/``get_fwd_send_ops``: forward; ``get_bwd_recv_ops``/
 ``get_bwd_send_ops``: backward) with its phase and the stage's module, and the send or receive
 of that tensor is recorded there. Known limitation: the schedule's first-step set-up (the
-stages' static/dynamic vote and their shape metadata, ``send_object_list``) stays in "other".
+stages' static/dynamic vote and their shape metadata, ``send_object_list``) stays in "other",
+and the FLOPs of its metadata inference (on meta tensors) are counted: a first step's record
+says so in its warnings.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..formulas.comm import bus_factor
 
 __all__ = ["COLLECTIVES", "IGNORED", "lookup", "collective_bytes", "bus_factor", "describe",
-           "InnerCollectives", "pipeline_p2p_hook", "p2p_tag"]
+           "InnerCollectives", "pipeline_p2p_hook", "p2p_tag", "PIPELINE_SETUP_WARNING"]
 
 #: (namespace, op) -> (plain op name, index of the input argument(s), index of the output
 #: argument(s) or None for the op's return value, index of the group argument, kind of group
@@ -265,11 +267,22 @@ _STAGE_P2P = {"get_fwd_recv_ops": "forward", "get_fwd_send_ops": "forward",
               "get_bwd_recv_ops": "backward", "get_bwd_send_ops": "backward"}
 
 
-def pipeline_p2p_hook(tags: dict, life, ours, module_index) -> None:
+#: ``PipelineStage``'s first-step set-up: each stage's forward (and backward) once on meta
+#: tensors, to learn the shapes it exchanges.
+_STAGE_SETUP = ("_forward_metadata_inference", "_backward_metadata_inference")
+PIPELINE_SETUP_WARNING = (
+    "pipeline set-up traced: this step is a schedule's first, which runs PyTorch's stage "
+    "metadata inference (each stage's forward, and backward, once on meta tensors) and exchanges "
+    "the stages' shapes; its FLOPs are in this record's and its p2p in phase 'other', beyond the "
+    "step's micro-batches: trace a later step (a Ledger's second) for the steady step")
+
+
+def pipeline_p2p_hook(tags: dict, life, ours, module_index, warn) -> None:
     """For the trace, wrap the four methods of ``torch.distributed.pipelining``'s stages that
     make their ``P2POp`` lists: each op's tensor goes into ``tags`` (id -> (weakref, phase
-    name, module index of the stage's ``submod`` via ``module_index``, or -1)). Nothing is
-    imported or patched unless the step's process imported ``torch.distributed.pipelining``
+    name, module index of the stage's ``submod`` via ``module_index``, or -1)); and the stage's
+    first-step metadata inference, which ``warn`` s once (``PIPELINE_SETUP_WARNING``). Nothing
+    is imported or patched unless the step's process imported ``torch.distributed.pipelining``
     (a step without pipeline stages is untouched). Calls on threads that are not the step's
     (``ours()`` false) go straight to the original."""
     stage_mod = sys.modules.get("torch.distributed.pipelining.stage")
@@ -281,6 +294,23 @@ def pipeline_p2p_hook(tags: dict, life, ours, module_index) -> None:
         if original is None:            # a torch whose stages make their ops elsewhere
             continue
         life.patch(base, name, _tagging(original, phase, tags, ours, module_index))
+    stage_cls = getattr(stage_mod, "PipelineStage", None)
+    warned = []
+    for name in _STAGE_SETUP:
+        original = stage_cls.__dict__.get(name) if stage_cls is not None else None
+        if callable(original):
+            life.patch(stage_cls, name, _noting(original, ours, warn, warned))
+
+
+def _noting(original, ours, warn, warned: list):
+    def setup(stage, *args, **kwargs):
+        if ours() and not warned:
+            warned.append(True)
+            warn(PIPELINE_SETUP_WARNING)
+        return original(stage, *args, **kwargs)
+    setup.__wrapped__ = original
+    setup.__name__ = original.__name__
+    return setup
 
 
 def _tagging(original, phase: str, tags: dict, ours, module_index):
