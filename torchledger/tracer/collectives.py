@@ -41,10 +41,23 @@ not when ``wait()`` returns; a collective whose process group cannot be resolved
 recorded (the record's warnings name it: "op not recorded: ..."); collectives that never
 reach the dispatcher (a compiled region's fused kernels, NCCL calls from C++ extensions) are
 invisible to any dispatch mode: torch.compile'd steps are traced by ``tracer/compiled.py``.
+
+Pipeline parallel (``torch.distributed.pipelining``): a schedule sends and receives a stage's
+activations and gradients between its stage's forward and backward calls, outside any module
+and any autograd node, and 1F1B fires one micro-batch's forward sends and the next one's
+backward receives in one ``batch_isend_irecv``; the dispatch mode alone would put them all in
+phase "other". ``pipeline_p2p_hook`` tags each ``P2POp`` the stage hands its schedule
+(``get_fwd_recv_ops``/``get_fwd_send_ops``: forward; ``get_bwd_recv_ops``/
+``get_bwd_send_ops``: backward) with its phase and the stage's module, and the send or receive
+of that tensor is recorded there. Known limitation: the schedule's first-step set-up (the
+stages' static/dynamic vote and their shape metadata, ``send_object_list``) stays in "other",
+and the FLOPs of its metadata inference (on meta tensors) are counted: a first step's record
+says so in its warnings.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..formulas.comm import bus_factor
 
 __all__ = ["COLLECTIVES", "IGNORED", "lookup", "collective_bytes", "bus_factor", "describe",
-           "InnerCollectives"]
+           "InnerCollectives", "pipeline_p2p_hook", "p2p_tag", "PIPELINE_SETUP_WARNING"]
 
 #: (namespace, op) -> (plain op name, index of the input argument(s), index of the output
 #: argument(s) or None for the op's return value, index of the group argument, kind of group
@@ -247,3 +260,85 @@ class InnerCollectives(TorchDispatchMode):
             except Exception as e:  # noqa: BLE001  a hook must never kill training
                 self.ledger._error(func, e)
         return out
+
+
+#: The stage methods that hand a schedule its p2p ops, and the phase of those ops.
+_STAGE_P2P = {"get_fwd_recv_ops": "forward", "get_fwd_send_ops": "forward",
+              "get_bwd_recv_ops": "backward", "get_bwd_send_ops": "backward"}
+
+
+#: ``PipelineStage``'s first-step set-up: each stage's forward (and backward) once on meta
+#: tensors, to learn the shapes it exchanges.
+_STAGE_SETUP = ("_forward_metadata_inference", "_backward_metadata_inference")
+PIPELINE_SETUP_WARNING = (
+    "pipeline set-up traced: this step is a schedule's first, which runs PyTorch's stage "
+    "metadata inference (each stage's forward, and backward, once on meta tensors) and exchanges "
+    "the stages' shapes; its FLOPs are in this record's and its p2p in phase 'other', beyond the "
+    "step's micro-batches: trace a later step (a Ledger's second) for the steady step")
+
+
+def pipeline_p2p_hook(tags: dict, life, ours, module_index, warn) -> None:
+    """For the trace, wrap the four methods of ``torch.distributed.pipelining``'s stages that
+    make their ``P2POp`` lists: each op's tensor goes into ``tags`` (id -> (weakref, phase
+    name, module index of the stage's ``submod`` via ``module_index``, or -1)); and the stage's
+    first-step metadata inference, which ``warn`` s once (``PIPELINE_SETUP_WARNING``). Nothing
+    is imported or patched unless the step's process imported ``torch.distributed.pipelining``
+    (a step without pipeline stages is untouched). Calls on threads that are not the step's
+    (``ours()`` false) go straight to the original."""
+    stage_mod = sys.modules.get("torch.distributed.pipelining.stage")
+    base = getattr(stage_mod, "_PipelineStageBase", None)
+    if base is None:
+        return
+    for name, phase in _STAGE_P2P.items():
+        original = getattr(base, name, None)
+        if original is None:            # a torch whose stages make their ops elsewhere
+            continue
+        life.patch(base, name, _tagging(original, phase, tags, ours, module_index))
+    stage_cls = getattr(stage_mod, "PipelineStage", None)
+    warned = []
+    for name in _STAGE_SETUP:
+        original = stage_cls.__dict__.get(name) if stage_cls is not None else None
+        if callable(original):
+            life.patch(stage_cls, name, _noting(original, ours, warn, warned))
+
+
+def _noting(original, ours, warn, warned: list):
+    def setup(stage, *args, **kwargs):
+        if ours() and not warned:
+            warned.append(True)
+            warn(PIPELINE_SETUP_WARNING)
+        return original(stage, *args, **kwargs)
+    setup.__wrapped__ = original
+    setup.__name__ = original.__name__
+    return setup
+
+
+def _tagging(original, phase: str, tags: dict, ours, module_index):
+    def make_ops(stage, *args, **kwargs):
+        ops = original(stage, *args, **kwargs)
+        if ours():
+            try:
+                mod = module_index(getattr(stage, "submod", None))
+                for op in ops:
+                    t = getattr(op, "tensor", None)
+                    if isinstance(t, torch.Tensor):
+                        tags[id(t)] = (weakref.ref(t), phase, mod)
+            except Exception:  # noqa: BLE001  a hook must never kill training: the op stays in "other"
+                pass
+        return ops
+    make_ops.__wrapped__ = original
+    make_ops.__doc__ = original.__doc__
+    make_ops.__name__ = original.__name__
+    return make_ops
+
+
+def p2p_tag(tags: dict, args):
+    """(phase name, module index) of a send or receive whose tensor a stage tagged (the entry
+    is used up), else None. ``args[0]``: the c10d op's tensor list (``send``/``recv_``) or the
+    functional op's tensor."""
+    first = args[0] if args else None
+    t = first[0] if isinstance(first, (list, tuple)) and len(first) == 1 else first
+    entry = tags.pop(id(t), None) if isinstance(t, torch.Tensor) else None
+    if entry is None or entry[0]() is not t:
+        return None
+    return entry[1], entry[2]

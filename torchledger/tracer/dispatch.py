@@ -18,7 +18,7 @@ from bisect import bisect_right
 
 from torch._C._autograd import _get_sequence_nr
 
-from .collectives import FSDP_COPY_OUT, IGNORED, InnerCollectives, describe, lookup
+from .collectives import COLLECTIVES, FSDP_COPY_OUT, IGNORED, InnerCollectives, describe, lookup, p2p_tag
 from .flops import FlopCount, grads_needed, op_flops
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
@@ -187,6 +187,8 @@ class LedgerMode(TorchDispatchMode):
         self.collectives: dict = {}  # (op, group size, group span, phase, module, location) -> [count, sent, received, algo, bus]
         self.on_collective = None    # callback(op, func, args, kwargs, out) after a collective (dist_memory)
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
+        self.p2p_ids = frozenset(id(f) for f, row in COLLECTIVES.items() if row[0] in ("send", "recv"))
+        self.p2p_tags: dict = {}     # id(tensor) -> (weakref, phase name, module) of a pipeline stage's P2POp
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or _NO_KWARGS       # shared, never written: no dict made per op
@@ -209,6 +211,8 @@ class LedgerMode(TorchDispatchMode):
                     scope.recomputing_in(mod)
                 else:
                     phase, mod = BACKWARD, scope.module_of_node(node)
+            elif self.p2p_tags and id(func) in self.p2p_ids and (tag := p2p_tag(self.p2p_tags, args)):
+                phase, mod = PHASES.index(tag[0]), tag[1]   # a pipeline stage's send/receive
             elif self.in_optimizer:
                 phase, mod = OPTIMIZER, scope.top
             elif scope.stack or (_grad_enabled() and _needs_grad(args)):

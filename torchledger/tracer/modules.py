@@ -154,5 +154,10 @@ class ModuleScope:
         self._node_cache[seq] = mod
         return mod
 
+    def index_of(self, module) -> int:
+        """The index of ``module`` in the tree, NO_MODULE when it is not in it."""
+        i = self._index.get(id(module))
+        return i if i is not None and self._refs[i]() is module else NO_MODULE
+
     def name(self, i: int) -> str:
         return self.names[i] if i >= 0 else "(no module)"

@@ -20,6 +20,7 @@ import torch
 
 from ..record import StepRecord
 from .build import build_record
+from .collectives import pipeline_p2p_hook
 from .compiled import observe_run
 from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
 from .fake import foreign_fake_params
@@ -134,6 +135,7 @@ class StepTracer:
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                 undo(p.register_post_accumulate_grad_hook(self._grad_ready).remove)
         attention_hook(self.mode, life, self._ours)
+        pipeline_p2p_hook(self.mode.p2p_tags, life, self._ours, self.scope.index_of, self._warn)  # PP stages
         install_distributed(self, life)      # a distributed step only: FSDP's gathered parameters
         if self.cuda is not None and self.memory_history:
             from .cuda_history import CudaMemoryHistory
