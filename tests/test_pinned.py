@@ -167,6 +167,20 @@ def test_rank_time_at_exactly_the_threshold_is_not_a_finding():
     assert "TL-RANK-002" in _rules(over)
 
 
+def test_pipeline_stages_are_not_judged_as_uneven_ranks():
+    # two pipeline stages hold different layers: peaks 100 / 200, FLOPs 1,000 / 1,500 differ by
+    # design; the same ranks without p2p between stages are uneven data-parallel ranks
+    a, b = _rank(0, world=2), _rank(1, world=2, peak=200, flops=1500)
+    assert set(_rules(merge_ranks([a, b]))) == {"TL-RANK-001", "TL-RANK-003"}
+    a.collectives = [{"op": "send", "phase": "forward", "bytes": 128, "group_size": 2, "count": 2}]
+    b.collectives = [{"op": "recv", "phase": "forward", "bytes": 0, "group_size": 2, "count": 2}]
+    merged = merge_ranks([a, b])
+    assert merged["pipeline_stages"] and _rules(merged) == []
+    slow = _rank(1, world=2, peak=200, flops=1500, secs=2.0)
+    slow.collectives = b.collectives
+    assert _rules(merge_ranks([a, slow])) == ["TL-RANK-002"]          # a straggler still is one
+
+
 # -- 9. a mesh with a 0-sized dim is not a shape ---------------------------------------------------
 def test_a_zero_sized_mesh_dim_is_refused():
     for bad in ([8, 0], (0,), [2, -1]):

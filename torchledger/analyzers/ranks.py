@@ -19,6 +19,10 @@ Pure: records in, a plain dict out (the shape of ``report --format json``, schem
   missing``): a rank that failed or was killed before saving; the skew covers the ranks given.
   :func:`lone_rank_findings` makes the same finding for one record of a multi-rank run.
 
+Ranks that send and receive between pipeline stages (p2p ``send``/``recv`` in forward or
+backward) hold different layers and do different work by design: TL-RANK-001 and TL-RANK-003
+are not made for them (``pipeline_stages`` in the merge says so); stragglers still are.
+
 Known limitations: ranks are compared with the median rank, so in a world of two the
 median is their mean (a rank 25% above the other is 11% above the median). Step times of a
 traced step include the tracer's overhead, alike on every rank.
@@ -61,9 +65,17 @@ def merge_ranks(records, names=None, options=None) -> dict:
     rows = sorted((_row(r, n) for r, n in zip(records, names)), key=lambda row: row["rank"])
     skew = {key: _skew(rows, key) for key, _ in SKEWED}
     missing = _missing(rows, world)
+    stages = any(_pipeline_stage(r) for r in records)
     return {"schema": SCHEMA, "world_size": world, "mesh": records[0].totals.get("mesh"),
             "ranks": rows, "missing_ranks": missing, "missing_count": world - len(rows),
-            "skew": skew, "findings": _findings(rows, skew, opts) + _missing_finding(rows, missing, world)}
+            "skew": skew, "pipeline_stages": stages,
+            "findings": _findings(rows, skew, opts, stages) + _missing_finding(rows, missing, world)}
+
+
+def _pipeline_stage(record) -> bool:
+    """The rank sends or receives between pipeline stages in its forward or backward."""
+    return any(isinstance(c, dict) and c.get("op") in ("send", "recv") and c.get("phase") in ("forward", "backward")
+               for c in getattr(record, "collectives", None) or ())
 
 
 def lone_rank_findings(record, name: str = "the record") -> list:
@@ -162,12 +174,12 @@ def _skew(rows, key) -> dict:
             "ranks": len(have)}
 
 
-def _findings(rows, skew, opts) -> list:
+def _findings(rows, skew, opts, stages: bool = False) -> list:
     out = []
     if len(rows) < 2:
         return out
     peak, time, flops = skew["peak_bytes"], skew["step_seconds"], skew["flops"]
-    for row in rows:                                      # each rank above the median, by rank
+    for row in [] if stages else rows:                    # each rank above the median, by rank
         if peak["median"] and row["peak_bytes"] > peak["median"] * (1 + opts["rank_peak_skew"]):
             out.append(Finding(
                 "TL-RANK-001", "warning",
@@ -188,7 +200,7 @@ def _findings(rows, skew, opts) -> list:
                 measured=secs, expected=time["median"],
                 hint="uneven data or work on that rank, a slower or shared device, or rank-0-only work "
                      "(logging, checkpointing) inside the step"))
-    if flops["min"] is not None and flops["max"] > flops["min"] * (1 + opts["rank_flops_skew"]):
+    if not stages and flops["min"] is not None and flops["max"] > flops["min"] * (1 + opts["rank_flops_skew"]):
         out.append(Finding(
             "TL-RANK-003", "warning",
             f"FLOPs differ across ranks: rank {flops['max_rank']} did {fmt_count(flops['max'])}, "
