@@ -36,9 +36,8 @@ import textwrap
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_RUNS = os.path.join(HERE, "..", "..", "..", "shared", "calibration-runs.json")
-if not os.path.exists(DEFAULT_RUNS):
-    DEFAULT_RUNS = "/work/shared/calibration-runs.json"
+# ../shared/ beside the repository (this file is benchmarks/predict_published.py)
+DEFAULT_RUNS = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "calibration-runs.json"))
 
 SPEC = textwrap.dedent('''
     import torch
