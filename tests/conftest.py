@@ -88,6 +88,26 @@ def fake_pg():
         dist.destroy_process_group()
 
 
+def run_torchrun(script: str, out, nproc: int = 2, timeout: int = 90) -> None:
+    """``script OUT`` under torchrun (``nproc`` CPU ranks on a free port, one thread each),
+    failing the test with torchrun's stderr if it fails or outlives ``timeout`` seconds."""
+    import socket
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{port}", script, str(out)]
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun did not finish in {timeout} s: {(e.stderr or '')[-2000:]}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,4 +1,4 @@
-"""Real pipeline-parallel steps (issue 22, item 1 on real tensors): examples/pp_ranks.py under
+"""Real pipeline-parallel steps: examples/pp_ranks.py under
 torchrun (2 CPU ranks, gloo), PyTorch's own ``PipelineStage`` with ``Schedule1F1B``,
 ``ScheduleGPipe`` and ``ScheduleInterleaved1F1B`` (2 stages per rank); each rank's records checked by hand: every send and receive of the
 schedule recorded with its bytes, in the phase of the work it carries."""
@@ -6,38 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
 from torchledger.tracer.collectives import PIPELINE_SETUP_WARNING
+from conftest import run_torchrun  # noqa: E402  (the shared torchrun launcher)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pp_ranks.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def pp_records(tmp_path_factory):
     """OUT/{1f1b,gpipe,interleaved}/step{0,1}/rank{0,1}.json."""
     out = tmp_path_factory.mktemp("pp")
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{port}", EXAMPLE, str(out)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun did not finish in 90 s: {(e.stderr or '')[-2000:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_torchrun(EXAMPLE, out)
     return out
 
 

@@ -11,9 +11,6 @@ import copy
 import importlib.util
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ from torchledger.render.ranks import RANK_COLUMNS, RANK_FORMATS, render_ranks
 from torchledger.rules import title as rule_title
 from torchledger.render.output import launcher_rank, rank_path
 from torchledger.tracer.ranks import mesh_shape, rank_totals
+from conftest import run_torchrun  # noqa: E402  (the shared torchrun launcher)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "ddp_ranks.py")
@@ -308,26 +306,11 @@ def test_one_record_renders_as_before():
 
 
 # -- real ranks: torchrun, 2 CPU processes over gloo ---------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def torchrun_records(tmp_path_factory):
     """examples/ddp_ranks.py under torchrun: runs/{ddp,fsdp}/rank{0,1}.json."""
     out = tmp_path_factory.mktemp("ranks")
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{port}", EXAMPLE, str(out)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun did not finish in 90 s: {(e.stderr or '')[-2000:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_torchrun(EXAMPLE, out)
     return out
 
 
