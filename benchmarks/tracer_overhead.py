@@ -102,6 +102,11 @@ def bench_small(repeats: int) -> dict:
     runs = variants(model, opt, inputs)
     for fn in runs.values():          # warm-up: optimizer state, allocator, lazy inits
         fn()
+    return _summary(*_interleaved(runs, repeats), "untraced")
+
+
+def _interleaved(runs: dict, repeats: int) -> tuple:
+    """Wall and CPU seconds of each variant, run one after another ``repeats`` times."""
     times = {k: [] for k in runs}
     cpu = {k: [] for k in runs}
     for _ in range(repeats):
@@ -110,7 +115,7 @@ def bench_small(repeats: int) -> dict:
             fn()
             times[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
-    return _summary(times, cpu, "untraced")
+    return times, cpu
 
 
 def _summary(times: dict, cpu: dict, base_key: str) -> dict:
@@ -144,14 +149,7 @@ def bench_fake_7b(repeats: int) -> dict:
 
         runs = {"untraced fake": untraced, "torchledger fake": traced,
                 "pass-through dispatch mode fake": pass_through}
-        times = {k: [] for k in runs}
-        cpu = {k: [] for k in runs}
-        for _ in range(repeats):
-            for k, fn in runs.items():
-                c0, t0 = time.process_time(), time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c0)
+        times, cpu = _interleaved(runs, repeats)
     return _summary(times, cpu, "untraced fake")
 
 
