@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from _thread import get_ident
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -189,8 +190,13 @@ class LedgerMode(TorchDispatchMode):
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
         self.p2p_ids = frozenset(id(f) for f, row in COLLECTIVES.items() if row[0] in ("send", "recv"))
         self.p2p_tags: dict = {}     # id(tensor) -> (weakref, phase name, module) of a pipeline stage's P2POp
+        self.attached = None         # the FakeTensorMode observed from inside (``attach``), if any
+        self._inside = False         # attached: an op is being observed (nested ones are the mode's own)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None, run=None):
+        """One op. As a mode on the stack, ``run`` is None and the op runs as ``func(*args,
+        **kwargs)`` (the modes below it next); attached to a FakeTensorMode (``attach``),
+        ``run`` is that mode's own ``dispatch``."""
         kwargs = kwargs or _NO_KWARGS       # shared, never written: no dict made per op
         if id(func) in _PASSTHROUGH or self.quiet:   # metadata queries (fake tensors ask prim.device often)
             if func is _PRIM_DEVICE and self._fake is not None and len(args) == 1 and type(args[0]) is self._fake:
@@ -199,7 +205,7 @@ class LedgerMode(TorchDispatchMode):
                 # more than the rest of this method
                 a = args[0]
                 return _META if a.fake_mode.in_kernel_invocation else a.fake_device
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if run is None else run(func, types, args, kwargs)
         try:                    # where we are is known before the op runs (CUDA marks need it)
             node = _current_node()
             scope = self.scope
@@ -226,7 +232,13 @@ class LedgerMode(TorchDispatchMode):
         except Exception as e:  # a hook must never kill training
             node, phase, mod = None, FORWARD, NO_MODULE
             self._error(func, e)
-        if types and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
+        if run is not None:
+            if types and _has_wrapper(types):    # not expected attached (see ``attach``): the
+                self._error(func, RuntimeError(    # fake mode declines it, its local ops come next
+                    "a tensor subclass op reached the fake mode; its local ops are counted"))
+                return run(func, types, args, kwargs)
+            out = run(func, types, args, kwargs)
+        elif types and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
             with InnerCollectives(self, phase, mod, _is_wrapper):
                 out = func(*args, **kwargs)
         else:
@@ -236,6 +248,29 @@ class LedgerMode(TorchDispatchMode):
         except Exception as e:
             self._error(func, e)
         return out
+
+    def attach(self, fake_mode, life, thread: int) -> None:
+        """Observe the step from inside ``fake_mode`` rather than as a mode above it: its
+        ``dispatch`` (looked up on the instance by ``FakeTensorMode.__torch_dispatch__``) is
+        wrapped for the step, so each op crosses into Python once instead of twice. The ops
+        seen are the same: those that reach the fake mode from above, on the tracing thread
+        (not the ones it runs itself for a decomposition: ``_inside``). For a step whose only
+        dispatch mode is ``fake_mode`` (see ``StepTracer``), where a mode pushed above it
+        would be next in line anyway."""
+        original = fake_mode.dispatch
+        observe = self.__torch_dispatch__
+
+        def dispatch(func, types, args=(), kwargs=None):
+            if self._inside or get_ident() != thread:
+                return original(func, types, args, kwargs)
+            self._inside = True
+            try:
+                return observe(func, types, args, kwargs, original)
+            finally:
+                self._inside = False
+
+        self.attached = fake_mode
+        life.patch_instance(fake_mode, "dispatch", dispatch)
 
     def _error(self, func, e) -> None:
         if len(self.errors) < 20:

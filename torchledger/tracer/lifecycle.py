@@ -104,6 +104,21 @@ class Installed:
         self.undo.append(lambda: getattr(obj, name) is new and setattr(obj, name, old))
         setattr(obj, name, new)
 
+    def patch_instance(self, obj, name: str, new) -> None:
+        """Set ``name`` on ``obj`` itself (over its class's attribute), undone only while ``new``
+        is still the one there: the attribute it had of its own goes back, else it is deleted."""
+        own = vars(obj)
+        had, old = name in own, own.get(name)
+
+        def undo():
+            if vars(obj).get(name) is new:
+                if had:
+                    setattr(obj, name, old)
+                else:
+                    delattr(obj, name)
+        self.undo.append(undo)
+        setattr(obj, name, new)
+
     def dispatch_mode(self, mode) -> None:
         """Enter ``mode`` (last: nothing of ours then runs under it)."""
         flags = {k: getattr(_pd, k) for k in _FLAGS if hasattr(_pd, k)}   # torch-version private

@@ -22,7 +22,7 @@ from ..record import StepRecord
 from .build import build_record
 from .collectives import pipeline_p2p_hook
 from .compiled import observe_run
-from .dispatch import BACKWARD, PHASES, LedgerMode, attention_hook
+from .dispatch import BACKWARD, PHASES, LedgerMode, _is_wrapper, attention_hook
 from .fake import foreign_fake_params
 from .dist_memory import install_distributed
 from .lifecycle import ACTIVE, TRIES, Installed, in_tls
@@ -58,6 +58,10 @@ class StepTracer:
     caller's and the autograd engine's are not seen; memory the step allocates through
     means other than aten ops (custom C++ extensions that allocate internally) is invisible.
     """
+
+    #: Observe a fake step from inside its FakeTensorMode where that sees the same ops
+    #: (``_fake_mode_to_attach``); False: always as a dispatch mode on the stack (tests compare both)
+    attach_fake = True
 
     def __init__(self, model: torch.nn.Module, optimizer=None, tokens=None, *,
                  clock=time.perf_counter, peak_flops=None, step_index: int = 0, seq_len=None,
@@ -147,7 +151,33 @@ class StepTracer:
         life.undo.append(self.storages.close)
         self._cuda_mark("start")
         self._t0 = self.clock()
-        life.dispatch_mode(self.mode)
+        fake = self._fake_mode_to_attach() if self.attach_fake else None
+        if fake is not None:
+            self.mode.attach(fake, life, self._thread)
+        else:
+            life.dispatch_mode(self.mode)
+
+    def _fake_mode_to_attach(self):
+        """The FakeTensorMode this step runs under, when the tracer can observe it from inside
+        (``LedgerMode.attach``: half the Python crossings per op) and see the same ops a
+        dispatch mode pushed above it would: it is the only dispatch mode, a plain
+        FakeTensorMode's dispatch, no DTensor parameters and no process group (a distributed
+        step's collectives and DTensor ops are seen from above), no CUDA parameters (their
+        backward runs on the engine's device threads). Else None."""
+        if self.cuda is not None or torch._C._len_torch_dispatch_stack() != 1:
+            return None
+        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if fake is None or "dispatch" in vars(fake):
+            return None
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        if type(fake).__torch_dispatch__ is not FakeTensorMode.__torch_dispatch__:
+            return None
+        dist = getattr(torch, "distributed", None)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return None
+        if any(_is_wrapper(type(p)) for p in self._params):
+            return None
+        return fake
 
     def _reset(self, model) -> None:
         """The per-step recorder, fresh."""
