@@ -20,10 +20,10 @@ from bisect import bisect_right
 from torch._C._autograd import _get_sequence_nr
 
 from .collectives import COLLECTIVES, FSDP_COPY_OUT, IGNORED, InnerCollectives, describe, lookup, p2p_tag
-from .flops import FlopCount, grads_needed, op_flops
+from .flops import FlopCount, grads_needed, handler_of, is_free
 from .memory import TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
-from .opshapes import note_op   # the step-time model's per-op facts
+from .opshapes import ShapeLog, close_chain, note_op   # the step-time model's per-op facts
 
 __all__ = ["LedgerMode", "PHASES"]
 
@@ -82,9 +82,8 @@ except ImportError:
     _COLLECTIVE_SKIP = _SKIP_DIRS
 
 
-#: id(func) -> (aliases an input, is a copy, is a permute, zeroes (1) / scales (2), gathers):
-#: what an op's schema says, worked out once per process; the ops are pinned in _PINNED so an
-#: id is never reused by another object
+#: id(func) -> what an op's schema says (``LedgerMode._static``), worked out once per process;
+#: the ops are pinned in _PINNED so an id is never reused by another object
 _FINFO: dict = {}
 _PINNED: list = []
 
@@ -163,7 +162,8 @@ class LedgerMode(TorchDispatchMode):
         self.phase_changes: list = []   # (op index, phase) where the phase changed
         self._last_phase = -1
         self.on_phase = None         # callback(phase) at phase changes (CUDA memory marks)
-        self._finfo = {}             # id(func) -> (is alias, is copy, is permute, zeroes)
+        self._finfo = {}             # id(func) -> what its schema says (``_static``)
+        self.shape_log = ShapeLog()  # matmul/attention shapes and elementwise chains (opshapes.py)
         self.grad_watch = False      # after an optimizer step: note grads being zeroed
         self.zeroed: set = set()
         self.scalar_sites: dict = {}  # op index -> user line, for 0-dim forward outputs
@@ -279,9 +279,10 @@ class LedgerMode(TorchDispatchMode):
     def _record(self, func, args, kwargs, out, node, phase, mod):
         idx = self.n_ops
         self.n_ops = idx + 1
-        if self.storages.dead:          # storages freed since the last op died at op idx
-            self.storages.drain()
-        self.storages.now = idx + 1
+        st = self.storages
+        if st.dead:                     # storages freed since the last op died at op idx
+            st.drain()
+        st.now = idx + 1
         self.op_phase.append(phase)
         if phase != self._last_phase:
             self._last_phase = phase
@@ -296,77 +297,111 @@ class LedgerMode(TorchDispatchMode):
             return
         info = self._finfo.get(fid)
         if info is None:
-            info = _FINFO.get(fid)
-            if info is None:
-                info = _FINFO[fid] = (_is_alias_op(func), func in _COPY_OPS, func in _PERMUTE_OPS,
-                                      1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
-                                      func in _GATHER_OPS)
-                _PINNED.append(func)
-            self._finfo[fid] = info
-            self.funcs[fid] = func
-        alias = info[0]
+            info = self._static(func, fid)
+        alias, handler = info[0], info[5]
+        if info[6] and self._view_checked.get(fid):
+            # a view (alias op, no formula but "free", confirmed by storage identity): no FLOPs,
+            # no bytes, no storage; what the general path below does for it, in short
+            self.op_module.append(mod)
+            self.op_func.append(fid)
+            self.op_flops.append(0)
+            key = (phase, mod, fid)
+            row = self.agg.get(key)
+            if row is None:
+                row = self.agg[key] = [0, 0, 0, 0, 0]
+                if fid not in self.kinds:
+                    self.kinds[fid] = "free"
+            row[0] += 1
+            self.views[phase] += 1
+            if info[3] and self.grad_watch:
+                self._zeroed(args[0])
+            if self._copied and info[2] and phase == FORWARD:
+                self._check_undone(args, out)
+            return
 
-        fc = op_flops(func, args, kwargs, out)
-        if fc is not None and fc.flops and _is_wrapper(type(out)):   # DTensor op: this rank's share
-            fc = _local_flops(fc, out)
-        if fc is not None and fc.kind == "matmul":
+        fc = handler(args, kwargs, out) if handler is not None else None
+        kind = fc.kind if fc is not None else None
+        if kind is not None and fc.flops:
+            wrapper = _WRAPPERS.get(type(out))
+            if wrapper is None:
+                wrapper = _is_wrapper(type(out))
+            if wrapper:                 # DTensor op: this rank's share
+                fc = _local_flops(fc, out)
+        if kind == "matmul":
             if phase == FORWARD and not self.sdpa_depth:
                 fc = self._unwrapped_sdpa(func, fc, mod)
             elif self.sdpa_depth or self.attn_ranges:
                 causal = self._in_attention(phase, node)
                 if causal is not None:  # a matmul of the SDPA math path: attention, not a layer
                     fc = FlopCount("attention", fc.flops, fc.flops // 2 if causal else fc.flops)
-            if fc.kind == "attention":
+            kind = fc.kind
+            if kind == "attention":
                 func = self._as_math_attention(func)
                 fid = id(func)
+            elif phase == FORWARD and mod >= 0:
+                mod = self._weight_module(args, mod)
         elif func is _SAFE_SOFTMAX and phase == FORWARD and not self.sdpa_depth:
             self._unwrapped_sdpa(func, fc, mod)
-        if phase == FORWARD and fc is not None and fc.kind == "matmul" and mod >= 0:
-            mod = self._weight_module(args, mod)
+        matmul = kind == "matmul" or kind == "attention"
         self.op_module.append(mod)
         self.op_func.append(fid)
-        self.op_flops.append(fc.flops if fc is not None and (fc.kind == "matmul" or fc.kind == "attention")
-                             else 0)
+        self.op_flops.append(fc.flops if matmul else 0)
         key = (phase, mod, fid)
         row = self.agg.get(key)
         if row is None:
             row = self.agg[key] = [0, 0, 0, 0, 0]
             if fid not in self.kinds:
-                self.kinds[fid] = fc.kind if fc is not None else None
+                self.kinds[fid] = kind
         row[0] += 1
-        if fc is None:
+        if kind is None:
             ukey = (fid, phase, mod)
             self.uncounted[ukey] = self.uncounted.get(ukey, 0) + 1
-        else:
-            kind = fc.kind
-            if kind == "matmul" or kind == "attention":
-                row[1] += fc.flops
-                row[2] += fc.flops_causal
-                if kind == "attention":
-                    name = func.kernel_name if type(func) is MathAttention else func._schema.name.split("::")[-1]
-                    self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
-                elif phase == FORWARD:
-                    if self._note_matmul_params(args):
-                        self.param_matmul_flops += fc.flops
-                        self.param_grad_flops += fc.flops * grads_needed(func, args)
-            elif kind == "elementwise":
-                self.elementwise[phase] += fc.flops
-            elif alias and self._is_view(func, args, out):   # no bytes move, no storage is made
-                self.views[phase] += 1
-                if info[3] and self.grad_watch:
-                    self._zeroed(args[0])
-                if self._copied and info[2] and phase == FORWARD:
-                    self._check_undone(args, out)
-                return
+        elif matmul:
+            row[1] += fc.flops
+            row[2] += fc.flops_causal
+            if kind == "attention":
+                name = func.kernel_name if type(func) is MathAttention else func._schema.name.split("::")[-1]
+                self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
+            elif phase == FORWARD:
+                if self._note_matmul_params(args):
+                    self.param_matmul_flops += fc.flops
+                    self.param_grad_flops += fc.flops * grads_needed(func, args)
+        elif kind == "elementwise":
+            self.elementwise[phase] += fc.flops
+        elif alias and self._is_view(func, args, out):   # no bytes move, no storage is made
+            self.views[phase] += 1
+            if info[3] and self.grad_watch:
+                self._zeroed(args[0])
+            if self._copied and info[2] and phase == FORWARD:
+                self._check_undone(args, out)
+            return
 
-        track = not alias or self._view_checked.get(id(func)) is False   # an "alias" that copied
+        track = not alias or self._view_checked.get(fid) is False   # an "alias" that copied
         try:
             read, written = self._io(args, out, track, idx, func, phase)
         except (RuntimeError, NotImplementedError):  # sparse: no nbytes, no single storage
-            read, written = self._io(args, out, track, idx, func, phase, nbytes=tensor_bytes, storages=storages)
+            read, written = self._io(args, out, track, idx, func, phase, tensor_bytes, storages)
         row[3] += read
         row[4] += written
-        note_op(self, fid, func, args, phase, mod, fc, read, written)   # shapes + fusion chains (opshapes.py)
+        if matmul:
+            note_op(self.shape_log, fid, func, args, phase, mod, fc)   # shapes (opshapes.py)
+        elif read or written:
+            # a memory-bound op: it extends the open elementwise chain of its phase, or starts
+            # one (opshapes.py's fused_bytes/fused_kernels; inline: every such op comes here)
+            log = self.shape_log
+            chain = log.chain
+            if chain is not None and chain[0] == phase:
+                chain[1] = key
+                chain[2] = written
+            else:
+                if chain is not None:
+                    close_chain(log)
+                frow = log.fuse.get(key)
+                if frow is None:
+                    frow = log.fuse[key] = [0, 0]
+                frow[0] += read
+                frow[1] += 1
+                log.chain = [phase, key, written]
         if info[1]:
             self._note_copy(func, args, kwargs, out, phase, mod, written)
         elif info[4] and phase != BACKWARD:
@@ -379,14 +414,34 @@ class LedgerMode(TorchDispatchMode):
             if isinstance(first, _Tensor) and first.dim() == 0:
                 self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
 
+    def _static(self, func, fid) -> tuple:
+        """What ``func``'s schema says, once per process (``_FINFO``): (aliases an input, is a
+        copy, is a permute, zeroes (1) / scales (2), gathers, its FLOP formula, is a view op:
+        an alias with the "free" formula)."""
+        info = _FINFO.get(fid)
+        if info is None:
+            alias, handler = _is_alias_op(func), handler_of(func)
+            info = _FINFO[fid] = (alias, func in _COPY_OPS, func in _PERMUTE_OPS,
+                                  1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
+                                  func in _GATHER_OPS, handler, alias and is_free(handler))
+            _PINNED.append(func)
+        self._finfo[fid] = info
+        self.funcs[fid] = func
+        return info
+
     def _io(self, args, out, track, idx, func, phase, nbytes=_Tensor.nbytes.__get__, storages=None):
         """Bytes read and written by an op; tracks the storages it made when ``track``. The
         default reads ``.nbytes`` and one storage per tensor (fast); the caller retries with
         ``memory.tensor_bytes``/``memory.storages`` for tensors without one (sparse)."""
         read = 0
+        wrappers = _WRAPPERS
         for a in args:
             if isinstance(a, _Tensor):
-                read += tensor_bytes(a) if _is_wrapper(type(a)) else nbytes(a)   # a DTensor reads its local shard
+                cls = type(a)
+                wrapper = wrappers.get(cls)
+                if wrapper is None:
+                    wrapper = _is_wrapper(cls)
+                read += tensor_bytes(a) if wrapper else nbytes(a)   # a DTensor reads its local shard
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, _Tensor):
@@ -399,19 +454,22 @@ class LedgerMode(TorchDispatchMode):
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
                 cls = type(o)
-                wrapper = _WRAPPERS.get(cls)
+                wrapper = wrappers.get(cls)
                 if wrapper is None:
                     wrapper = _is_wrapper(cls)
                 if wrapper:                     # a DTensor: this rank's local shard
                     written += tensor_bytes(o)
                     if track:
                         for s in _storages_of(o):
-                            st.add(s, TEMP, at=idx, op=func)
+                            st.add(s, TEMP, idx, func)
                     continue
                 written += nbytes(o)
                 if track:
-                    for s in (storages(o) if storages is not None else (o.untyped_storage(),)):
-                        st.add(s, TEMP, at=idx, op=func, tensor=o if graph else None)
+                    if storages is None:
+                        st.add(o.untyped_storage(), TEMP, idx, func, o if graph else None)
+                    else:
+                        for s in storages(o):
+                            st.add(s, TEMP, idx, func, o if graph else None)
         return read, written
 
     def inner_collective(self, func, args, kwargs, out, phase, mod) -> None:

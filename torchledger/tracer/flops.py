@@ -522,13 +522,11 @@ _HANDLERS: Dict[int, Optional[Handler]] = {}
 _RESOLVED: list = []
 
 
-def op_flops(func, args: tuple, kwargs: Optional[dict], out: Any) -> Optional[FlopCount]:
-    """The FLOPs of one dispatched op, or ``None`` when torchledger has no formula for it.
-
-    ``func`` is the ``OpOverload`` seen by ``__torch_dispatch__``; ``args``/``kwargs`` are what
-    it was called with, ``out`` what it returned. Only shapes are read (see the module doc)."""
+def handler_of(func) -> Optional[Handler]:
+    """The formula of ``func``: ``handler(args, kwargs, out) -> FlopCount``, or None when
+    torchledger has none (worked out once per op per process)."""
     try:
-        handler = _HANDLERS[id(func)]
+        return _HANDLERS[id(func)]
     except KeyError:
         try:
             handler = _resolve(func)
@@ -536,6 +534,20 @@ def op_flops(func, args: tuple, kwargs: Optional[dict], out: Any) -> Optional[Fl
             handler = None
         _RESOLVED.append(func)
         _HANDLERS[id(func)] = handler
+        return handler
+
+
+def is_free(handler) -> bool:
+    """``handler`` is the formula of ops with no arithmetic (views, metadata, data movement)."""
+    return handler is _free
+
+
+def op_flops(func, args: tuple, kwargs: Optional[dict], out: Any) -> Optional[FlopCount]:
+    """The FLOPs of one dispatched op, or ``None`` when torchledger has no formula for it.
+
+    ``func`` is the ``OpOverload`` seen by ``__torch_dispatch__``; ``args``/``kwargs`` are what
+    it was called with, ``out`` what it returned. Only shapes are read (see the module doc)."""
+    handler = _HANDLERS.get(id(func)) or handler_of(func)
     if handler is None:
         return None
     return handler(args, kwargs if kwargs is not None else {}, out)

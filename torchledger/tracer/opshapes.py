@@ -1,9 +1,9 @@
 """Per-op facts the step-time model needs and the (phase, module, op) totals lack: the
 shapes of each matmul and attention call, and where elementwise chains begin and end.
 
-Called from one marked line of ``dispatch.LedgerMode._record`` (after the op's bytes are
-known) and once from ``build.build_record``; everything lives in a :class:`ShapeLog` hung on
-the mode, so the hot path pays one call per recorded op:
+Gathered by ``dispatch.LedgerMode._record`` (``note_op`` for matmul-class and attention
+ops; elementwise chains inline, see ``close_chain``) and read once by ``build.build_record``;
+everything lives in the mode's :class:`ShapeLog`:
 
 * matmul-class and attention ops: a signature, cached by (op, operand shapes), aggregated by
   (phase, module, op, signature) into count and FLOPs. Matmul: ``[batch, m, n, k]`` and the
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ShapeLog", "note_op", "attach_shapes"]
+__all__ = ["ShapeLog", "note_op", "close_chain", "attach_shapes"]
 
 _Tensor = torch.Tensor
 _aten = torch.ops.aten
@@ -43,7 +43,7 @@ _CONV = {_aten.convolution.default}
 
 
 class ShapeLog:
-    """What :func:`note_op` gathers during one traced step."""
+    """What one traced step gathers for the step-time model (see the module doc)."""
 
     __slots__ = ("sigs", "cache", "fuse", "chain")
 
@@ -106,59 +106,42 @@ def _attn_sig(func, args, causal):
     return ("attn", (b, hq, s_q, s_k, d, dv), _DTYPES.get(q.dtype, "fp32"), bool(causal))
 
 
-def note_op(mode, fid, func, args, phase, mod, fc, read, written) -> None:
-    """Record one op's signature (matmul, attention) or its place in an elementwise chain."""
-    log = mode.__dict__.get("shape_log")
-    if log is None:
-        log = mode.__dict__["shape_log"] = ShapeLog()
-    kind = fc.kind if fc is not None else None
-    if kind == "matmul" or kind == "attention":
-        chain = log.chain
-        if chain is not None:
-            _close(log)
-        shapes = tuple(_shape(a) if isinstance(a, _Tensor) else None for a in args[:4])
-        ckey = (fid, shapes, fc.flops_causal < fc.flops)
-        sig = log.cache.get(ckey, False)
-        if sig is False:
-            try:
-                if func in _MM:
-                    sig = _matmul_sig(func, args)
-                elif func in _CONV:
-                    sig = _conv_sig(args)
-                elif kind == "attention":
-                    sig = _attn_sig(func, args, ckey[2])
-                else:
-                    sig = None
-            except Exception:       # an op with an unexpected layout: priced from its row
+def note_op(log, fid, func, args, phase, mod, fc) -> None:
+    """Record one matmul-class or attention op's signature in ``log`` (it closes the open
+    elementwise chain: a matmul ends a fusible run)."""
+    if log.chain is not None:
+        close_chain(log)
+    shapes = tuple(_shape(a) if isinstance(a, _Tensor) else None for a in args[:4])
+    ckey = (fid, shapes, fc.flops_causal < fc.flops)
+    sig = log.cache.get(ckey, False)
+    if sig is False:
+        try:
+            if func in _MM:
+                sig = _matmul_sig(func, args)
+            elif func in _CONV:
+                sig = _conv_sig(args)
+            elif fc.kind == "attention":
+                sig = _attn_sig(func, args, ckey[2])
+            else:
                 sig = None
-            log.cache[ckey] = sig
-        if sig is not None:
-            key = (phase, mod, fid, sig)
-            row = log.sigs.get(key)
-            if row is None:
-                row = log.sigs[key] = [0, 0]
-            row[0] += 1
-            row[1] += fc.flops
-        return
-    if not (read or written):
-        return
-    key = (phase, mod, fid)
-    chain = log.chain
-    if chain is not None and chain[0] == phase:
-        chain[1] = key
-        chain[2] = written
-        return
-    if chain is not None:
-        _close(log)
-    row = log.fuse.get(key)
-    if row is None:
-        row = log.fuse[key] = [0, 0]
-    row[0] += read
-    row[1] += 1
-    log.chain = [phase, key, written]
+        except Exception:       # an op with an unexpected layout: priced from its row
+            sig = None
+        log.cache[ckey] = sig
+    if sig is not None:
+        key = (phase, mod, fid, sig)
+        row = log.sigs.get(key)
+        if row is None:
+            row = log.sigs[key] = [0, 0]
+        row[0] += 1
+        row[1] += fc.flops
 
 
-def _close(log) -> None:
+def close_chain(log) -> None:
+    """End the open elementwise chain: its last op's row gets the bytes it wrote. (Chains are
+    opened and extended by ``dispatch.LedgerMode._record`` itself, the hot path: each memory-
+    bound op either extends the chain open in its phase (``chain = [phase, its row key, bytes
+    written]``) or closes it and starts one, adding its bytes read and one kernel to
+    ``fuse[its row key]``.)"""
     phase, key, written = log.chain
     log.chain = None
     row = log.fuse.get(key)
@@ -175,7 +158,7 @@ def attach_shapes(mode, scope, ops: list) -> None:
     from .build import _op_name
     from .dispatch import PHASES
     if log.chain is not None:
-        _close(log)
+        close_chain(log)
     rows = {(o["phase"], o["module"], o["op"]): o for o in ops}
 
     def row_of(phase, mod, fid):
