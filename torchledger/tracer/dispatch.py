@@ -259,8 +259,12 @@ class LedgerMode(TorchDispatchMode):
         would be next in line anyway."""
         original = fake_mode.dispatch
         observe = self.__torch_dispatch__
+        fake = self._fake
 
         def dispatch(func, types, args=(), kwargs=None):
+            if func is _PRIM_DEVICE and len(args) == 1 and type(args[0]) is fake:
+                a = args[0]              # FakeTensorMode's own answer (see __torch_dispatch__)
+                return _META if a.fake_mode.in_kernel_invocation else a.fake_device
             if self._inside or get_ident() != thread:
                 return original(func, types, args, kwargs)
             self._inside = True

@@ -54,13 +54,16 @@ class ShapeLog:
         self.chain = None       # [phase, key of the last op, its bytes written] of the open chain
 
 
-def _local(t):
-    return getattr(t, "_local_tensor", None) if type(t) is not _Tensor else None
+_INNER: dict = {}   # tensor class -> it keeps its data in an inner ``_local_tensor`` (DTensor)
 
 
 def _shape(t):
-    loc = _local(t)
-    return tuple((loc if loc is not None else t).shape)
+    """``t``'s shape; a DTensor's is its local shard's."""
+    cls = type(t)
+    inner = _INNER.get(cls)
+    if inner is None:
+        inner = _INNER[cls] = hasattr(cls, "__tensor_flatten__") and hasattr(cls, "_local_tensor")
+    return tuple(t._local_tensor.shape if inner else t.shape)
 
 
 def _matmul_sig(func, args):
