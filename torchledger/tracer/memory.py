@@ -34,7 +34,13 @@ UNSHARDED = 6
 ALL_CATEGORIES = CATEGORIES + ("unsharded_params",)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+def _plain_types() -> frozenset:
+    """Tensor classes that hold their data themselves (FakeTensor too: its fake storage)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
+
+
+PLAIN = _PLAIN = _plain_types()
 _COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_bsr: ("crow_indices", "col_indices"),
                torch.sparse_csc: ("ccol_indices", "row_indices"), torch.sparse_bsc: ("ccol_indices", "row_indices")}
 
@@ -76,8 +82,17 @@ def state_tensors(opt, limit: int = 100_000):
     """(key, tensor) for every tensor in an optimizer's state, also inside lists, tuples and
     dicts (LBFGS keeps its history in lists); each tensor once."""
     seen: set = set()
-    todo = deque((k, v, 0) for state in list(opt.state.values()) if isinstance(state, dict)
-            for k, v in list(state.items()))
+    todo: deque = deque()
+    for state in list(opt.state.values()):
+        if isinstance(state, dict):
+            for k, v in list(state.items()):
+                if isinstance(v, torch.Tensor) and not todo:    # the common case (AdamW's
+                    if id(v) not in seen:                       # tensors): no queue needed while
+                        seen.add(id(v))                         # nothing waits before it
+                        limit -= 1
+                        yield k, v
+                else:
+                    todo.append((k, v, 0))
     while todo and limit > 0:               # breadth first: a tensor is named by its first key
         key, v, depth = todo.popleft()
         limit -= 1

@@ -33,6 +33,18 @@ def _always() -> bool:
     return True
 
 
+_Module = torch.nn.Module
+
+
+def _own_params(mod):
+    """``mod.parameters(recurse=False)``; read off ``_parameters`` directly unless the module's
+    class defines its own ``parameters``/``named_parameters``."""
+    cls = type(mod)
+    if cls.parameters is _Module.parameters and cls.named_parameters is _Module.named_parameters:
+        return [p for p in mod._parameters.values() if p is not None]
+    return mod.parameters(recurse=False)
+
+
 def _storages(p) -> list:
     try:
         return storages(p)
@@ -52,18 +64,22 @@ class ModuleScope:
         self._refs: list = []                       # weakrefs keep ids honest
         self.param_owner: dict[int, int] = {}       # id(param) -> module index
         self.storage_owner: dict[int, int] = {}     # a param's storage -> module index
+        self.params: list = []                      # the model's parameters, each once, in
+        by_name: dict[str, int] = {}                # ``model.parameters()`` order (taken by StepTracer)
         for name, mod in model.named_modules():
             i = len(self.names)
             self._index[id(mod)] = i
             self._refs.append(weakref.ref(mod))
             self.names.append(name)
+            by_name[name] = i
             self.types.append(type(mod).__name__)
             parent = name.rsplit(".", 1)[0] if "." in name else ("" if name else None)
-            self.parents.append(self.names.index(parent) if parent is not None else NO_MODULE)
+            self.parents.append(by_name[parent] if parent is not None else NO_MODULE)
             n = 0
-            for p in mod.parameters(recurse=False):
+            for p in _own_params(mod):
                 if id(p) not in self.param_owner:
                     self.param_owner[id(p)] = i
+                    self.params.append(p)
                     for s in _storages(p):
                         self.storage_owner.setdefault(s._cdata, i)
                     n += p.numel()

@@ -26,11 +26,13 @@ from .dispatch import BACKWARD, PHASES, LedgerMode, _is_wrapper, attention_hook
 from .fake import foreign_fake_params
 from .dist_memory import install_distributed
 from .lifecycle import ACTIVE, TRIES, Installed, in_tls
-from .memory import ACT, BUFFER, GRAD, OPT, PARAM, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
+from .memory import ACT, BUFFER, GRAD, OPT, PARAM, PLAIN, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
 from .outputs import output_cache
 
 __all__ = ["StepTracer", "active_tracer"]
+
+_STRIDED = torch.strided
 
 def active_tracer():
     """The tracer now active, or None."""
@@ -243,7 +245,8 @@ class StepTracer:
     # -- what exists before the step ---------------------------------------------------------
     def _register_persistent(self, model) -> None:
         st = self.storages
-        self._params = list({id(p): p for p in model.parameters()}.values())
+        # model.parameters(), each once (the scope found them; it keeps no parameter)
+        self._params, self.scope.params = self.scope.params, []
         foreign = foreign_fake_params(self._params)
         if foreign:
             self._warn(f"{foreign} of {len(self._params)} parameters are fake tensors of another "
@@ -278,6 +281,8 @@ class StepTracer:
     def _storages(self, t, what: str) -> list:
         """``memory.storages(t)``, or [] with a warning for a tensor kind that has none."""
         try:
+            if type(t) in PLAIN and t.layout is _STRIDED:      # the common case
+                return [t.untyped_storage()]
             return [x.untyped_storage() for x in data_tensors(t)]
         except Exception as e:
             self._warn(f"{what} of type {type(t).__name__} (layout {t.layout}) not counted: "
