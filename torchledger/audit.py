@@ -380,16 +380,18 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
             except USER_ERRORS as e:
                 raise _step_error(e, path, device, world, model) from None
 
-        for _ in range(steps):
-            try:
-                with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
-                    step()
-            except AuditError:
-                raise
-            except USER_ERRORS as e:        # entering or leaving the tracer, not the step
-                raise AuditError(f"{_where(e, path)}: tracing the step {_raised(e)}; the model file "
-                                 f"changes something the tracer relies on (torch's dispatch modes, "
-                                 f"module or optimizer hooks): leave torch's own classes unpatched") from None
+        with _frozen_heap():
+            for _ in range(steps):
+                try:
+                    with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
+                        step()
+                except AuditError:
+                    raise
+                except USER_ERRORS as e:        # entering or leaving the tracer, not the step
+                    raise AuditError(f"{_where(e, path)}: tracing the step {_raised(e)}; the model "
+                                     f"file changes something the tracer relies on (torch's dispatch "
+                                     f"modes, module or optimizer hooks): leave torch's own classes "
+                                     f"unpatched") from None
         warmup = 0
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
             warmup = time_untraced(ledger, step, timing_steps)
@@ -524,6 +526,25 @@ def _step_with_cpu_default(step):
         with torch.device("cpu"):
             return step(*args, **kwargs)
     return wrapped
+
+
+@contextlib.contextmanager
+def _frozen_heap():
+    """While the audited steps run, what exists before them (torch, the model file's imports,
+    the model: a Hugging Face 7B build leaves ~1M objects) sits in the gc's permanent
+    generation (``gc.freeze``), so a full collection the steps trigger walks only what they
+    made (measured: a 0.23 s collection inside a traced 7B step). Nothing is freed that would
+    not be: the heap is unfrozen when the steps end. Left alone when something else in the
+    process already froze objects (its freeze is not ours to undo)."""
+    import gc
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _one_step(spec, model, inputs, opt) -> str:
