@@ -181,3 +181,15 @@ def test_timeline_samples_are_the_sorted_distinct_points_and_the_peak(n, peak):
     want = np.unique(np.concatenate([np.linspace(0, n - 1, min(n, 400)).astype(np.int64), [peak]]))
     assert [r["op_index"] for r in rows] == want.tolist()
     assert all(r["total"] == r["a"] + r["b"] and r["b"] == r["a"] + n for r in rows)
+
+
+def test_a_traced_step_does_not_call_np_unique(monkeypatch):
+    """Its first call imports numpy.ma (~13 ms once per process); the record needs none of it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("np.unique called while building the record")
+    monkeypatch.setattr(np, "unique", refuse)
+    lin = torch.nn.Linear(4, 3)
+    with torchledger.trace(lin, tokens=2) as t:
+        lin(torch.randn(2, 4)).sum().backward()
+    assert len(t.record.memory["timeline"]) == t.record.meta["ops"] + 1      # every point kept
+    assert not [w for w in t.record.warnings if "unique" in w]
