@@ -90,6 +90,25 @@ def test_traced_record_round_trips_with_its_tuples(record):
     assert isinstance(run, list) and list(record.memory["segments"][0]["ops"][0]) == run
 
 
+def test_young_collections_only_where_cheap(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    monkeypatch.setattr(gc, "get_count", lambda: (650, 3, 1))
+    segments._untrack_young()
+    assert calls == [0]                         # the youngest generation, never an older one
+    gc.disable()
+    try:
+        segments._untrack_young()               # the user turned the collector off: left off
+    finally:
+        gc.enable()
+    monkeypatch.setattr(gc, "get_count", lambda: (segments._YOUNG_LIMIT + 1, 0, 0))
+    segments._untrack_young()                   # thresholds raised: a young collection is no longer cheap
+    monkeypatch.setattr(gc, "get_count", lambda: (650, 3, 1))
+    monkeypatch.setattr(segments, "_GENERATIONAL", False)
+    segments._untrack_young()                   # free-threaded: one generation, the whole heap
+    assert calls == [0]
+
+
 # -- op_segments: a hand-checked case and a plain loop as the oracle ------------------------
 class _Scope:
     def name(self, i):

@@ -26,6 +26,7 @@ Known limitations:
 from __future__ import annotations
 
 import gc
+import sysconfig
 
 import numpy as np
 
@@ -37,6 +38,8 @@ MAX_OP_RUNS = 10_000
 MAX_SEGMENTS = 50_000
 #: The most young objects (``gc.get_count()[0]``) that :func:`_untrack_young` collects: its cost.
 _YOUNG_LIMIT = 10_000
+#: A free-threaded CPython has one generation: collecting "the youngest" walks the whole heap.
+_GENERATIONAL = not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 
 def op_segments(mode, scope, op_name=None) -> dict:
@@ -126,7 +129,7 @@ def _untrack_young() -> None:
     *full* collection). Collecting the young generation after the run tuples are made, again
     after the tuples of runs, and only then making the segment dicts leaves nothing in
     ``segments`` but the list itself tracked. Bounded: the young generation holds at most
-    ``_YOUNG_LIMIT`` objects (its threshold is 700 by default); a disabled collector is left
-    alone."""
-    if gc.isenabled() and gc.get_count()[0] <= _YOUNG_LIMIT:
+    ``_YOUNG_LIMIT`` objects (its threshold is 700 by default); a disabled collector, and a
+    free-threaded build's (no young generation), are left alone."""
+    if _GENERATIONAL and gc.isenabled() and gc.get_count()[0] <= _YOUNG_LIMIT:
         gc.collect(0)
