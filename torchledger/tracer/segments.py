@@ -8,10 +8,10 @@ Each segment is one stretch of consecutive ops with the same phase and innermost
 ``start``/``end`` are op indices (end exclusive), on the same axis as ``memory.timeline``'s
 ``op_index``; ``ops`` lists (op, count, matmul-class FLOPs) for runs of the same op, in order.
 In memory ``ops`` and its runs are tuples, in JSON lists (``[["aten.t.default", 1, 0], ...]``;
-a record read back from JSON has lists): a tuple of plain values is one CPython's collector
-stops tracking, and a dict holding only untracked values is never tracked, so a 7B step's
-~10k runs and ~1k segments add nothing to the objects each full collection walks (a list per
-run made every traced step bring the next full collection closer; benchmarks/record_gc.py).
+a record read back from JSON has lists): CPython's collector stops tracking a tuple of plain
+values, and a dict made from untracked values is not tracked, so a 7B step's ~9k runs and ~1k
+segments add nothing to the objects each full collection walks (a list per run made every
+traced step bring the next full collection closer: benchmarks/record_gc.py).
 The Trace Event renderer (``render/trace_events.py``) lays them out on a timeline.
 
 Known limitations:
