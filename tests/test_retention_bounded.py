@@ -43,8 +43,10 @@ def test_same_input_every_step_walks_nothing(gc_calls):
     ledger = _loop(4)
     # the input, saved by autograd, is alive at every step's end: carried and seen again, so
     # each step from the second collects the young generations once, and nothing more
+    # (and op_segments collects the youngest generation twice a step, to untrack its tuples)
     assert ("get_objects",) not in gc_calls
-    assert gc_calls == [("collect", 1)] * 3
+    assert [c for c in gc_calls if c != ("collect", 0)] == [("collect", 1)] * 3
+    assert gc_calls.count(("collect", 0)) == 2 * 4
     retained = ledger.records[-1].memory["retained"]
     assert [(g["count"], g["bytes"], g["holds_graph"]) for g in retained] == [(1, 4 * 16 * 4, False)]
     assert not [f for f in ledger.findings() if f.rule.startswith("TL-LEAK")]
@@ -55,7 +57,8 @@ def test_kept_losses_found_with_young_collections_only(gc_calls):
     ledger = _loop(5, kept)
     assert [f.rule for f in check_leaks(ledger.records)] == ["TL-LEAK-002"]
     assert ("get_objects",) not in gc_calls
-    assert gc_calls and all(c == ("collect", 1) for c in gc_calls)   # never the oldest generation
+    assert ("collect", 1) in gc_calls
+    assert all(c in (("collect", 0), ("collect", 1)) for c in gc_calls)   # never the oldest generation
     g = ledger.records[-1].memory["retained"]
     # steps 0-3's losses (4 bytes each) with their graphs, and the input (4*16*4 bytes) without
     assert sorted((x["bytes"], x["holds_graph"]) for x in g) == [(4, True)] * 4 + [(256, False)]

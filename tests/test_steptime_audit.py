@@ -96,13 +96,14 @@ def test_capture_records_shapes_and_chains():
     rows = t.record.ops
     (fwd,) = [r for r in rows if r["kind"] == "matmul" and r["phase"] == "forward"]
     # addmm(bias, x [4,16], W^T [16,8]): m=4, n=8, k=16; 2*4*8*16 = 1024 FLOPs
-    assert fwd["shapes"] == [{"mnk": [1, 4, 8, 16], "dtype": "fp32", "count": 1, "flops": 1024}]
+    # a shape is a tuple in memory (untracked by the gc: opshapes.attach_shapes), a list in JSON
+    assert fwd["shapes"] == [{"mnk": (1, 4, 8, 16), "dtype": "fp32", "count": 1, "flops": 1024}]
     for r in rows:
         if r["kind"] in ("matmul", "attention") and r.get("shapes"):
             assert sum(s["count"] for s in r["shapes"]) == r["count"]
     (att,) = [r for r in rows if r["kind"] == "attention" and r["phase"] == "forward"]
     s = att["shapes"][0]
-    assert s["attn"] == [2, 3, 32, 32, 8, 8] and s["causal"] is True
+    assert s["attn"] == (2, 3, 32, 32, 8, 8) and s["causal"] is True
     # relu -> mul -> sum after the matmul is one chain (its first op reads, its last writes)
     chained = [r for r in rows if r["phase"] == "forward" and r.get("fused_kernels")]
     assert chained and sum(r["fused_kernels"] for r in chained) < sum(

@@ -109,7 +109,7 @@ class _List(_Spec):
         self.describe = "a list"
 
     def check(self, value, path):
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):     # tuples: a traced record's, JSON lists
             fail(path, self.describe, value)
         for i, v in enumerate(value):
             self.item.check(v, path + (i,))
@@ -249,7 +249,7 @@ class _OpRun(_Spec):
     describe = "an [op name, count, FLOPs] triple"
 
     def ok(self, v):
-        return (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+        return (isinstance(v, (list, tuple)) and len(v) == 3 and isinstance(v[0], str)
                 and COUNT.ok(v[1]) and COUNT.ok(v[2]))
 
 

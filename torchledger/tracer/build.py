@@ -1,6 +1,8 @@
 """Turn a finished tracer's raw counters into a plain ``StepRecord`` (runs once, after the step)."""
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 import torch
 
@@ -10,6 +12,7 @@ from .flops_attention import score_recompute_flops
 from .memory import ACT, ALL_CATEGORIES, CATEGORIES, GRAD, UNSHARDED, state_tensors, tensor_bytes
 from .modules import NO_MODULE
 from .ranks import rank_totals
+from .segments import _namer
 
 __all__ = ["build_record", "ATTENTION_KERNELS"]
 
@@ -67,6 +70,8 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     attn_dense = attn_causal = rescored = 0
     read = written = 0
     mod_flops = np.zeros((n_mod + 1, len(PHASES)), dtype=np.int64)      # last row: no module
+    flop_at: dict = {}                  # (module row, phase) -> FLOPs, into mod_flops after the loop
+    op_name = _namer(mode.funcs)        # NB: str(OpOverload) formats its schema on every call
     ops = []
     for (phase, mod, fid), (count, f, fc, r, w) in mode.agg.items():
         func, kind = mode.funcs[fid], mode.kinds.get(fid)
@@ -80,11 +85,15 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
                 attn_causal += fc
             if phase != FORWARD and phase != OTHER:   # fused backwards redo Q K^T: hardware only
                 rescored += score_recompute_flops(_kernel_name(func), f)
-        mod_flops[mod if mod >= 0 else n_mod, phase] += f
-        ops.append({"op": _op_name(func), "phase": PHASES[phase], "module": scope.name(mod),
+        at = (mod if mod >= 0 else n_mod, phase)
+        flop_at[at] = flop_at.get(at, 0) + f
+        ops.append({"op": op_name(fid), "phase": PHASES[phase], "module": scope.name(mod),
                     "kind": kind if kind is not None else "uncounted", "count": count, "flops": f,
                     "flops_causal": fc, "bytes_read": r, "bytes_written": w})
-    ops.sort(key=lambda o: (-o["flops"], o["op"]))
+    for (row, phase), f in flop_at.items():
+        mod_flops[row, phase] = f
+    ops.sort(key=itemgetter("op"))                  # by FLOPs, most first, then by name:
+    ops.sort(key=itemgetter("flops"), reverse=True)  # two stable sorts on C keys
     model_flops = flops[FORWARD] + flops[BACKWARD] + flops[OPTIMIZER]
     t["flops"] = {"forward": flops[FORWARD], "backward": flops[BACKWARD],
                   "optimizer": flops[OPTIMIZER], "total": model_flops, "other": flops[OTHER]}
@@ -102,7 +111,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     rec.ops = ops
     try:                                # matmul/attention shapes, fusion chains (opshapes.py)
         from .opshapes import attach_shapes
-        attach_shapes(mode, scope, ops)
+        attach_shapes(mode, scope, ops, op_name)
     except Exception as e:  # never cost the user the record
         rec.warnings.append(f"op shapes unavailable: {type(e).__name__}: {e}")
 
@@ -202,7 +211,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
 
     try:
         from .segments import op_segments
-        rec.memory.update(op_segments(mode, scope))
+        rec.memory.update(op_segments(mode, scope, op_name))
     except Exception as e:  # never cost the user the record
         rec.warnings.append(f"op segments unavailable: {type(e).__name__}: {e}")
 
@@ -216,22 +225,23 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         "flops_recompute": mod_flops[:, RECOMPUTE].copy(),
         "activation_bytes": act, "copy_bytes": copy_bytes, "copies": copy_count,
     }
-    incl = {k: v.copy() for k, v in own.items()}
-    peak_incl = mod_peak.copy()
+    incl = {k: v.tolist() for k, v in own.items()}     # NB: plain ints, not numpy scalars, per module
+    peak_incl = mod_peak.tolist()
     for i in range(n_mod - 1, 0, -1):                   # children come after parents
         par = scope.parents[i]
         if par >= 0:
-            for k in incl:
-                incl[k][par] += incl[k][i]
+            for col in incl.values():
+                col[par] += col[i]
             peak_incl[par] = max(peak_incl[par], peak_incl[i])
     total = max(model_flops, 1)
+    flops_self = (own["flops_forward"] + own["flops_backward"]).tolist()
     for i, name in enumerate(scope.names):
         m = {"name": name, "type": scope.types[i], "depth": name.count(".") + 1 if name else 0,
              "calls": scope.calls[i]}
-        m.update({k: int(v[i]) for k, v in incl.items()})
-        m["flops_self"] = int(own["flops_forward"][i] + own["flops_backward"][i])
+        m.update({k: v[i] for k, v in incl.items()})
+        m["flops_self"] = flops_self[i]
         m["flops_share"] = (m["flops_forward"] + m["flops_backward"]) / total
-        m["peak_bytes"] = int(peak_incl[i])
+        m["peak_bytes"] = peak_incl[i]
         rec.modules.append(m)
     outside = int(mod_flops[n_mod, FORWARD] + mod_flops[n_mod, BACKWARD])
     if outside or act[n_mod] or copy_bytes[n_mod]:
@@ -333,8 +343,10 @@ def _downsample(tl: np.ndarray, op_phase: np.ndarray, peak_idx: int, cats=CATEGO
     n = tl.shape[1]
     if n == 0:
         return []
-    idx = np.unique(np.concatenate([np.linspace(0, n - 1, min(n, _TIMELINE_POINTS)).astype(np.int64),
-                                    [peak_idx]]))
+    # the sorted, distinct sample points and the peak (NB: not np.unique, whose first call
+    # imports numpy.ma, ~13 ms once per process)
+    idx = np.sort(np.append(np.linspace(0, n - 1, min(n, _TIMELINE_POINTS)).astype(np.int64), peak_idx))
+    idx = idx[np.append(True, idx[1:] != idx[:-1])]
     rows = []
     cols = tl[:, idx]                   # NB: one numpy gather, then plain ints (400 points a step)
     phases = op_phase[np.minimum(idx, len(op_phase) - 1)].tolist()
@@ -355,6 +367,7 @@ def _optimizer_summary(optimizers, params) -> dict:
     master = 0
     low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
     names, kinds = [], []
+    dtype_names: dict = {}
     for opt in optimizers:
         names.append(type(opt).__name__)
         kinds.append(_optimizer_kind(opt))
@@ -364,9 +377,12 @@ def _optimizer_summary(optimizers, params) -> dict:
                 if id(p) not in model_params and p.dtype == torch.float32 and low_precision:
                     master += p.numel() * p.element_size()
         for key, v in state_tensors(opt):       # LBFGS's history lists too
-            e = by_key.setdefault((key, str(v.dtype).replace("torch.", "")),
-                                  {"key": key, "dtype": str(v.dtype).replace("torch.", ""),
-                                   "tensors": 0, "numel": 0, "bytes": 0})
+            dtype = dtype_names.get(v.dtype)
+            if dtype is None:
+                dtype = dtype_names[v.dtype] = str(v.dtype).replace("torch.", "")
+            e = by_key.get((key, dtype))
+            if e is None:
+                e = by_key[key, dtype] = {"key": key, "dtype": dtype, "tensors": 0, "numel": 0, "bytes": 0}
             e["tensors"] += 1
             e["numel"] += v.numel()
             e["bytes"] += _bytes(v)

@@ -153,26 +153,34 @@ def close_chain(log) -> None:
     row[0] += written
 
 
-def attach_shapes(mode, scope, ops: list) -> None:
-    """Add ``shapes``, ``fused_bytes`` and ``fused_kernels`` to the record's op rows."""
+def attach_shapes(mode, scope, ops: list, op_name=None) -> None:
+    """Add ``shapes``, ``fused_bytes`` and ``fused_kernels`` to the record's op rows.
+    ``op_name(fid)`` is the name ``build`` gave the rows (default: ``str`` of the op).
+
+    A shape (``mnk``, ``attn``) is the signature's own tuple of ints (a list in JSON): CPython
+    stops tracking such a tuple at the first collection that sees it, and the entry dict
+    holding it is then made untracked, so a 7B step's ~700 entries add nothing to what each
+    full collection walks (a list per entry did: benchmarks/record_gc.py)."""
     log = mode.__dict__.get("shape_log")
     if log is None:
         return
-    from .build import _op_name
     from .dispatch import PHASES
+    if op_name is None:
+        from .segments import _namer
+        op_name = _namer(mode.funcs)
     if log.chain is not None:
         close_chain(log)
     rows = {(o["phase"], o["module"], o["op"]): o for o in ops}
+    funcs = mode.funcs
 
     def row_of(phase, mod, fid):
-        func = mode.funcs.get(fid)
-        return rows.get((PHASES[phase], scope.name(mod), _op_name(func))) if func is not None else None
+        return rows.get((PHASES[phase], scope.name(mod), op_name(fid))) if fid in funcs else None
 
     for (phase, mod, fid, sig), (count, flops) in log.sigs.items():
         row = row_of(phase, mod, fid)
         if row is None:
             continue
-        entry = {sig[0]: list(sig[1]), "dtype": sig[2], "count": count, "flops": int(flops)}
+        entry = {sig[0]: sig[1], "dtype": sig[2], "count": count, "flops": int(flops)}
         if sig[0] == "attn":
             entry["causal"] = sig[3]
         row.setdefault("shapes", []).append(entry)

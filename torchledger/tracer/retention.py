@@ -112,8 +112,8 @@ def _module_caches(model) -> list:
     out = []
     for name, mod in model.named_modules():
         for attr, value in vars(mod).items():
-            if attr in _PRIVATE or not isinstance(value, (list, tuple, dict)):
-                continue
+            if not isinstance(value, (list, tuple, dict)) or not value or attr in _PRIVATE:
+                continue                # NB: most are a module's empty hook dicts
             items = value.values() if isinstance(value, dict) else value
             tensors = [t for t in items if isinstance(t, torch.Tensor)]
             if tensors:
