@@ -73,7 +73,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     flop_at: dict = {}                  # (module row, phase) -> FLOPs, into mod_flops after the loop
     op_name = _namer(mode.funcs)        # NB: str(OpOverload) formats its schema on every call
     ops = []
-    for (phase, mod, fid), (count, f, fc, r, w) in mode.agg.items():
+    for (phase, mod, fid), (count, f, fc, r, w) in mode.agg_rows():
         func, kind = mode.funcs[fid], mode.kinds.get(fid)
         flops[phase] += f
         causal[phase] += fc

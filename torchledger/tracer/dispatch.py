@@ -149,7 +149,15 @@ class LedgerMode(TorchDispatchMode):
         self.op_phase: list[int] = []
         self.op_func: list[int] = []     # id(func) per op, and its matmul-class FLOPs (segments.py)
         self.op_flops: list[int] = []
-        self.agg: dict = {}          # (phase, module, id(func)) -> [count, flops, causal, read, written]
+        # (phase, module, id(func)) -> row index i of the columns: count, flops, causal flops,
+        # bytes read, bytes written (five lists of ints, not a list per row: nothing per row
+        # for the gc to track and walk)
+        self.agg: dict = {}
+        self.agg_count: list[int] = []
+        self.agg_flops: list[int] = []
+        self.agg_causal: list[int] = []
+        self.agg_read: list[int] = []
+        self.agg_written: list[int] = []
         self.elementwise = [0] * len(PHASES)
         self.uncounted: dict = {}    # (id(func), phase, module) -> count
         self.copies: dict = {}       # (func, module, phase, location, reason) -> [count, bytes, detail]
@@ -312,10 +320,10 @@ class LedgerMode(TorchDispatchMode):
             key = (phase, mod, fid)
             row = self.agg.get(key)
             if row is None:
-                row = self.agg[key] = [0, 0, 0, 0, 0]
+                row = self._new_row(key)
                 if fid not in self.kinds:
                     self.kinds[fid] = "free"
-            row[0] += 1
+            self.agg_count[row] += 1
             self.views[phase] += 1
             if info[3] and self.grad_watch:
                 self._zeroed(args[0])
@@ -353,16 +361,16 @@ class LedgerMode(TorchDispatchMode):
         key = (phase, mod, fid)
         row = self.agg.get(key)
         if row is None:
-            row = self.agg[key] = [0, 0, 0, 0, 0]
+            row = self._new_row(key)
             if fid not in self.kinds:
                 self.kinds[fid] = kind
-        row[0] += 1
+        self.agg_count[row] += 1
         if kind is None:
             ukey = (fid, phase, mod)
             self.uncounted[ukey] = self.uncounted.get(ukey, 0) + 1
         elif matmul:
-            row[1] += fc.flops
-            row[2] += fc.flops_causal
+            self.agg_flops[row] += fc.flops
+            self.agg_causal[row] += fc.flops_causal
             if kind == "attention":
                 name = func.kernel_name if type(func) is MathAttention else func._schema.name.split("::")[-1]
                 self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
@@ -385,8 +393,8 @@ class LedgerMode(TorchDispatchMode):
             read, written = self._io(args, out, track, idx, func, phase)
         except (RuntimeError, NotImplementedError):  # sparse: no nbytes, no single storage
             read, written = self._io(args, out, track, idx, func, phase, tensor_bytes, storages)
-        row[3] += read
-        row[4] += written
+        self.agg_read[row] += read
+        self.agg_written[row] += written
         if matmul:
             note_op(self.shape_log, fid, func, args, phase, mod, fc)   # shapes (opshapes.py)
         elif read or written:
@@ -417,6 +425,19 @@ class LedgerMode(TorchDispatchMode):
             first = out if isinstance(out, _Tensor) else (out[0] if isinstance(out, tuple) and out else None)
             if isinstance(first, _Tensor) and first.dim() == 0:
                 self.scalar_sites[idx] = user_frame()     # where a loss-like scalar was made
+
+    def _new_row(self, key) -> int:
+        """A new (phase, module, op) row, all zeros; its index."""
+        row = self.agg[key] = len(self.agg_count)
+        for col in (self.agg_count, self.agg_flops, self.agg_causal, self.agg_read, self.agg_written):
+            col.append(0)
+        return row
+
+    def agg_rows(self):
+        """``((phase, module, id(func)), (count, flops, causal flops, read, written))`` per row."""
+        cols = (self.agg_count, self.agg_flops, self.agg_causal, self.agg_read, self.agg_written)
+        for key, i in self.agg.items():
+            yield key, tuple(col[i] for col in cols)
 
     def _static(self, func, fid) -> tuple:
         """What ``func``'s schema says, once per process (``_FINFO``): (aliases an input, is a
@@ -605,18 +626,22 @@ class LedgerMode(TorchDispatchMode):
             if last is not None:
                 key, flops, start = last
                 row = self.agg.get(key)
-                if row is not None and row[1] >= flops:      # move the scores to attention
-                    row[0] -= 1
-                    row[1] -= flops
-                    row[2] -= flops
+                count, fl, ca, rd, wr = (self.agg_count, self.agg_flops, self.agg_causal,
+                                         self.agg_read, self.agg_written)
+                if row is not None and fl[row] >= flops:      # move the scores to attention
+                    count[row] -= 1
+                    fl[row] -= flops
+                    ca[row] -= flops
                     akey = (key[0], key[1], id(self._as_math_attention(self.funcs[key[2]])))
-                    arow = self.agg.setdefault(akey, [0, 0, 0, 0, 0])
-                    arow[0] += 1
-                    arow[1] += flops
-                    arow[2] += flops
-                    if row[0] == 0:            # it held only the scores: their bytes go along
-                        arow[3] += row[3]
-                        arow[4] += row[4]
+                    arow = self.agg.get(akey)
+                    if arow is None:
+                        arow = self._new_row(akey)
+                    count[arow] += 1
+                    fl[arow] += flops
+                    ca[arow] += flops
+                    if count[row] == 0:        # it held only the scores: their bytes go along
+                        rd[arow] += rd[row]
+                        wr[arow] += wr[row]
                         del self.agg[key]
                     self.attention_kernels["math"] = self.attention_kernels.get("math", 0) + 1
                     self._scores_start = start
