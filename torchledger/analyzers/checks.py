@@ -98,8 +98,10 @@ def check_fake_kernel_gaps(records, options=None) -> list:
         return []
     seen: dict = {}
     for o in rec.ops:
-        name = str(o.get("op", "")).split(".")
-        if len(name) >= 2 and name[1] in FAKE_KERNEL_GAPS and o.get("phase") == "forward":
+        if o.get("phase") != "forward":
+            continue
+        name = str(o.get("op", "")).split(".", 2)
+        if len(name) >= 2 and name[1] in FAKE_KERNEL_GAPS:
             first = seen.setdefault(name[1], [0, o.get("module")])
             first[0] += o.get("count", 0)
     return [Finding("TL-FAKE-001", "warning",

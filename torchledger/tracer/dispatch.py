@@ -435,9 +435,9 @@ class LedgerMode(TorchDispatchMode):
 
     def agg_rows(self):
         """``((phase, module, id(func)), (count, flops, causal flops, read, written))`` per row."""
-        cols = (self.agg_count, self.agg_flops, self.agg_causal, self.agg_read, self.agg_written)
+        c, f, fc, r, w = self.agg_count, self.agg_flops, self.agg_causal, self.agg_read, self.agg_written
         for key, i in self.agg.items():
-            yield key, tuple(col[i] for col in cols)
+            yield key, (c[i], f[i], fc[i], r[i], w[i])
 
     def _static(self, func, fid) -> tuple:
         """What ``func``'s schema says, once per process (``_FINFO``): (aliases an input, is a
