@@ -241,12 +241,12 @@ class LedgerMode(TorchDispatchMode):
             node, phase, mod = None, FORWARD, NO_MODULE
             self._error(func, e)
         if run is not None:
-            if types and _has_wrapper(types):    # not expected attached (see ``attach``): the
+            if types and _HAS_WRAPPER.get(types, True) and _has_wrapper(types):    # not expected attached (see ``attach``): the
                 self._error(func, RuntimeError(    # fake mode declines it, its local ops come next
                     "a tensor subclass op reached the fake mode; its local ops are counted"))
                 return run(func, types, args, kwargs)
             out = run(func, types, args, kwargs)
-        elif types and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
+        elif types and _HAS_WRAPPER.get(types, True) and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
             with InnerCollectives(self, phase, mod, _is_wrapper):
                 out = func(*args, **kwargs)
         else:
@@ -769,11 +769,18 @@ def _is_wrapper(cls) -> bool:
     return hit
 
 
+_HAS_WRAPPER: dict = {}    # the ``types`` a dispatch is given -> whether one is a wrapper
+
+
 def _has_wrapper(types) -> bool:
-    for cls in types:
-        if _is_wrapper(cls):
-            return True
-    return False
+    hit = _HAS_WRAPPER.get(types)
+    if hit is None:
+        hit = any(_is_wrapper(cls) for cls in types)
+        try:
+            _HAS_WRAPPER[types] = hit
+        except TypeError:           # not hashable: not kept
+            pass
+    return hit
 
 
 def _local_flops(fc, out):
