@@ -198,7 +198,6 @@ class LedgerMode(TorchDispatchMode):
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
         self.p2p_ids = frozenset(id(f) for f, row in COLLECTIVES.items() if row[0] in ("send", "recv"))
         self.p2p_tags: dict = {}     # id(tensor) -> (weakref, phase name, module) of a pipeline stage's P2POp
-        self.attached = None         # the FakeTensorMode observed from inside (``attach``), if any
         self._inside = False         # attached: an op is being observed (nested ones are the mode's own)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None, run=None):
@@ -241,12 +240,12 @@ class LedgerMode(TorchDispatchMode):
             node, phase, mod = None, FORWARD, NO_MODULE
             self._error(func, e)
         if run is not None:
-            if types and _HAS_WRAPPER.get(types, True) and _has_wrapper(types):    # not expected attached (see ``attach``): the
+            if types and _has_wrapper(types):    # not expected attached (see ``attach``): the
                 self._error(func, RuntimeError(    # fake mode declines it, its local ops come next
                     "a tensor subclass op reached the fake mode; its local ops are counted"))
                 return run(func, types, args, kwargs)
             out = run(func, types, args, kwargs)
-        elif types and _HAS_WRAPPER.get(types, True) and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
+        elif types and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
             with InnerCollectives(self, phase, mod, _is_wrapper):
                 out = func(*args, **kwargs)
         else:
@@ -281,7 +280,6 @@ class LedgerMode(TorchDispatchMode):
             finally:
                 self._inside = False
 
-        self.attached = fake_mode
         life.patch_instance(fake_mode, "dispatch", dispatch)
 
     def _error(self, func, e) -> None:
