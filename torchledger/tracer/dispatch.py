@@ -20,8 +20,8 @@ from bisect import bisect_right
 from torch._C._autograd import _get_sequence_nr
 
 from .collectives import COLLECTIVES, FSDP_COPY_OUT, IGNORED, InnerCollectives, describe, lookup, p2p_tag
-from .flops import FlopCount, grads_needed, handler_of, is_free
-from .memory import TEMP, storages, tensor_bytes
+from .flops import FlopCount, grads_needed, handler_of, is_free, is_pointwise
+from .memory import PLAIN, TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
 from .opshapes import ShapeLog, close_chain, note_op   # the step-time model's per-op facts
 
@@ -329,9 +329,12 @@ class LedgerMode(TorchDispatchMode):
                 self._check_undone(args, out)
             return
 
-        fc = handler(args, kwargs, out) if handler is not None else None
-        kind = fc.kind if fc is not None else None
-        if kind is not None and fc.flops:
+        if info[7] and type(out) in PLAIN:    # pointwise, one plain output (most ops): a FLOP an
+            fc, kind, pointwise = None, "elementwise", out.numel()     # element (flops.py)
+        else:
+            fc = handler(args, kwargs, out) if handler is not None else None
+            kind = fc.kind if fc is not None else None
+        if fc is not None and fc.flops:
             wrapper = _WRAPPERS.get(type(out))
             if wrapper is None:
                 wrapper = _is_wrapper(type(out))
@@ -377,7 +380,7 @@ class LedgerMode(TorchDispatchMode):
                     self.param_matmul_flops += fc.flops
                     self.param_grad_flops += fc.flops * grads_needed(func, args)
         elif kind == "elementwise":
-            self.elementwise[phase] += fc.flops
+            self.elementwise[phase] += pointwise if fc is None else fc.flops
         elif alias and self._is_view(func, args, out):   # no bytes move, no storage is made
             self.views[phase] += 1
             if info[3] and self.grad_watch:
@@ -440,13 +443,14 @@ class LedgerMode(TorchDispatchMode):
     def _static(self, func, fid) -> tuple:
         """What ``func``'s schema says, once per process (``_FINFO``): (aliases an input, is a
         copy, is a permute, zeroes (1) / scales (2), gathers, its FLOP formula, is a view op:
-        an alias with the "free" formula)."""
+        an alias with the "free" formula, has the pointwise formula: a FLOP per output element)."""
         info = _FINFO.get(fid)
         if info is None:
             alias, handler = _is_alias_op(func), handler_of(func)
             info = _FINFO[fid] = (alias, func in _COPY_OPS, func in _PERMUTE_OPS,
                                   1 if func in _ZERO_OPS else 2 if func in _MUL_OPS else 0,
-                                  func in _GATHER_OPS, handler, alias and is_free(handler))
+                                  func in _GATHER_OPS, handler, alias and is_free(handler),
+                                  is_pointwise(handler) and func is not _SAFE_SOFTMAX)
             _PINNED.append(func)
         self._finfo[fid] = info
         self.funcs[fid] = func
@@ -459,8 +463,10 @@ class LedgerMode(TorchDispatchMode):
         read = 0
         wrappers = _WRAPPERS
         for a in args:
-            if isinstance(a, _Tensor):
-                cls = type(a)
+            cls = type(a)
+            if cls in PLAIN:                    # the common case first
+                read += nbytes(a)
+            elif isinstance(a, _Tensor):
                 wrapper = wrappers.get(cls)
                 if wrapper is None:
                     wrapper = _is_wrapper(cls)
@@ -469,11 +475,20 @@ class LedgerMode(TorchDispatchMode):
                 for b in a:
                     if isinstance(b, _Tensor):
                         read += nbytes(b)
-        written = 0
         st = self.storages
         # the tensors a graph can be kept through (retention.py): forward and recomputation
         # outputs; no weakref for the others (each one feeds the gc)
         graph = phase == FORWARD or phase == RECOMPUTE
+        if type(out) in PLAIN:                  # one plain output (most ops)
+            written = nbytes(out)
+            if track:
+                if storages is None:
+                    st.add(out.untyped_storage(), TEMP, idx, func, out if graph else None)
+                else:
+                    for s in storages(out):
+                        st.add(s, TEMP, idx, func, out if graph else None)
+            return read, written
+        written = 0
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
                 cls = type(o)

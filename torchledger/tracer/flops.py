@@ -542,6 +542,11 @@ def is_free(handler) -> bool:
     return handler is _free
 
 
+def is_pointwise(handler) -> bool:
+    """``handler`` is the pointwise formula: one FLOP per element of the (first) output."""
+    return handler is _pointwise
+
+
 def op_flops(func, args: tuple, kwargs: Optional[dict], out: Any) -> Optional[FlopCount]:
     """The FLOPs of one dispatched op, or ``None`` when torchledger has no formula for it.
 
