@@ -69,6 +69,7 @@ _PASSTHROUGH = {id(op) for op in (  # no arithmetic, no memory, no phase: not re
                              ("_record_function_exit", "_RecordFunction"))))
     if op is not None}
 _NO_KWARGS: dict = {}
+_ZERO_ROW = (0, 0, 0, 0, 0)
 _PRIM_DEVICE = torch.ops.prim.device.default
 _META = torch.device("meta")
 _SAFE_SOFTMAX = getattr(getattr(_aten, "_safe_softmax", None), "default", None)  # SDPA math only
@@ -149,15 +150,11 @@ class LedgerMode(TorchDispatchMode):
         self.op_phase: list[int] = []
         self.op_func: list[int] = []     # id(func) per op, and its matmul-class FLOPs (segments.py)
         self.op_flops: list[int] = []
-        # (phase, module, id(func)) -> row index i of the columns: count, flops, causal flops,
-        # bytes read, bytes written (five lists of ints, not a list per row: nothing per row
-        # for the gc to track and walk)
+        # (phase, module, id(func)) -> offset r of its row in ``agg_vals``: count at r, flops at
+        # r + 1, causal flops r + 2, bytes read r + 3, bytes written r + 4 (one flat list of
+        # ints, not a list per row: nothing per row for the gc to track and walk)
         self.agg: dict = {}
-        self.agg_count: list[int] = []
-        self.agg_flops: list[int] = []
-        self.agg_causal: list[int] = []
-        self.agg_read: list[int] = []
-        self.agg_written: list[int] = []
+        self.agg_vals: list[int] = []
         self.elementwise = [0] * len(PHASES)
         self.uncounted: dict = {}    # (id(func), phase, module) -> count
         self.copies: dict = {}       # (func, module, phase, location, reason) -> [count, bytes, detail]
@@ -321,7 +318,7 @@ class LedgerMode(TorchDispatchMode):
                 row = self._new_row(key)
                 if fid not in self.kinds:
                     self.kinds[fid] = "free"
-            self.agg_count[row] += 1
+            self.agg_vals[row] += 1
             self.views[phase] += 1
             if info[3] and self.grad_watch:
                 self._zeroed(args[0])
@@ -365,13 +362,14 @@ class LedgerMode(TorchDispatchMode):
             row = self._new_row(key)
             if fid not in self.kinds:
                 self.kinds[fid] = kind
-        self.agg_count[row] += 1
+        vals = self.agg_vals
+        vals[row] += 1
         if kind is None:
             ukey = (fid, phase, mod)
             self.uncounted[ukey] = self.uncounted.get(ukey, 0) + 1
         elif matmul:
-            self.agg_flops[row] += fc.flops
-            self.agg_causal[row] += fc.flops_causal
+            vals[row + 1] += fc.flops
+            vals[row + 2] += fc.flops_causal
             if kind == "attention":
                 name = func.kernel_name if type(func) is MathAttention else func._schema.name.split("::")[-1]
                 self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
@@ -394,8 +392,8 @@ class LedgerMode(TorchDispatchMode):
             read, written = self._io(args, out, track, idx, func, phase)
         except (RuntimeError, NotImplementedError):  # sparse: no nbytes, no single storage
             read, written = self._io(args, out, track, idx, func, phase, tensor_bytes, storages)
-        self.agg_read[row] += read
-        self.agg_written[row] += written
+        vals[row + 3] += read
+        vals[row + 4] += written
         if matmul:
             note_op(self.shape_log, fid, func, args, phase, mod, fc)   # shapes (opshapes.py)
         elif read or written:
@@ -429,16 +427,15 @@ class LedgerMode(TorchDispatchMode):
 
     def _new_row(self, key) -> int:
         """A new (phase, module, op) row, all zeros; its index."""
-        row = self.agg[key] = len(self.agg_count)
-        for col in (self.agg_count, self.agg_flops, self.agg_causal, self.agg_read, self.agg_written):
-            col.append(0)
+        row = self.agg[key] = len(self.agg_vals)
+        self.agg_vals.extend(_ZERO_ROW)
         return row
 
     def agg_rows(self):
         """``((phase, module, id(func)), (count, flops, causal flops, read, written))`` per row."""
-        c, f, fc, r, w = self.agg_count, self.agg_flops, self.agg_causal, self.agg_read, self.agg_written
-        for key, i in self.agg.items():
-            yield key, (c[i], f[i], fc[i], r[i], w[i])
+        vals = self.agg_vals
+        for key, r in self.agg.items():
+            yield key, tuple(vals[r:r + 5])
 
     def _static(self, func, fid) -> tuple:
         """What ``func``'s schema says, once per process (``_FINFO``): (aliases an input, is a
@@ -639,22 +636,21 @@ class LedgerMode(TorchDispatchMode):
             if last is not None:
                 key, flops, start = last
                 row = self.agg.get(key)
-                count, fl, ca, rd, wr = (self.agg_count, self.agg_flops, self.agg_causal,
-                                         self.agg_read, self.agg_written)
-                if row is not None and fl[row] >= flops:      # move the scores to attention
-                    count[row] -= 1
-                    fl[row] -= flops
-                    ca[row] -= flops
+                vals = self.agg_vals
+                if row is not None and vals[row + 1] >= flops:      # move the scores to attention
+                    vals[row] -= 1
+                    vals[row + 1] -= flops
+                    vals[row + 2] -= flops
                     akey = (key[0], key[1], id(self._as_math_attention(self.funcs[key[2]])))
                     arow = self.agg.get(akey)
                     if arow is None:
                         arow = self._new_row(akey)
-                    count[arow] += 1
-                    fl[arow] += flops
-                    ca[arow] += flops
-                    if count[row] == 0:        # it held only the scores: their bytes go along
-                        rd[arow] += rd[row]
-                        wr[arow] += wr[row]
+                    vals[arow] += 1
+                    vals[arow + 1] += flops
+                    vals[arow + 2] += flops
+                    if vals[row] == 0:         # it held only the scores: their bytes go along
+                        vals[arow + 3] += vals[row + 3]
+                        vals[arow + 4] += vals[row + 4]
                         del self.agg[key]
                     self.attention_kernels["math"] = self.attention_kernels.get("math", 0) + 1
                     self._scores_start = start
