@@ -84,7 +84,66 @@ def _ckpt():
     return _Checkpointed(), torch.randn(8, 16)
 
 
-@pytest.mark.parametrize("model_fn", [_gpt, _llama, _ckpt], ids=["gpt2-tiny", "llama-tiny", "checkpointed"])
+class _Scaled(torch.autograd.Function):
+    """A custom autograd Function that saves its input and its output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 3
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * 3 + 0 * (x + y)
+
+
+class _Mixed(nn.Module):
+    """A custom Function, SDPA's math path through a reference bound before the trace (found
+    by its softmax), and a bf16 autocast region."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 4)
+
+    def forward(self, x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q, k, v = self.qkv(_Scaled.apply(x)).view(2, 4, 3, 2, 8).unbind(2)
+        with sdpa_kernel(SDPBackend.MATH):
+            a = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.out(a.transpose(1, 2).reshape(2, 4, 16))
+        return h.float().pow(2).mean()
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention     # bound before any trace
+
+
+def _mixed():
+    return _Mixed(), torch.randn(2, 4, 16)
+
+
+def _hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    return _LossOf(model), {"input_ids": ids, "labels": ids}
+
+
+class _LossOf(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return self.model(**inputs).loss
+
+
+@pytest.mark.parametrize("model_fn", [_gpt, _llama, _ckpt, _mixed, _hf_gpt2],
+                         ids=["gpt2-tiny", "llama-tiny", "checkpointed", "function-sdpa-autocast", "hf-gpt2"])
 def test_attached_and_pushed_records_are_the_same(model_fn):
     seen_a, seen_p = [], []
     attached = _steps(model_fn, True, seen_a)
