@@ -107,14 +107,24 @@ def _force_eager(info, stack, undo=None) -> None:
     original = getattr(eval_frame, "_callback_from_stance", None)
     if original is None:
         return
+    # Dynamo asks ``_callback_from_stance(callback)`` on each entry into compiled code (the
+    # callback then is the compiler) and into each function it keeps out of compilation (False
+    # or None: FakeTensorMode's ``__torch_dispatch__`` is one, so a fake step asks ~25,000
+    # times); under force_eager the answer is None whatever it is given. ``list.append`` gives
+    # that answer from C, no Python frame per call, and keeps what it was given: the compiled
+    # entries are counted once, when the stance is put back. (A step that sets another stance
+    # inside the trace still runs eagerly.)
+    entries: list = []
+    hook = entries.append
 
-    def counting(callback):                 # dynamo asks this on each entry into compiled code
-        if callback not in (False, None):
-            info["compiled_calls"] += 1
-        return original(callback)
-
-    register(lambda: setattr(eval_frame, "_callback_from_stance", original))
-    eval_frame._callback_from_stance = counting
+    def restore():
+        if eval_frame._callback_from_stance is hook:
+            eval_frame._callback_from_stance = original
+        if entries:                     # the entries into compiled code: callbacks not False/None
+            info["compiled_calls"] += len(entries) - entries.count(None) - entries.count(False)
+            entries.clear()
+    register(restore)
+    eval_frame._callback_from_stance = hook
 
 
 def _autocast_probe(info, ours=None):
