@@ -99,6 +99,10 @@ CASES = {
             start_all()
             return torchledger.AuditSpec(M(4, 6), torch.randn(2, 4))
     """, []),
+    "input() in audit_spec": ("""
+        def audit_spec():
+            return input()
+    """, ["--timeout", "20"]),
 }
 
 HARNESS = """
@@ -118,11 +122,11 @@ for name, args, pids in cases:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(args, standalone_mode=False)
     seconds = time.monotonic() - t0
-    left = survivors(pids, {gone})
+    started = len(open(pids).read().splitlines()) if os.path.exists(pids) else 0
+    left = survivors(pids, {gone}) if started else []
     with open(out_path, "a") as f:
         f.write(json.dumps({{"name": name, "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
-                            "seconds": seconds, "started": len(open(pids).read().splitlines()),
-                            "left": left}}) + "\\n")
+                            "seconds": seconds, "started": started, "left": left}}) + "\\n")
 """
 
 #: ``survivors(pids_file, within)``: the noted processes still alive after ``within`` seconds
@@ -267,6 +271,16 @@ def test_a_killed_child_leaves_nothing_running(outcomes):
     o = outcomes["SIGKILL in forward"]
     _all_gone(o)
     _one_line(o, "the audit's process ended (killed by signal SIGKILL) before the audit finished")
+
+
+def test_the_model_file_cannot_read_the_terminal(outcomes):
+    """The child's stdin is /dev/null: ``input()`` is an EOFError at once, one line (was: it
+    waited on the terminal, here a pipe no one writes to, until --timeout)."""
+    o = outcomes["input() in audit_spec"]
+    assert "missing" not in o, o["missing"]
+    line = _line("input(", CASES["input() in audit_spec"][0])
+    _one_line(o, f"{o['file']}:{line}: audit_spec() raised EOFError")
+    assert o["seconds"] < 15, o["seconds"]
 
 
 # -- signals to `torchledger` itself (a real `python -m torchledger`, in its own process group as a
