@@ -354,3 +354,48 @@ def test_a_signal_to_torchledger_ends_what_the_model_file_started(tmp_path, watc
         assert err.decode().strip().splitlines()[-1] == "torchledger: aborted", err[-2000:]
     else:
         assert proc.returncode == -signal.SIGTERM, err[-2000:]
+
+
+# -- the supervisor's own rules (no model file) ---------------------------------------------------
+def test_a_child_reaped_elsewhere_is_never_signalled(monkeypatch):
+    """Once the child is reaped (here: by someone else in this process), its pid and group id
+    may name another process: ``end()`` and ``ended()`` signal nothing."""
+    from torchledger.cli.supervise import _Child
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    child = _Child(pid)
+    os.waitpid(pid, 0)                  # the reaping that is not the supervisor's
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda *a: sent.append(("kill", *a)))
+    monkeypatch.setattr(os, "killpg", lambda *a: sent.append(("killpg", *a)))
+    assert child.ended() == 0 and child.end() == 0
+    assert _Child(pid).end() == 0       # end() alone, as on a timeout
+    assert sent == []
+
+
+def test_the_reaper_kills_only_new_processes_of_another_session():
+    """``_Reaper.finish`` kills this process's children that appeared since it started and
+    are in another session (what left the audit's child's group, orphaned to it): not a
+    child that was already there, not one in this session."""
+    import threading
+    from torchledger.cli.supervise import _Reaper, _stat
+    if threading.active_count() != 1:
+        pytest.skip("the reaper is off in a process with other Python threads")
+    old = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    procs = [old]
+    try:
+        reaper = _Reaper()
+        assert reaper.on
+        here = subprocess.Popen(["sleep", "30"])
+        new = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        procs += [here, new]
+        started = _stat(new.pid)["start"]
+        reaper.finish(_stat(here.pid)["start"])
+        assert _stat(new.pid).get("start") != started   # killed and reaped (no /proc entry left)
+        assert old.poll() is None and here.poll() is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)

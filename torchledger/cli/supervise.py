@@ -17,6 +17,21 @@ descriptor level, reaches the parent's stderr through a pipe, and only while the
   model file's frames that were running (innermost first). Exit 2.
 * An exception no one turned into an ``AuditError`` (a model file that breaks torch's own
   machinery): one line naming it and where, exit 2 (``--debug`` shows the traceback).
+* What the model file starts (DataLoader workers, ``multiprocessing``, ``subprocess``, a
+  daemon) ends with the child. The child leads its own session and process group, with stdin
+  from ``/dev/null`` (it cannot read, or stop on, the terminal). Once it has ended, whatever
+  ended it (its result sent, ``os._exit``, a crash, ``--timeout``), the parent SIGKILLs its
+  group, before reaping the child: until then the group's id (the child's pid) cannot name
+  another process's group. Then, on Linux, from a parent with one Python thread (the command
+  line), the parent -- a child subreaper (``PR_SET_CHILD_SUBREAPER``) while the child runs --
+  kills and reaps the processes that left the group (``setsid``, a double-fork daemon,
+  ``start_new_session=True``) and were orphaned to it (``_Reaper``).
+* Signals to the parent: Ctrl-C reaches the parent alone (the foreground group); its
+  ``KeyboardInterrupt`` ends the child's group ("aborted", 130, as before). SIGTERM (``kill``,
+  ``timeout``, a CI runner), SIGHUP and SIGQUIT, where their handler is the default action,
+  end the child's group, then the parent as they would have. Ctrl-Z (SIGTSTP) stops the
+  child's group with the parent; SIGCONT continues both, and the time stopped does not count
+  towards ``--timeout``.
 
 Cost: one ``fork()`` of the parent, which has not imported torch (the child imports it), and
 one pipe read; measured by ``benchmarks/bench_audit_supervisor.py``. When the parent has
@@ -26,9 +41,12 @@ GNU OpenMP's thread pool does not survive a fork and would hang the child's firs
 ``inprocess=True`` (``--debug``), or a platform without ``fork``: ``work()`` runs here, as it
 did before (tracebacks, breakpoints; no timeout).
 
-Known limitations: the child's grandchildren (DataLoader workers of the model file) are not
-killed with it; ``posix._exit`` called directly is not traced to its line (the message says
-the process ended, without a line).
+Known limitations: a SIGKILL of the parent itself kills the child (``PR_SET_PDEATHSIG``) but
+leaves what the child started running. A process that left the child's group is ended only
+on Linux and only from a parent with one Python thread (the CLI called in-process from a
+threaded program kills the group alone), and the search for them gives up after ``SWEEP_S``
+seconds (a fork bomb outruns it). ``posix._exit`` called directly is not traced to its line
+(the message says the process ended, without a line).
 """
 from __future__ import annotations
 
@@ -421,8 +439,9 @@ class _Child:
         if hasattr(os, "waitid"):
             try:
                 seen = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                seen = True
+            except ChildProcessError:       # reaped elsewhere: its pid is no longer its own
+                self.status = 0
+                return 0
             return None if seen is None else self.end()
         try:                        # no waitid: reaped as it is seen, the group is left be
             done, status = os.waitpid(self.pid, os.WNOHANG)
@@ -436,8 +455,8 @@ class _Child:
         """SIGKILL to the child's group and to the child (idle on a zombie), then reap it.
         Once; its wait status."""
         if self.status is None:
-            for kill in (os.killpg, os.kill):   # killpg: ESRCH if it had not made its group yet
-                try:
+            for kill in (os.killpg, os.kill) if self.unreaped() else ():
+                try:                        # killpg: ESRCH if it had not made its group yet
                     kill(self.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
@@ -447,6 +466,19 @@ class _Child:
                 status = 0
             self.status = status
         return self.status
+
+    def unreaped(self) -> bool:
+        """The child is running or a zombie (not reaped, by us or by anyone else in this
+        process): its pid, and its group's id, are still its own to signal."""
+        if self.status is not None:
+            return False
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        except AttributeError:              # no waitid here: as before, trust the pid
+            pass
+        return True
 
 
 class _Stop(BaseException):
@@ -508,7 +540,7 @@ class _Forwarded:
         self.child.paused += time.monotonic() - began
 
     def _group(self, sig) -> None:
-        if self.child.status is None:           # unreaped: the group is still the child's
+        if self.child.unreaped():               # the group is still the child's
             try:
                 os.killpg(self.child.pid, sig)
             except (ProcessLookupError, PermissionError):
