@@ -482,7 +482,7 @@ class _Child:
 
 
 class _Stop(BaseException):
-    """A signal that ends this process (SIGTERM, SIGHUP, SIGQUIT) arrived while a child ran."""
+    """A signal of ``ENDING`` whose handler was the default action arrived while a child ran."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
