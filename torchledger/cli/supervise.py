@@ -17,6 +17,21 @@ descriptor level, reaches the parent's stderr through a pipe, and only while the
   model file's frames that were running (innermost first). Exit 2.
 * An exception no one turned into an ``AuditError`` (a model file that breaks torch's own
   machinery): one line naming it and where, exit 2 (``--debug`` shows the traceback).
+* What the model file starts (DataLoader workers, ``multiprocessing``, ``subprocess``, a
+  daemon) ends with the child. The child leads its own session and process group, with stdin
+  from ``/dev/null`` (it cannot read, or stop on, the terminal). Once it has ended, whatever
+  ended it (its result sent, ``os._exit``, a crash, ``--timeout``), the parent SIGKILLs its
+  group, before reaping the child: until then the group's id (the child's pid) cannot name
+  another process's group. Then, on Linux, from a parent with one Python thread (the command
+  line), the parent -- a child subreaper (``PR_SET_CHILD_SUBREAPER``) while the child runs --
+  kills and reaps the processes that left the group (``setsid``, a double-fork daemon,
+  ``start_new_session=True``) and were orphaned to it (``_Reaper``).
+* Signals to the parent: Ctrl-C reaches the parent alone (the foreground group); its
+  ``KeyboardInterrupt`` ends the child's group ("aborted", 130, as before). SIGTERM (``kill``,
+  ``timeout``, a CI runner), SIGHUP and SIGQUIT, where their handler is the default action,
+  end the child's group, then the parent as they would have. Ctrl-Z (SIGTSTP) stops the
+  child's group with the parent; SIGCONT continues both, and the time stopped does not count
+  towards ``--timeout``.
 
 Cost: one ``fork()`` of the parent, which has not imported torch (the child imports it), and
 one pipe read; measured by ``benchmarks/bench_audit_supervisor.py``. When the parent has
@@ -26,9 +41,12 @@ GNU OpenMP's thread pool does not survive a fork and would hang the child's firs
 ``inprocess=True`` (``--debug``), or a platform without ``fork``: ``work()`` runs here, as it
 did before (tracebacks, breakpoints; no timeout).
 
-Known limitations: the child's grandchildren (DataLoader workers of the model file) are not
-killed with it; ``posix._exit`` called directly is not traced to its line (the message says
-the process ended, without a line).
+Known limitations: a SIGKILL of the parent itself kills the child (``PR_SET_PDEATHSIG``) but
+leaves what the child started running. A process that left the child's group is ended only
+on Linux and only from a parent with one Python thread (the CLI called in-process from a
+threaded program kills the group alone), and the search for them gives up after ``SWEEP_S``
+seconds (a fork bomb outruns it). ``posix._exit`` called directly is not traced to its line
+(the message says the process ended, without a line).
 """
 from __future__ import annotations
 
@@ -118,19 +136,25 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
     if torch_here:
         _warm()
     parent = os.getpid()
+    reaper = _Reaper()
     pid = os.fork()
     if pid == 0:                                    # the child: never returns
         os.close(result_r)
         os.close(output_r)
         _child(work, result_w, output_w, stack, parent, torch_here, model_path)
+    child = _Child(pid)
     os.close(result_w)
     os.close(output_w)
-    try:
-        return _wait(pid, result_r, output_r, stack, timeout, model_path)
-    finally:
-        for fd in (result_r, output_r):
-            _close(fd)
-        stack.close()
+    with _Forwarded(child):
+        try:
+            return _wait(child, result_r, output_r, stack, timeout, model_path)
+        finally:
+            with _deferred():
+                child.end()                         # its group too,
+                reaper.finish(child.start)          # then what left the group
+            for fd in (result_r, output_r):
+                _close(fd)
+            stack.close()
 
 
 # -- the child ---------------------------------------------------------------------------------
@@ -165,6 +189,7 @@ def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> Non
     import atexit
     import faulthandler
     import io
+    _own_session()                           # first: what it starts is in its group
     atexit._clear()                          # the parent's handlers are the parent's
     _die_with_parent(parent, exit_now)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C: the parent stops, then kills us
@@ -215,6 +240,23 @@ WARM = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"
         "torchledger.tracer.cuda_history")
 
 
+def _own_session() -> None:
+    """The child leads a new session (its process group's id is its pid), with no controlling
+    terminal and stdin from ``/dev/null``: it cannot read or stop on the terminal, a Ctrl-C
+    reaches only the parent (which ends the child's group), and the parent can end the
+    group whatever its members did with their signals."""
+    try:
+        os.setsid()
+    except OSError:                         # not expected after fork(); the group kill misses
+        pass
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+    except OSError:
+        pass
+
+
 def _die_with_parent(parent: int, exit_now) -> None:
     """Linux: the child is killed when the parent dies (a CI job cancelled)."""
     try:
@@ -254,23 +296,23 @@ def safe_str(e: BaseException) -> str:
 
 
 # -- the parent --------------------------------------------------------------------------------
-def _wait(pid, result_r, output_r, stack, timeout, model_path):
+def _wait(child, result_r, output_r, stack, timeout, model_path):
     deadline = time.monotonic() + timeout if timeout else None
-    pidfd = _pidfd(pid)
+    pidfd = _pidfd(child.pid)
     for fd in (result_r, output_r):
         os.set_blocking(fd, False)
     lines, pending, status, result, ended = [], bytearray(), None, None, set()
     sink = _Forward()
     try:
         while status is None:
-            left = None if deadline is None else deadline - time.monotonic()
+            left = None if deadline is None else deadline + child.paused - time.monotonic()
             if left is not None and left <= 0:
                 if result is not None:       # sent, then stuck in its exit handlers
-                    _kill(pid)
+                    child.end()
                     click.echo("torchledger: warning: the model file's exit handlers were still running "
                                "at --timeout; stopped them", err=True)
                     return _outcome(result)
-                raise InputError(_timed_out(pid, stack, timeout, model_path))
+                raise InputError(_timed_out(child, stack, timeout, model_path))
             watch = [fd for fd in (result_r, output_r, pidfd) if fd is not None and fd not in ended]
             wait = left if pidfd is not None else min(left if left is not None else 0.02, 0.02)
             ready, _, _ = select.select(watch, [], [], wait)
@@ -284,7 +326,7 @@ def _wait(pid, result_r, output_r, stack, timeout, model_path):
                     else:
                         pending += data
             if pidfd in ready or pidfd is None:
-                status = _reaped(pid)
+                status = child.ended()
             while b"\n" in pending:
                 line, _, rest = bytes(pending).partition(b"\n")
                 pending = bytearray(rest)
@@ -296,7 +338,7 @@ def _wait(pid, result_r, output_r, stack, timeout, model_path):
         sink.write(_drain(output_r))
         lines += [line for line in bytes(pending).split(b"\n") if line]
     except BaseException:
-        _kill(pid)
+        child.end()
         raise
     finally:
         sink.flush()
@@ -321,11 +363,11 @@ def _outcome(message: dict):
     return result
 
 
-def _timed_out(pid, stack, timeout, model_path) -> str:
+def _timed_out(child, stack, timeout, model_path) -> str:
     """Ask the child for its stack (faulthandler, SIGUSR1), kill it, say where it was."""
     size = _size(stack)
     try:
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(child.pid, signal.SIGUSR1)
     except ProcessLookupError:
         pass
     end = time.monotonic() + STACK_WAIT_S
@@ -336,7 +378,7 @@ def _timed_out(pid, stack, timeout, model_path) -> str:
         if now > size and now == last:     # written, and not growing
             break
         last = now
-    _kill(pid)
+    child.end()
     frames = _main_thread(_read_stack(stack, since=size))
     where = _frames_text(frames, model_path)
     at = f"; it was running {where}" if where else " (its stack could not be read)"
@@ -372,6 +414,257 @@ def _status_text(status) -> str:
             name = str(sig)
         return f"killed by signal {name}"
     return f"exit status {os.WEXITSTATUS(status)}"
+
+
+# -- the child's group, and what left it -----------------------------------------------------------
+class _Child:
+    """The forked child, which leads its own session and process group (same id as its pid).
+
+    The group is signalled only while the child is unreaped (running, or a zombie): until the
+    ``waitpid`` that reaps it, its pid -- hence the group's id -- cannot name another process
+    or group. So an exit is seen without reaping (``waitid(WNOWAIT)``), what is left of the
+    group is killed, and only then is the child reaped."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.status = None          # its wait status, once reaped
+        self.paused = 0.0           # seconds this process was stopped (Ctrl-Z): not --timeout's
+        self.start = _stat(pid).get("start")
+
+    def ended(self):
+        """None while the child runs; once it has exited: end its group, reap it, return the
+        status."""
+        if self.status is not None:
+            return self.status
+        if hasattr(os, "waitid"):
+            try:
+                seen = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:       # reaped elsewhere: its pid is no longer its own
+                self.status = 0
+                return 0
+            return None if seen is None else self.end()
+        try:                        # no waitid: reaped as it is seen, the group is left be
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = self.pid, 0
+        if done:
+            self.status = status
+        return self.status
+
+    def end(self) -> int:
+        """SIGKILL to the child's group and to the child (idle on a zombie), then reap it.
+        Once; its wait status."""
+        if self.status is None:
+            for kill in (os.killpg, os.kill) if self.unreaped() else ():
+                try:                        # killpg: ESRCH if it had not made its group yet
+                    kill(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                _, status = os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                status = 0
+            self.status = status
+        return self.status
+
+    def unreaped(self) -> bool:
+        """The child is running or a zombie (not reaped, by us or by anyone else in this
+        process): its pid, and its group's id, are still its own to signal."""
+        if self.status is not None:
+            return False
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        except AttributeError:              # no waitid here: as before, trust the pid
+            pass
+        return True
+
+
+class _Stop(BaseException):
+    """A signal of ``ENDING`` whose handler was the default action arrived while a child ran."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: Signals whose default action ends this process: with it they end the child's group first.
+ENDING = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT")
+
+
+class _Forwarded:
+    """While the child runs: a signal that would end this process (SIGTERM from ``timeout`` or
+    a CI runner, SIGHUP from a closed terminal; SIGINT where its handler is the default
+    action; Python's own SIGINT handler raises ``KeyboardInterrupt``, which ends the child
+    the same way) first ends the child's group, then ends this process as it would have.
+    Ctrl-Z (SIGTSTP) stops the child's group with this process and continues it with it.
+    Only handlers left at the default action are replaced, and only in the main thread."""
+
+    def __init__(self, child: _Child):
+        self.child = child
+        self.saved = {}
+
+    def __enter__(self):
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in ENDING + ("SIGTSTP",):
+            sig = getattr(signal, name, None)
+            if sig is None or signal.getsignal(sig) is not signal.SIG_DFL:
+                continue
+            self.saved[sig] = signal.signal(sig, self._pause if name == "SIGTSTP" else self._stop)
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        if isinstance(exc, _Stop):              # the child's group is gone: end as the signal would
+            for stream in (sys.stdout, sys.stderr):
+                _flush(stream)
+            os.kill(os.getpid(), exc.signum)
+            raise SystemExit(128 + exc.signum)  # reached only were the signal blocked
+        return False
+
+    @staticmethod
+    def _stop(signum, frame):
+        raise _Stop(signum)
+
+    def _pause(self, signum, frame):
+        began = time.monotonic()
+        self._group(signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)    # stopped here until SIGCONT (fg, bg)
+        signal.signal(signal.SIGTSTP, self._pause)
+        self._group(signal.SIGCONT)
+        self.child.paused += time.monotonic() - began
+
+    def _group(self, sig) -> None:
+        if self.child.unreaped():               # the group is still the child's
+            try:
+                os.killpg(self.child.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class _deferred:
+    """Signals that would interrupt (Ctrl-C, those of ``ENDING``) wait until the block is done,
+    then are delivered: the child's group is killed and reaped whole. Main thread only (Python
+    runs signal handlers there alone)."""
+
+    def __enter__(self):
+        import threading
+        self.saved, self.got = {}, []
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in ENDING + ("SIGTSTP",):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) is not None:   # None: set outside Python
+                self.saved[sig] = signal.signal(sig, lambda n, f: self.got.append(n))
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        for sig in self.got:
+            os.kill(os.getpid(), sig)
+        return False
+
+
+#: Seconds ``_Reaper.finish`` spends at most killing and reaping what left the child's group.
+SWEEP_S = 2.0
+
+
+class _Reaper:
+    """Linux: this process is a child subreaper (``PR_SET_CHILD_SUBREAPER``) while the child
+    runs, so a process the model file started that left the child's group (``setsid``, a
+    double-fork daemon, ``start_new_session=True``) and lost its parent becomes this process's
+    child instead of init's; ``finish`` kills and reaps those. Only when this process has
+    one Python thread (no one else here starts processes meanwhile), and only processes in
+    another session than this one (the audit's child made its own: nothing it starts can
+    join this one), started no earlier than the child, that were not this process's
+    children before."""
+
+    def __init__(self):
+        self.on = self.set = False
+        if not sys.platform.startswith("linux"):
+            return
+        import threading
+        if threading.active_count() != 1:
+            return
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            flag = ctypes.c_int(0)
+            if libc.prctl(37, ctypes.byref(flag), 0, 0, 0) != 0:     # PR_GET_CHILD_SUBREAPER
+                return
+            if not flag.value:
+                if libc.prctl(36, 1, 0, 0, 0) != 0:                  # PR_SET_CHILD_SUBREAPER
+                    return
+                self.set = True
+        except (OSError, AttributeError):
+            return
+        self._libc = libc
+        self.me, self.session = os.getpid(), os.getsid(0)
+        self.before = {pid for pid, _ in _children(self.me)}
+        self.on = True
+
+    def finish(self, since) -> None:
+        """Kill and reap what left the child's group (and what those started), then stop
+        being a subreaper."""
+        if not self.on:
+            return
+        self.on = False
+        try:
+            end = time.monotonic() + SWEEP_S
+            while since is not None and time.monotonic() < end:
+                found = [pid for pid, st in _children(self.me) if pid not in self.before and
+                         st.get("session") != self.session and st.get("start", -1) >= since]
+                if not found:
+                    break
+                for pid in found:           # our unreaped children: these pids are theirs
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                for pid in found:
+                    while time.monotonic() < end:
+                        try:
+                            if os.waitpid(pid, os.WNOHANG)[0]:
+                                break
+                        except ChildProcessError:
+                            break
+                        time.sleep(0.001)
+        finally:
+            if self.set:
+                self._libc.prctl(36, 0, 0, 0, 0)
+
+
+def _stat(pid) -> dict:
+    """Fields of ``/proc/PID/stat``: ppid, session, start (clock ticks after boot); {} when
+    unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        rest = data[data.rindex(b")") + 2:].split()
+        return {"ppid": int(rest[1]), "session": int(rest[3]), "start": int(rest[19])}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+def _children(ppid: int) -> list:
+    """``(pid, _stat(pid))`` of the processes whose parent is ``ppid``."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.isdigit():
+            st = _stat(name)
+            if st.get("ppid") == ppid:
+                found.append((int(name), st))
+    return found
 
 
 # -- stacks --------------------------------------------------------------------------------------
@@ -500,25 +793,6 @@ def _pidfd(pid: int):
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
-
-
-def _reaped(pid: int):
-    try:
-        done, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return 0
-    return status if done else None
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def _size(f) -> int:
