@@ -21,14 +21,6 @@ from torchledger.models import build_model, example_inputs
 from torchledger.tracer.step import StepTracer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _timeless(d):
     """A record's dict without what is measured by the clock."""
     d = json.loads(json.dumps(d))

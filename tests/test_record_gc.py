@@ -8,7 +8,9 @@ A list per op run made each traced 7B step bring the next full collection (the w
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
+import os
 import random
 
 import numpy as np
@@ -23,20 +25,17 @@ from torchledger.tracer import segments
 from torchledger.tracer.build import _downsample
 from torchledger.tracer.dispatch import PHASES
 
-_CONTAINERS = (dict, list, tuple, set)
+def _benchmark():
+    """benchmarks/record_gc.py, whose ``tracked_in`` these tests count with."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "record_gc.py")
+    spec = importlib.util.spec_from_file_location("record_gc_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def tracked_in(obj) -> int:
-    """GC-tracked containers reachable from ``obj`` through dicts, lists, tuples and sets."""
-    seen, todo, n = set(), [obj], 0
-    while todo:
-        x = todo.pop()
-        if not isinstance(x, _CONTAINERS) or id(x) in seen:
-            continue
-        seen.add(id(x))
-        n += gc.is_tracked(x)
-        todo.extend(x.values() if isinstance(x, dict) else x)
-    return n
+tracked_in = _benchmark().tracked_in
 
 
 @pytest.fixture(scope="module")

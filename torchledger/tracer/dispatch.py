@@ -476,15 +476,10 @@ class LedgerMode(TorchDispatchMode):
         # the tensors a graph can be kept through (retention.py): forward and recomputation
         # outputs; no weakref for the others (each one feeds the gc)
         graph = phase == FORWARD or phase == RECOMPUTE
-        if type(out) in PLAIN:                  # one plain output (most ops)
-            written = nbytes(out)
+        if storages is None and type(out) in PLAIN:      # one plain output (most ops)
             if track:
-                if storages is None:
-                    st.add(out.untyped_storage(), TEMP, idx, func, out if graph else None)
-                else:
-                    for s in storages(out):
-                        st.add(s, TEMP, idx, func, out if graph else None)
-            return read, written
+                st.add(out.untyped_storage(), TEMP, idx, func, out if graph else None)
+            return read, nbytes(out)
         written = 0
         for o in ((out,) if isinstance(out, _Tensor) else out if isinstance(out, (tuple, list)) else ()):
             if isinstance(o, _Tensor):
