@@ -1,15 +1,17 @@
-"""Where a traced fake step's extra time goes, part by part, measured side by side in one run.
+"""Where a traced step's extra time goes, part by part, measured side by side in one run.
 
-    python benchmarks/fake_step_parts.py [--repeats 5] [--model llama2-7b] [--json OUT]
+    python benchmarks/fake_step_parts.py [--repeats 5] [--device fake|cpu] [--json OUT]
 
-The llama2-7b preset on fake tensors (batch 1 x 2048, AdamW, one thread), after one warm-up
-step; each round runs these variants one after another (medians and fastest runs of this
-process's CPU time, ratios to the untraced step):
+``--device fake`` (default): the llama2-7b preset on fake tensors, batch 1 x 2048; ``--device
+cpu``: gpt-mini on the CPU, batch 8 x 128 (tracer_overhead.py's two steps); AdamW, one thread,
+after one warm-up step. Each round runs these variants one after another (medians and fastest
+runs of this process's CPU time, ratios to the untraced step):
 
 * untraced: the plain fake step;
 * saved-tensor hooks alone: ``saved_tensors_hooks(lambda t: t, lambda t: t)`` around the step,
   no tracer (any tracer that sees activations through autograd's saved-tensor hooks pays it: on
   fake tensors autograd makes each unpacked saved tensor anew through FakeTensorMode);
+* a pass-through dispatch mode (cpu only: the floor of any dispatch tracer there);
 * torchledger, per-op bookkeeping off: ``trace()`` with ``LedgerMode._record`` replaced by a
   no-op (hooks, phases, module scope, entry and exit of the tracer kept; the record it builds
   is empty): what observing costs before any op is counted;
@@ -38,10 +40,22 @@ def _same(t):
     return t
 
 
+def _pass_through_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    return PassThrough
+
+
+_PassThrough = _pass_through_class()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--device", choices=("fake", "cpu"), default="fake")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -61,10 +75,14 @@ def main():
         return wrapped
 
     record = dispatch.LedgerMode._record
-    with FakeTensorMode():
-        model = build_model(args.model)
+    import contextlib
+    fake = args.device == "fake"
+    name, batch, seq = ("llama2-7b", 1, 2048) if fake else ("gpt-mini", 8, 128)
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        torch.manual_seed(0)
+        model = build_model(name)
         opt = torch.optim.AdamW(model.parameters())
-        inputs = example_inputs(args.model, batch=1, seq_len=2048)
+        inputs = example_inputs(name, batch=batch, seq_len=seq)
 
         def step():
             model(**inputs).backward()
@@ -72,7 +90,11 @@ def main():
             opt.zero_grad(set_to_none=True)
 
         def traced():
-            with torchledger.trace(model, optimizer=opt, tokens=2048):
+            with torchledger.trace(model, optimizer=opt, tokens=batch * seq):
+                step()
+
+        def pass_through():
+            with _PassThrough():
                 step()
 
         def hooks():
@@ -97,6 +119,7 @@ def main():
                 ledger_mod._Traced.findings = findings
 
         runs = {"untraced": step, "saved-tensor hooks alone": hooks,
+                **({} if fake else {"pass-through dispatch mode": pass_through}),
                 "torchledger, per-op bookkeeping off": no_record, "torchledger": full}
         step()                                           # optimizer state exists from here on
         cpu = {k: [] for k in runs}
@@ -108,7 +131,8 @@ def main():
     base, fastest = statistics.median(cpu["untraced"]), min(cpu["untraced"])
     out = {k: {"cpu_median_ms": 1e3 * statistics.median(v), "ratio": statistics.median(v) / base,
                "cpu_min_ms": 1e3 * min(v), "min_ratio": min(v) / fastest} for k, v in cpu.items()}
-    print(f"{args.model} on fake tensors, batch 1 x 2048, AdamW; {args.repeats} rounds, CPU time")
+    where = "on fake tensors" if fake else "on the CPU"
+    print(f"{name} {where}, batch {batch} x {seq}, AdamW; {args.repeats} rounds, CPU time")
     for k, v in out.items():
         print(f"  {k:38s} median {v['cpu_median_ms']:7.1f} ms {v['ratio']:5.2f}x   "
               f"fastest {v['cpu_min_ms']:7.1f} ms {v['min_ratio']:5.2f}x")
