@@ -260,7 +260,10 @@ class LedgerMode(TorchDispatchMode):
         seen are the same: those that reach the fake mode from above, on the tracing thread
         (not the ones it runs itself for a decomposition: ``_inside``). For a step whose only
         dispatch mode is ``fake_mode`` (see ``StepTracer``), where a mode pushed above it
-        would be next in line anyway."""
+        would be next in line anyway. One difference: a FakeTensorMode the step enters itself
+        takes the fake mode's place while it lasts, and its ops (on its own fake tensors:
+        shape inference, not the step's work) are not seen, where a mode pushed above both
+        saw them."""
         original = fake_mode.dispatch
         observe = self.__torch_dispatch__
         fake = self._fake
