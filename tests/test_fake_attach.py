@@ -218,3 +218,25 @@ def test_ops_of_another_thread_on_the_same_fake_mode_are_not_the_steps():
             model(x).sum().backward()
         th.join(10)
     assert t.record.totals["flops"]["forward"] == 128
+
+
+def test_a_fake_mode_entered_inside_the_step_is_not_the_steps_work():
+    """The one difference from a pushed mode (``LedgerMode.attach``): a FakeTensorMode the step
+    enters itself takes the fake mode's place, and its ops (on its own fake tensors: shape
+    inference) are not recorded; a pushed mode counted them as "other"."""
+    other = {}
+    for attach in (True, False):
+        StepTracer.attach_fake = attach
+        try:
+            with FakeTensorMode():
+                model, x = nn.Linear(8, 4), torch.randn(2, 8)
+                with torchledger.trace(model) as t:
+                    model(x).sum().backward()
+                    with FakeTensorMode():
+                        a = torch.randn(64, 64)
+                        a @ a
+        finally:
+            StepTracer.attach_fake = True
+        assert t.record.totals["flops"]["total"] == 256    # 2*2*8*4 = 128 forward, as much backward
+        other[attach] = t.record.totals["flops"]["other"]
+    assert other == {True: 0, False: 2 * 64 ** 3}           # 524,288
