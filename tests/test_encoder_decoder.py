@@ -235,3 +235,16 @@ def test_every_build_kernel_label_is_classified():
         rec = StepRecord()
         rec.meta = {"attention_kernels": [label]}
         assert _attention_storage(rec)[0] is (raw != "math"), label
+
+
+def test_korthikanti_note_names_what_of_gpts_layer_the_block_does_otherwise():
+    """The activation row's ratio is the tracer's and the architecture's: its note says which
+    of Korthikanti's GPT layer (4d GELU MLP, full K/V heads, LayerNorm) this block changes."""
+    gpt = rows(_gpt2_record(["CPU flash attention"]))["activation bytes vs Korthikanti (16-bit)"]
+    assert "Korthikanti's layer is GPT's" not in gpt["explanation"]
+    rec = _gpt2_record(["CPU flash attention"])
+    rec.meta["config"].update(mlp="swiglu", d_ff=2048, n_kv_heads=4, norm="rmsnorm")
+    text = rows(rec)["activation bytes vs Korthikanti (16-bit)"]["explanation"]
+    # d_ff = 2048 / 768 = 2.67d; 4 of 12 K/V heads
+    assert ("Korthikanti's layer is GPT's: its MLP is GELU's at 4d (this one: swiglu, d_ff = 2.67d), "
+            "its K/V heads are all 12 (this one: 4), its norms LayerNorms (this one: rmsnorm); ") in text

@@ -317,10 +317,11 @@ def comparisons(record, p=None) -> list:
                        f"sbh(34/t + 5as/(ht)) plus the all-gathered inputs of attention and MLP that its "
                        f"column-parallel linears keep, 2 x 2sbh(1 - 1/t) (Megatron keeps the shard and "
                        f"re-gathers in backward); ")
+        block = _korthikanti_block(cfg) if cfg is not None else ""
         rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
                          p["activation_bytes_korthikanti_16bit"],
                          layers + f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit "
-                         f"activations and dropout masks; {_attention_storage(record)[1]}; "
+                         f"activations and dropout masks; {block}{_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
 
@@ -505,6 +506,21 @@ def _experts_text(cfg, meta_cfg):
     text = (f"{E} experts in each of {layers} layers hold {experts:,} params where the formula counts "
             f"one 4d MLP per layer: every expert but one adds {extra:,}")
     return text, extra >= max(abs(x) for x in others)
+
+
+def _korthikanti_block(cfg) -> str:
+    """What of Korthikanti's GPT layer (a 4d GELU MLP, full K/V heads, LayerNorm; 34sbh +
+    5as^2b) this model's block does otherwise, for the activation row's note ("" when
+    nothing): the tensors its MLP, attention and norms keep for backward differ in number
+    and width, so the row's ratio is not the tracer's error alone."""
+    parts = []
+    if cfg.mlp == "swiglu" or cfg.d_ff != 4 * cfg.d_model:
+        parts.append(f"its MLP is GELU's at 4d (this one: {cfg.mlp}, d_ff = {cfg.d_ff / cfg.d_model:.3g}d)")
+    if cfg.n_kv_heads != cfg.n_heads:
+        parts.append(f"its K/V heads are all {cfg.n_heads} (this one: {cfg.n_kv_heads})")
+    if cfg.norm != "layernorm":
+        parts.append(f"its norms LayerNorms (this one: {cfg.norm})")
+    return "Korthikanti's layer is GPT's: " + ", ".join(parts) + "; " if parts else ""
 
 
 def _explain_12ld2(cfg, meta_cfg=None) -> str:
