@@ -34,6 +34,7 @@ __all__ = ["StepTracer", "active_tracer"]
 
 _STRIDED = torch.strided
 
+
 def active_tracer():
     """The tracer now active, or None."""
     return ACTIVE[0] if ACTIVE else None
