@@ -196,3 +196,37 @@ def test_growth_message_names_the_root_module_once_per_site():
     assert "(root) (aten.relu.default)" in sites
     assert not any(s.startswith("?") or s.endswith("(None)") for s in sites)
     assert len(sites) == len(set(sites))
+
+
+def test_a_finished_step_is_freed_without_the_cyclic_collector():
+    """A tracer and the record a Ledger drops are freed when the last reference goes, not at the
+    next full collection: no reference cycle is left behind by a traced step (a saved-tensor hook
+    kept as a bound method on its tracer was one, and held every dropped record until then)."""
+    import gc
+    import weakref
+    model, x = nn.Linear(8, 4), torch.randn(2, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gc.collect()
+    gc.disable()
+    try:
+        with torchledger.trace(model, optimizer=opt) as t:
+            model(x).sum().backward()
+            opt.step()
+        tracer, record = weakref.ref(t), weakref.ref(t.record)
+        del t
+        assert tracer() is None and record() is None
+
+        from torchledger.ledger import LEAK_WINDOW
+        ledger = torchledger.Ledger(model, optimizer=opt, keep=2)
+        steps = []
+        for _ in range(LEAK_WINDOW + 3):
+            with ledger.step():
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            steps.append(weakref.ref(ledger.records[-1]))
+        # kept: the last LEAK_WINDOW (the leak rules' window, 8), of which the last 2 in records
+        alive = [r() is not None for r in steps]
+        assert alive == [False] * 3 + [True] * LEAK_WINDOW
+    finally:
+        gc.enable()

@@ -242,6 +242,9 @@ class StepTracer:
         self._saved, self._grads_after_step, self._carried, self.carry_in = {}, {}, {}, {}
         self._carried_tensor = {}
         self._output_caches, self._cuda_marks = [], []
+        # the saved-tensor hook, a bound method of this tracer kept on it: a reference cycle that
+        # only a full collection would free, and with it the record once a Ledger drops it
+        self._pack_hook = None
 
     # -- what exists before the step ---------------------------------------------------------
     def _register_persistent(self, model) -> None:
