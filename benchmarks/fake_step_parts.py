@@ -24,6 +24,7 @@ Also printed: the tracer's entry, ``build_record`` and findings, timed inside th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -31,25 +32,11 @@ import time
 import torch
 
 import torchledger
-from torchledger.models import build_model, example_inputs
+from tracer_overhead import STEPS, _PassThrough, _same, setup   # the benchmarks' two steps
 from torchledger import ledger as ledger_mod
 from torchledger.tracer import dispatch, step as step_mod
 
 
-def _same(t):
-    return t
-
-
-def _pass_through_class():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class PassThrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-    return PassThrough
-
-
-_PassThrough = _pass_through_class()
 
 
 def main():
@@ -75,14 +62,10 @@ def main():
         return wrapped
 
     record = dispatch.LedgerMode._record
-    import contextlib
     fake = args.device == "fake"
-    name, batch, seq = ("llama2-7b", 1, 2048) if fake else ("gpt-mini", 8, 128)
+    name, batch, seq = STEPS[args.device]
     with FakeTensorMode() if fake else contextlib.nullcontext():
-        torch.manual_seed(0)
-        model = build_model(name)
-        opt = torch.optim.AdamW(model.parameters())
-        inputs = example_inputs(name, batch=batch, seq_len=seq)
+        model, opt, inputs, tokens = setup(args.device)
 
         def step():
             model(**inputs).backward()
@@ -90,7 +73,7 @@ def main():
             opt.zero_grad(set_to_none=True)
 
         def traced():
-            with torchledger.trace(model, optimizer=opt, tokens=batch * seq):
+            with torchledger.trace(model, optimizer=opt, tokens=tokens):
                 step()
 
         def pass_through():

@@ -20,7 +20,7 @@ import time
 import torch
 
 import torchledger
-from torchledger.models import build_model, example_inputs
+from tracer_overhead import STEPS, setup   # the benchmarks' two steps
 from torchledger.tracer import dispatch
 from torchledger.tracer.step import StepTracer
 
@@ -34,7 +34,7 @@ def main():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = args.device == "fake"
-    name, batch, seq = ("llama2-7b", 1, 2048) if fake else ("gpt-mini", 8, 128)
+    name = STEPS[args.device][0]
     calls = []
     record = dispatch.LedgerMode._record
 
@@ -43,10 +43,7 @@ def main():
         return record(self, *a)
 
     with FakeTensorMode() if fake else contextlib.nullcontext():
-        torch.manual_seed(0)
-        model = build_model(name)
-        opt = torch.optim.AdamW(model.parameters())
-        inputs = example_inputs(name, batch=batch, seq_len=seq)
+        model, opt, inputs, tokens = setup(args.device)
 
         def step():
             model(**inputs).backward()
@@ -55,7 +52,7 @@ def main():
         step()
         dispatch.LedgerMode._record = capture
         try:
-            with torchledger.trace(model, optimizer=opt, tokens=batch * seq):
+            with torchledger.trace(model, optimizer=opt, tokens=tokens):
                 step()
         finally:
             dispatch.LedgerMode._record = record

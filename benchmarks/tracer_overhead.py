@@ -43,11 +43,22 @@ def step(model, opt, inputs):
     opt.zero_grad(set_to_none=True)
 
 
-def small_gpt():
+#: The two steps these benchmarks time: (preset, batch, sequence length) per device.
+STEPS = {"cpu": ("gpt-mini", 8, 128), "fake": ("llama2-7b", 1, 2048)}
+
+
+def setup(device: str):
+    """``(model, optimizer, inputs, tokens)`` of :data:`STEPS`'s step on ``device`` ("cpu", or
+    "fake": build and run it inside a FakeTensorMode), seeded; AdamW."""
+    name, batch, seq = STEPS[device]
     torch.manual_seed(0)
-    model = build_model("gpt-mini")
+    model = build_model(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs = example_inputs("gpt-mini", batch=8, seq_len=128)
+    return model, opt, example_inputs(name, batch=batch, seq_len=seq), batch * seq
+
+
+def small_gpt():
+    model, opt, inputs, _ = setup("cpu")
     return model, opt, inputs
 
 
@@ -143,9 +154,7 @@ def bench_fake_7b(repeats: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        model = build_model("llama2-7b")
-        opt = torch.optim.AdamW(model.parameters())
-        inputs = example_inputs("llama2-7b", batch=1, seq_len=2048)
+        model, opt, inputs, _ = setup("fake")
         step(model, opt, inputs)                       # warm-up (optimizer state exists after)
 
         def untraced():
