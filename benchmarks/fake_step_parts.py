@@ -32,7 +32,7 @@ import time
 import torch
 
 import torchledger
-from tracer_overhead import STEPS, _PassThrough, _same, setup   # the benchmarks' two steps
+from tracer_overhead import STEPS, _PassThrough, _same, setup, step as one_step   # the benchmarks' two steps
 from torchledger import ledger as ledger_mod
 from torchledger.tracer import dispatch, step as step_mod
 
@@ -68,9 +68,7 @@ def main():
         model, opt, inputs, tokens = setup(args.device)
 
         def step():
-            model(**inputs).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            one_step(model, opt, inputs)
 
         def traced():
             with torchledger.trace(model, optimizer=opt, tokens=tokens):

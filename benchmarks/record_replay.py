@@ -20,7 +20,7 @@ import time
 import torch
 
 import torchledger
-from tracer_overhead import STEPS, setup   # the benchmarks' two steps
+from tracer_overhead import STEPS, setup, step as one_step   # the benchmarks' two steps
 from torchledger.tracer import dispatch
 from torchledger.tracer.step import StepTracer
 
@@ -46,9 +46,7 @@ def main():
         model, opt, inputs, tokens = setup(args.device)
 
         def step():
-            model(**inputs).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            one_step(model, opt, inputs)
         step()
         dispatch.LedgerMode._record = capture
         try:
