@@ -402,6 +402,8 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq, "spec_line": spec_line,
                            "loss": loss_source[0] if loss_source else None}
+        if layout is not None:
+            r.meta["audit"]["precision"] = layout.precision
         if plan_notes:
             r.meta["audit"]["plan"] = list(plan_notes)
             if spec.parallelize is None:

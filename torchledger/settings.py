@@ -9,6 +9,7 @@
     tolerance = 0.05             # comparisons: unexplained gap that becomes a finding
     copy_share = 0.10            # copies: share of bytes moved that is reported
     cache_share = 0.01           # TL-MEM-001: a returned KV cache this share of the peak warns
+    fp32_matmul_share = 0.01     # TL-PREC-001: fp32 matmul FLOPs under a 16-bit plan that warn
     baseline_tolerance = 0.01    # --baseline: growth that fails
     leak_min_bytes = 1024        # TL-LEAK-001 ignores slower growth than this per step
     ignore = ["TL-CMP-001"]      # audit: rules whose findings are suppressed (and counted)
@@ -40,6 +41,7 @@ _PARSERS = {
     "tolerance": ("a fraction such as 0.05", lambda v: _fraction(v)),
     "copy_share": ("a fraction such as 0.1", lambda v: _fraction(v)),
     "cache_share": ("a fraction such as 0.01", lambda v: _fraction(v)),
+    "fp32_matmul_share": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "baseline_tolerance": ("a fraction such as 0.01", lambda v: _fraction(v)),
     "leak_min_bytes": ("a size such as 1024 or 1KiB", lambda v: _positive(units.parse_bytes(v), zero=True)),
     "ignore": ('a list of rule ids such as ["TL-CMP-001"]', lambda v: _rule_list(v)),

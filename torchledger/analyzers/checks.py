@@ -141,9 +141,10 @@ def _all():
     from .interconnect import check_comm_time
     from .mfu import check_mfu
     from .outputs import check_output_cache
+    from .precision import check_precision
     return [check_comparisons, check_copies, check_leaks, check_output_cache, check_gpu_fit,
             check_comm_time, check_mfu, check_allocator, check_uncounted_ops, check_fake_kernel_gaps,
-            check_tracer_warnings, check_comm_steps]
+            check_tracer_warnings, check_comm_steps, check_precision]
 
 
 ALL_CHECKS = _all()

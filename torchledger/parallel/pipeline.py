@@ -81,35 +81,43 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
         groups.setdefault(shape_key, []).append(r)
     stages, records = [], {}
     per_rank = n // p
+    act_dtype = None            # what stage 0 sends: rank 0 (the first group) is traced first
     for key, alike in groups.items():
         r = alike[0]
-        traced, notes, meta = _trace_in_child(path, entry, world, layout, r, sizes, m)
+        traced, notes, meta = _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype)
+        act_dtype = act_dtype or meta.get("activation_dtype")
         stage = _compose(traced, layout, r, m, schedule, meta)
         stage["ranks_alike"] = alike
         stages.append(stage)
         records[r] = (traced, stage, notes, meta)
     stages.sort(key=lambda s: s["rank"])
     bound = max(stages, key=lambda s: (s["peak_bytes"], -s["rank"]))
-    traced, stage, notes, meta = records[bound["rank"]]
-    rec = _composed_record(traced, stage, m)
-    rec.totals["pipeline"] = {
+    pipeline = {
         "stages": p, "virtual_stages": v, "micro_batches": m, "schedule": schedule,
         "bubble_fraction": bubble_fraction(p, v, m, schedule), "bounding_rank": bound["rank"],
         "ranks_traced": len(stages), "seconds": round(time.perf_counter() - t0, 3),
         "per_stage": stages}
+    # every distinct stage composed: the step time is priced on each (the slowest sets it)
+    composed = {}
+    for r, (traced_r, stage_r, _, _) in records.items():
+        composed[r] = _composed_record(traced_r, stage_r, m)
+        composed[r].totals.update(pipeline=pipeline, parallel_dims=dict(layout.dims))
+    rec = composed[bound["rank"]]
+    traced, stage, notes, meta = records[bound["rank"]]
     from ..render.sarif import spec_location
     import os
     rec.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": "fake", "steps": 1,
                          "seq_len": meta["seq_len"], "spec_line": spec_location(path, entry)[1],
                          "loss": "the last chunk's cross-entropy (pipeline stage)",
                          "world_size": n, "mesh": list(shape), "rank": bound["rank"] * per_rank,
-                         "mesh_dims": list(layout.names), "plan": notes}
+                         "mesh_dims": list(layout.names), "plan": notes, "precision": layout.precision}
     rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape), parallel_dims=dict(layout.dims))
     rec.meta["device"] = "fake (cpu)"
     from .plan import plan_warnings
     rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
     run = AuditRun([rec], None, "fake", path)
     run.snapshot, run.untraced_seconds = None, []
+    run.stage_records = composed
     return run
 
 
@@ -147,7 +155,7 @@ def _micro_batches(layout, batch: int, p: int) -> int:
 
 
 # -- one rank --------------------------------------------------------------------------------
-def _trace_in_child(path, entry, world, layout, r, sizes, m):
+def _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype=None):
     """``_trace_rank`` in a fresh Python process: each rank is its own fake world, and DTensor
     keeps caches keyed by meshes that compare equal across worlds (a second world in the same
     process would be handed the first one's process groups)."""
@@ -161,7 +169,7 @@ def _trace_in_child(path, entry, world, layout, r, sizes, m):
     args = {"path": os.path.abspath(path), "entry": entry, "world": [world[0], list(world[1])],
             "layout": {k: (list(map(list, v)) if k == "dims" else v)
                        for k, v in dataclasses.asdict(layout).items()},
-            "rank": r, "sizes": list(sizes), "m": m}
+            "rank": r, "sizes": list(sizes), "m": m, "act_dtype": act_dtype}
     with tempfile.TemporaryDirectory(prefix="torchledger-pp-") as tmp:
         out = os.path.join(tmp, "out.json")
         code = "from torchledger.parallel.pipeline import _child; _child()"
@@ -207,7 +215,7 @@ def _child() -> None:
             fn = load_entry(args["path"], args["entry"])
             with fake_world(n, tuple(shape), rank=r * per_rank, names=layout.names) as mesh:
                 traced, notes, meta = _trace_rank(fn, args["path"], args["entry"], layout, mesh, r,
-                                                  args["sizes"], args["m"])
+                                                  args["sizes"], args["m"], args.get("act_dtype"))
         data = {"records": {k: v.to_dict() for k, v in traced.items()}, "notes": notes, "meta": meta}
     except (AuditError, WorldError) as e:
         data = {"error": str(e)}
@@ -215,7 +223,7 @@ def _child() -> None:
         json.dump(data, f)
 
 
-def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m):
+def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
     """Build, prune, plan and trace rank ``r``'s micro-steps; (records by kind, notes, meta)."""
     import torch
     from ..audit import _fake_safe_init, _raised, _standard_plan, _where, device_context
@@ -250,7 +258,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m):
             inputs = cp_inputs(inputs, layout.size("cp"), mesh["cp"].get_local_rank(), seq.seq_len)
         opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
         runner = _StageRunner(model, dec, inputs, chunks, blocks, last, pp_ranks, mesh["pp"].get_group(),
-                              layout, spec)
+                              layout, spec, _dtype_named(act_dtype))
         _warm_optimizer(model, opt)
         kinds = ["only"] if m == 1 else ["first", "last"] if m == 2 else ["first", "steady", "last"]
         ledger = Ledger(model, optimizer=opt, keep=len(kinds))
@@ -270,7 +278,8 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m):
                                        mesh=list(mesh.shape))
     block_names = [f"{dec.prefix}.{i}" for i in sorted(keep)]
     meta = {"rank": r, "chunks": chunks, "blocks": len(keep), "block_names": block_names,
-            "seq_len": seq.seq_len}
+            "seq_len": seq.seq_len, "activation_dtype": _dtype_name(runner.act_dtype),
+            "sent_dtypes": sorted(_dtype_name(d) for d in runner.sent_dtypes)}
     return traced, notes, meta
 
 
@@ -317,8 +326,8 @@ class _StageRunner:
     """One micro-batch forward through a rank's chunks and backward in reverse, with the p2p
     of a pipeline stage issued through ``torch.distributed`` (the fake group records them)."""
 
-    def __init__(self, model, dec, inputs, chunks, blocks, last, pp_ranks, group, layout, spec):
-        import torch
+    def __init__(self, model, dec, inputs, chunks, blocks, last, pp_ranks, group, layout, spec,
+                 act_dtype=None):
         self.model, self.dec, self.inputs = model, dec, inputs
         self.chunks, self.blocks, self.last = chunks, blocks, last
         self.pp_ranks, self.group, self.spec = pp_ranks, group, spec
@@ -329,8 +338,12 @@ class _StageRunner:
         tp = layout.size("tp")
         t_local = self.T // tp if dec.sequence_parallel and tp > 1 else self.T
         self.act_shape = (self.B, t_local, d)
-        self.act_dtype = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
-                          "fp16-mixed": torch.float16}.get(layout.precision, torch.get_default_dtype())
+        # the dtype of what flows between stages is what chunk 0 sends (fp32 under autocast
+        # on fp32 weights: the residual stream adds fp32 embeddings to 16-bit outputs; the
+        # compute dtype under FSDP2's MixedPrecisionPolicy): given by the rank-0 trace to the
+        # other ranks, taken from chunk 0's output on rank 0 (it runs before any receive)
+        self.act_dtype = act_dtype
+        self.sent_dtypes = set()
         self.original_forward = model.forward
 
     def _ids(self):
@@ -370,7 +383,7 @@ class _StageRunner:
         if c == 0:
             x = self._embed()
         else:
-            buf = torch.empty(self.act_shape, dtype=self.act_dtype)
+            buf = torch.empty(self.act_shape, dtype=self.act_dtype or _param_dtype(model))
             dist.recv(buf, src=self.pp_ranks[(c - 1) % self.p], group=self.group)
             buf.requires_grad_()
             x = _SendGradBack.apply(buf, self.pp_ranks[(c - 1) % self.p], self.group)
@@ -380,6 +393,9 @@ class _StageRunner:
             x = out[0] if isinstance(out, tuple) else out
         if c == self.last:
             return self._loss(x)
+        if self.act_dtype is None:
+            self.act_dtype = x.dtype
+        self.sent_dtypes.add(x.dtype)
         dist.send(x, dst=self.pp_ranks[(c + 1) % self.p], group=self.group)
         return _RecvGrad.apply(x, self.pp_ranks[(c + 1) % self.p], self.group)
 
@@ -400,9 +416,9 @@ class _StageRunner:
                 return (None,), {}
             from ..models.transformer import rope_tables
             cfg = model.config
-            return (rope_tables(self.T, cfg.head_dim, cfg.rope_theta, x.device, self.act_dtype),), {}
+            return (rope_tables(self.T, cfg.head_dim, cfg.rope_theta, x.device, x.dtype),), {}
         pos = torch.arange(self.T, device=x.device)[None]
-        probe = torch.empty(self.B, self.T, 1, dtype=self.act_dtype)
+        probe = torch.empty(self.B, self.T, 1, dtype=x.dtype)
         return (), {"position_embeddings": model.model.rotary_emb(probe, pos), "position_ids": pos}
 
     def _loss(self, x):
@@ -412,6 +428,26 @@ class _StageRunner:
         idx = self._ids()
         targets = self._targets(idx)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _dtype_name(dtype):
+    """``torch.bfloat16`` -> "bfloat16" (None stays None)."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _dtype_named(name):
+    """"bfloat16" -> ``torch.bfloat16`` (None stays None)."""
+    import torch
+    return None if name is None else getattr(torch, name)
+
+
+def _param_dtype(model):
+    """The dtype of the model's first floating parameter (the default dtype without one)."""
+    import torch
+    for q in model.parameters():
+        if q.is_floating_point():
+            return q.dtype
+    return torch.get_default_dtype()
 
 
 def _width(model, dec) -> int:

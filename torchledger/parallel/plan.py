@@ -39,7 +39,6 @@ parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger'
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -382,14 +381,24 @@ def _to_dtype(model, dtype) -> None:
 
 
 def _autocast_forward(model, dtype) -> None:
+    """Autocast around every call of ``model``, entered by a forward pre-hook and left by a
+    forward hook that runs even when forward raises: it belongs to the module's call, not to
+    its ``forward`` attribute, so a runner that calls the model with another forward (the
+    pipeline stage runner runs one chunk at a time) computes in ``dtype`` too."""
     import torch
-    forward = model.forward
+    entered = []
 
-    @functools.wraps(forward)
-    def cast(*args, **kwargs):
-        with torch.autocast("cpu", dtype=dtype):
-            return forward(*args, **kwargs)
-    model.forward = cast
+    def enter(module, args):
+        ctx = torch.autocast("cpu", dtype=dtype)
+        ctx.__enter__()
+        entered.append(ctx)
+
+    def leave(module, args, output):
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
 
 
 # -- data parallelism --------------------------------------------------------------------------
