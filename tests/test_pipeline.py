@@ -188,7 +188,9 @@ def test_step_time_of_the_stage_is_its_m_micro_steps(interleaved):
     compute = sum(p["by_phase"].get(k, 0) for k in ("forward", "backward", "recompute"))
     assert p["bubble_seconds"] == pytest.approx(compute / 8)
     assert p["mfu"] == pytest.approx(rec.totals["flops"]["total"] / p["seconds"] / st._peak(h100, "fp32", eff))
-    assert p["tokens_per_s_per_gpu"] == pytest.approx(rec.totals["tokens"] / p["seconds"])
+    # the step's global tokens / s / world size: dp=2 ranks of 4 x 2 x 32 tokens over 4 GPUs,
+    # each pp pair processing one dp rank's tokens: 256 / s / 2
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(rec.totals["tokens"] / p["seconds"] / 2)
     assert rec.totals["tokens"] == 4 * 2 * 32                  # 4 micro-batches of 2 x 32
 
 
@@ -285,3 +287,32 @@ def test_more_stages_than_blocks_is_one_line(tiny4):
     from test_audit_cli import one_line_error
     one_line_error(CliRunner().invoke(cli, ["audit", tiny4, "--mesh", "pp=4", "--virtual-stages", "2"]),
                    "4 blocks cannot fill 8 pipeline chunks", "fewer stages")
+
+
+# A head-heavy last stage under a first stage that holds more: vocabulary 256, 4 x 256 tokens
+# a micro-batch, 8 micro-batches. Rank 0 holds p = 2 micro-batches of its blocks in flight
+# (1F1B) and bounds the memory; rank 1 runs the head and the loss on every micro-batch and is
+# the slower one: the step is priced on it (it used to follow the highest-memory stage).
+HEADY = TINY4.replace("n_layers=4)", "n_layers=4, vocab_size=256)").replace("(2, 32)", "(4, 256)")
+
+
+@pytest.mark.slow
+def test_the_step_is_priced_on_the_slowest_stage(tmp_path):
+    import json
+    from click.testing import CliRunner
+    from torchledger.cli import cli
+    path = tmp_path / "heady.py"
+    path.write_text(textwrap.dedent(HEADY))
+    out = tmp_path / "a.json"
+    res = CliRunner().invoke(cli, ["audit", str(path), "--mesh", "pp=2", "--micro-batches", "8", "--gpu", "h100",
+                                   "--precision", "bf16-mixed", "--format", "json", "--output", str(out)])
+    assert res.exit_code in (0, 1), res.output
+    d = json.loads(out.read_text())
+    pipe, p = d["totals"]["pipeline"], d["predictions"]["step_time"]
+    assert pipe["bounding_rank"] == 0
+    secs = {s["rank"]: s["predicted_seconds"] for s in pipe["per_stage"]}
+    assert secs[1] > secs[0] > 0
+    assert p["seconds"] == pytest.approx(secs[1])
+    assert "slowest's, rank 1" in p["assumptions"][-1] and "bounding (highest-memory) rank 0" in p["assumptions"][-1]
+    # tokens per GPU: the step's 8 x 4 x 256 tokens over pp = 2 GPUs
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(8 * 4 * 256 / 2 / p["seconds"])

@@ -385,3 +385,20 @@ def test_a_composed_stage_reduces_every_micro_step_rows_under_its_backward():
     # once, in the last micro-step: r > 2 ms under b0's backward: r - 2 ms exposed
     rs["micro_steps"] = 1
     assert predict_step_time(rec, part)["seconds"] == pytest.approx(base + r - 2e-3)
+
+
+def test_tokens_per_s_per_gpu_is_global_tokens_over_the_world():
+    """Global tokens / seconds / world size: a rank's tokens are its data-parallel shard's,
+    which its tp x pp partners process with it (Llama-3-8B at tp=2 printed 2x the rate)."""
+    from torchledger.analyzers.steptime import predict_step_time
+    rec = _record()                                   # 1,000 tokens a rank, world 8
+    base = predict_step_time(rec, "h100")
+    assert base["tokens_per_s_per_gpu"] == pytest.approx(1000 / base["seconds"])
+    # dp=2, tp=2, pp=2: global 2 x 1,000 tokens over 8 GPUs = 1,000 / 4 per GPU per step
+    rec.totals["parallel_dims"] = {"dp": 2, "tp": 2, "pp": 2}
+    p = predict_step_time(rec, "h100")
+    assert p["seconds"] == pytest.approx(base["seconds"])
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(1000 / 4 / p["seconds"])
+    # cp=2: the rank's tokens are already T/cp of each sequence: dp=4, cp=2 is 1,000 per GPU
+    rec.totals["parallel_dims"] = {"dp": 4, "cp": 2}
+    assert predict_step_time(rec, "h100")["tokens_per_s_per_gpu"] == pytest.approx(1000 / p["seconds"])

@@ -109,3 +109,31 @@ def test_capture_records_shapes_and_chains():
     assert chained and sum(r["fused_kernels"] for r in chained) < sum(
         r["count"] for r in rows if r["phase"] == "forward" and r["kind"] not in ("matmul", "attention")
         and (r["bytes_read"] or r["bytes_written"]))
+
+
+def test_a_first_step_is_priced_as_a_steady_one(audited, tmp_path):
+    """A one-step audit's optimizer makes AdamW's state (exp_avg, exp_avg_sq: 2 zeros_like per
+    parameter tensor; the step count: lift_fresh): later steps do not, so the prediction leaves
+    those kernels out and equals a two-step audit's (whose last step holds the state)."""
+    _, one = audited
+    out = tmp_path / "two.json"
+    res = CliRunner().invoke(cli, ["audit", TINY, "--steps", "2", "--gpu", "h100", "--format", "json",
+                                   "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    two = json.loads(out.read_text())
+    made = [r for r in one["ops"] if r["phase"] == "optimizer" and r["op"].startswith("aten.zeros_like")]
+    n_params = sum(1 for _ in _tiny_model().parameters())
+    assert sum(r["count"] for r in made) == 2 * n_params
+    p1, p2 = one["predictions"]["step_time"], two["predictions"]["step_time"]
+    assert p1["by_phase"]["optimizer"] == pytest.approx(p2["by_phase"]["optimizer"])
+    assert p1["seconds"] == pytest.approx(p2["seconds"])
+    # 2 zeros_like + 1 lift_fresh per parameter tensor
+    assert f"made its state ({3 * n_params} zero-fill and scalar kernels)" in " ".join(p1["assumptions"])
+
+
+def _tiny_model():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpt2_tiny_example", TINY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.audit_spec().model

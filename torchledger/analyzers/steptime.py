@@ -45,10 +45,16 @@ from __future__ import annotations
 import math
 
 from ..formulas import steptime as st
+from .fit import first_step_state
 
 __all__ = ["predict_step_time", "attach_step_time", "op_seconds", "collective_row_seconds"]
 
 _PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+#: Ops with which an optimizer makes its state on its first step (AdamW: exp_avg and
+#: exp_avg_sq by zeros_like, the step count by torch.tensor -> lift_fresh): a first-step
+#: record's optimizer phase is priced without them, as every later step runs.
+STATE_CREATION = ("aten.zeros_like.", "aten.zeros.", "aten.full.", "aten.full_like.", "aten.lift_fresh.",
+                  "aten.scalar_tensor.", "aten.ones_like.")
 #: Ops that launch no kernel on a GPU (allocation, metadata, views the schema does not mark):
 #: their recorded bytes are not traffic.
 NO_KERNEL = ("aten.empty.", "aten.empty_like.", "aten.empty_strided.", "aten.new_empty.",
@@ -201,7 +207,12 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     mod_seconds: dict = {}
     unit_compute: dict = {}      # (phase group, module) -> seconds
     dtype_flops: dict = {}
+    made_state = first_step_state(rec) > 0
+    skipped = 0
     for row in rec.ops or ():
+        if made_state and row.get("phase") == "optimizer" and str(row.get("op", "")).startswith(STATE_CREATION):
+            skipped += int(row.get("count") or 0)       # a steady step's optimizer has its state
+            continue
         got = op_seconds(row, gpu, eff, dtype, compiled, cp)
         secs = got["seconds"]
         if not secs:
@@ -364,7 +375,9 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     peak = st._peak(gpu, mdtype, eff)
     tokens = (t.get("tokens") or 0) * per_step
     from ..record import counts_samples
-    tok_rate = tokens / seconds if tokens and seconds and not counts_samples(t) else None
+    # the step's global tokens / seconds / world size: a rank's tokens are its data-parallel
+    # shard's (T/cp of each sequence under cp), which tp x pp ranks process together
+    tok_rate = tokens / seconds / _model_parallel(t) if tokens and seconds and not counts_samples(t) else None
     mfu = flops / seconds / peak if seconds and flops else None
     hfu = hflops / seconds / peak if seconds and hflops else None
     by_kind = {k: v * micro + kinds_once[k] for k, v in kinds.items()}
@@ -397,6 +410,9 @@ def predict_step_time(rec, gpu, options=None) -> dict:
                            "recorded): priced unfused")
     if micro > 1:
         assumptions.append(f"{micro} micro-batches: gradient reductions in the last only, one optimizer step")
+    if skipped:
+        assumptions.append(f"a steady step: the traced first step's optimizer made its state ({skipped} "
+                           f"zero-fill and scalar kernels), which later steps do not; not priced")
     if cp > 1:
         assumptions.append(f"context parallel {cp}: each rank's T/{cp} queries over the all-gathered keys as a "
                            f"load-balanced causal ring (half the pairs, as PyTorch's context_parallel and "
@@ -413,6 +429,18 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     out["bound"] = _bound(out, rows, coll_seconds)
     out["_modules"] = {k: v * micro for k, v in mod_seconds.items()}
     out["_collectives"] = coll_seconds
+    return out
+
+
+def _model_parallel(totals) -> int:
+    """tp x pp of the record's layout: the ranks that share one data-parallel rank's tokens."""
+    dims = totals.get("parallel_dims") if isinstance(totals.get("parallel_dims"), dict) else {}
+    out = 1
+    for name in ("tp", "pp"):
+        try:
+            out *= max(int(dims.get(name) or 1), 1)
+        except (TypeError, ValueError):
+            pass
     return out
 
 
@@ -472,15 +500,51 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def predict_into(rec, gpu, options=None) -> None:
+def predict_into(rec, gpu, options=None, stages=None) -> None:
     """:func:`attach_step_time` for a report: a failure becomes a record warning, never an
-    exception (a record from an older torchledger, a part without figures)."""
+    exception (a record from an older torchledger, a part without figures).
+
+    ``stages``: a pipeline audit's composed record of every distinct stage ({rank: record},
+    ``rec`` the bounding, highest-memory, one among them): each is priced, and the step is
+    the slowest stage's (every stage waits for it at each micro-batch); ``rec`` keeps its own
+    modules' and collectives' seconds, ``predictions.step_time`` is the slowest stage's."""
     opts = options or {}
+    kw = {"compiled": opts.get("compiled"), "micro_batches": opts.get("micro_batches")}
     try:
-        attach_step_time(rec, gpu, {"compiled": opts.get("compiled"),
-                                    "micro_batches": opts.get("micro_batches")})
+        attach_step_time(rec, gpu, kw)
+        if stages:
+            _price_every_stage(rec, stages, gpu, kw)
     except Exception as e:  # noqa: BLE001
         rec.warnings.append(f"predicted step time unavailable: {type(e).__name__}: {e}")
+
+
+def _price_every_stage(rec, stages: dict, gpu, kw: dict) -> None:
+    """The step time of the slowest of ``stages`` into ``rec`` (see :func:`predict_into`)."""
+    own = rec.predictions["step_time"]
+    pipe = rec.totals.get("pipeline") if isinstance(rec.totals.get("pipeline"), dict) else {}
+    bounding = pipe.get("bounding_rank")
+    seconds = {}
+    preds = {}
+    for r, stage in stages.items():
+        preds[r] = own if stage is rec else predict_step_time(stage, gpu, kw)
+        seconds[r] = preds[r]["seconds"]
+    for row in pipe.get("per_stage") or ():
+        if row.get("rank") in seconds:
+            row["predicted_seconds"] = seconds[row["rank"]]
+    slowest = max(seconds, key=lambda r: (seconds[r], r == bounding))
+    if slowest == bounding or preds[slowest] is own:
+        own["assumptions"].append(f"pipeline: every distinct stage priced; the step is the slowest's, rank "
+                                  f"{slowest} ({_ms(seconds[slowest])}), the bounding (highest-memory) stage")
+        return
+    pred = {k: v for k, v in preds[slowest].items() if not k.startswith("_")}
+    pred["assumptions"] = list(pred["assumptions"]) + [
+        f"pipeline: every distinct stage priced; the step is the slowest's, rank {slowest} "
+        f"({_ms(seconds[slowest])}), not the bounding (highest-memory) rank {bounding} "
+        f"({_ms(seconds.get(bounding, own['seconds']))}) whose record this is"]
+    for key in ("measured_seconds", "predicted_over_measured"):
+        if key in own:
+            pred[key] = own[key]
+    rec.predictions["step_time"] = pred
 
 
 def compare_step_time(record, baseline, tolerance: float = 0.01) -> list:

@@ -321,7 +321,7 @@ def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
         options.update(peak_flops=peak, peak_source=peak_source)
     if gpu:                                     # predictions.step_time on that part
         from ..analyzers.steptime import predict_into
-        predict_into(run.record, gpu, options)
+        predict_into(run.record, gpu, options, stages=getattr(run, "stage_records", None))
     options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:
