@@ -59,8 +59,8 @@ def test_bmm_and_baddbmm_keep_their_batch_and_sdpa_its_causality():
 
 
 def test_a_causal_sdpa_is_recorded_causal():
-    # the same SDPA with is_causal=True (the row's FLOPs stay the dense 98,304; the signature
-    # says causal, the step-time model halves the work)
+    # the same SDPA with is_causal=True: the signature says causal (the step-time model then
+    # prices half the score blocks)
     q = torch.randn(2, 4, 16, 8, requires_grad=True)
     k, v = torch.randn(2, 4, 24, 8), torch.randn(2, 4, 24, 8)
 
