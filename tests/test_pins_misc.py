@@ -183,6 +183,42 @@ def test_calibrate_output_onto_an_existing_file_keeps_the_rows_other_fields(tmp_
     assert row["efficiency"]["matmul_peak_fraction"] == pytest.approx(0.6, rel=1e-4)   # refitted
 
 
+@pytest.fixture
+def restore_registry():
+    saved = dict(hardware._REGISTRY)
+    yield
+    hardware._REGISTRY.clear()
+    hardware._REGISTRY.update(saved)
+    hardware._ENV_LOADED = None
+
+
+def test_calibrate_into_the_hardware_file_in_use_keeps_its_unfitted_efficiency(tmp_path, monkeypatch,
+                                                                                 restore_registry):
+    # The documented loop: TORCHLEDGER_HARDWARE names the file calibrate writes. Its H100 row
+    # says Hopper tiles need 100 FLOP/B (not 85) and SDPA runs cuDNN. Under 100 FLOP/B every
+    # tile is feed-bound, the best 256x128 at 2*256*128/(384*2) = 85.33/100 = 0.85333, so a
+    # step measured at f = 0.6 of the unbounded model fits f = 0.6/0.85333 = 0.70312. The
+    # written row keeps the two unfitted keys, and the part it describes predicts the
+    # measured step again (dropping them would predict 0.85333 x the measurement).
+    from click.testing import CliRunner
+    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.cli import cli
+    out = tmp_path / "hw.json"
+    out.write_text(json.dumps({"H100 SXM": {"efficiency": {"matmul_min_intensity": 100.0,
+                                                           "attention_kernel": "cudnn"}}}))
+    monkeypatch.setenv(hardware.HARDWARE_ENV, str(out))
+    measured = _mm_seconds(0.6)
+    rec = _record(_MM, step_seconds=measured)
+    res = CliRunner().invoke(cli, ["calibrate", rec.save(str(tmp_path / "r.json")), "--gpu", "h100",
+                                   "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    eff = json.loads(out.read_text())["H100 SXM"]["efficiency"]
+    assert (eff["matmul_min_intensity"], eff["attention_kernel"]) == (100.0, "cudnn")
+    assert eff["matmul_peak_fraction"] == pytest.approx(0.6 / (2 * 256 * 128 / (384 * 2) / 100), rel=1e-4)
+    hardware._ENV_LOADED = None                     # read the file calibrate wrote
+    assert predict_step_time(rec, get_gpu("h100"))["seconds"] == pytest.approx(measured, rel=1e-4)
+
+
 def test_fitted_attention_fractions_are_capped_at_one():
     from torchledger.analyzers.calibrate import _apply, fit_efficiency
     from torchledger.analyzers.steptime import predict_step_time
