@@ -68,6 +68,21 @@ def leak_guard():
     assert after == before, f"torchledger left global state behind: {before} -> {after}"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """accelerate keeps one ``AcceleratorState`` per process: the first ``Accelerator`` (a
+    ``Trainer``'s included) fixes its mixed precision, and a later ``Accelerator(mixed_precision=
+    "bf16")`` raises "AcceleratorState has already been initialized". Reset it after every test
+    that loaded accelerate (what accelerate's own ``AccelerateTestCase`` does), so no test's
+    outcome depends on which ran before it in the process."""
+    yield
+    import sys
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
 def pytest_configure(config):
     # Under pytest-xdist (README's command: one worker a core) each worker computes on one
     # thread: two workers of two intra-op threads each would fight over the two cores.

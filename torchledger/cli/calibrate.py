@@ -55,7 +55,9 @@ def calibrate(record_files, gpu, output, compiled):
             raise InputError(f"--output {output}: exists but is not a JSON object ({e}); remove it or "
                              f"write elsewhere") from None
     row = dict(table.get(part.name) or {})
-    row["efficiency"] = fit["efficiency"]
+    # the fitted keys replace the row's; the ones calibrate does not fit (tiles, the attention
+    # kernel, ...) stay: the fit was made with them when this file is TORCHLEDGER_HARDWARE
+    row["efficiency"] = {**(row.get("efficiency") or {}), **fit["efficiency"]}
     row.setdefault("sources", {})["efficiency"] = (
         f"torchledger calibrate from {fit['records']} record(s); rms log error "
         f"{fit['rms_log_error_before']:.3f} -> {fit['rms_log_error_after']:.3f}")
