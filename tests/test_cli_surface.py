@@ -8,7 +8,7 @@ import click
 from torchledger.cli import cli
 
 SURFACE = {
-    'audit': ['--baseline', '--checkpointing', '--compiled', '--depth', '--device', '--entry', '--fail-on', '--format', '--global-batch', '--gpu', '--ignore', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--micro-batches', '--output', '--peak-flops', '--precision', '--schedule', '--steps', '--timeout', '--timing-steps', '--virtual-stages', '--world-size'],
+    'audit': ['--baseline', '--checkpointing', '--compiled', '--depth', '--device', '--entry', '--fail-on', '--format', '--global-batch', '--gpu', '--ignore', '--kernels', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--micro-batches', '--output', '--peak-flops', '--precision', '--schedule', '--steps', '--timeout', '--timing-steps', '--virtual-stages', '--world-size'],
     'calibrate': ['--compiled', '--gpu', '--output'],
     'estimate decode': ['--batch', '--dtype', '--gpu', '--json', '--matmul-params', '--params', '--preset'],
     'estimate kv-cache': ['--batch', '--dtype', '--head-dim', '--json', '--kv-heads', '--layers', '--preset', '--tokens'],
@@ -33,7 +33,8 @@ INTERFACE = {
                           "--json"],
     "estimate decode": ["--params", "--gpu", "--dtype", "--batch", "--json"],
     "audit": ["--entry", "--device", "--steps", "--format", "--output", "--fail-on", "--baseline",
-              "--peak-flops", "--gpu"],
+              "--peak-flops", "--gpu", "--world-size", "--mesh", "--micro-batches", "--virtual-stages",
+              "--checkpointing", "--precision", "--kernels"],
     "lint": ["--format", "--fail-on"],
     "report": ["--format"],
     "snapshot": ["--format"],

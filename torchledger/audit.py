@@ -360,7 +360,8 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
         source = TOKENS_FROM_SPEC if spec.tokens else count.source
         seq = spec.seq_len or count.seq_len
         try:
-            opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
+            from .parallel.plan import make_optimizer
+            opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
         except USER_ERRORS as e:
             raise AuditError(f"{_where(e, path)}: making the optimizer {_raised(e)}") from None
         _check_optimizer(opt, spec, path)
@@ -403,7 +404,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
                            "steps": steps, "seq_len": seq, "spec_line": spec_line,
                            "loss": loss_source[0] if loss_source else None}
         if layout is not None:
-            r.meta["audit"]["precision"] = layout.precision
+            r.meta["audit"].update(precision=layout.precision, kernels=layout.kernels)
         if plan_notes:
             r.meta["audit"]["plan"] = list(plan_notes)
             if spec.parallelize is None:

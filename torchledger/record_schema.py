@@ -233,7 +233,7 @@ FINDING = _Obj({"rule": STR, "severity": _Str(("error", "warning", "info")), "me
 
 AUDIT = _Obj({"file": STR, "entry": STR, "device": STR, "steps": COUNT, "seq_len": OPT_COUNT,
               "spec_line": _Null(_Count(1, 2**31 - 1)), "loss": OPT_STR,
-              "precision": OPT_STR})
+              "precision": OPT_STR, "kernels": OPT_STR})
 COMPILED = _Obj({"modules": _List(STR), "calls": COUNT, "traced_step": STR, "note": OPT_STR})
 AUTOCAST = _Obj({"device_type": STR, "dtype": STR})
 SUPPRESSED = _Obj({"ignore": _List(STR), "count": COUNT, "rules": COUNTS})

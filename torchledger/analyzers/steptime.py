@@ -43,6 +43,7 @@ kernel the part would run, not the one traced.
 from __future__ import annotations
 
 import math
+import re
 
 from ..formulas import steptime as st
 from .fit import first_step_state
@@ -71,7 +72,36 @@ def _dtype_of(rec) -> str:
 
 
 def _compiled(rec, opts) -> bool:
-    return bool(opts.get("compiled")) or bool(rec.meta.get("compiled"))
+    return bool(opts.get("compiled")) or bool(rec.meta.get("compiled")) or _kernels(rec, opts) == "compiled"
+
+
+def _kernels(rec, opts) -> str:
+    """eager, compiled or te: ``options["kernels"]``, else the audit's ``--kernels``."""
+    audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
+    k = opts.get("kernels") or audit.get("kernels") or "eager"
+    return k if k in ("eager", "compiled", "te") else "eager"
+
+
+_BLOCK = re.compile(r"\.\d+(\.|$)")
+
+
+def fp8_row(row: dict) -> tuple:
+    """(row priced in fp8, bytes of its operand casts) for a matmul row of a transformer
+    block's linear layer under ``--precision fp8`` (Transformer Engine runs the blocks'
+    GEMMs in fp8 and keeps the embedding, the head and attention in 16 bits): each fp8 GEMM
+    reads its two operands in bf16 and writes them in fp8 first (2 + 1 B an element: TE's
+    cast-with-amax kernels), the GEMM itself at the part's dense fp8 peak."""
+    module = str(row.get("module") or "")
+    if row.get("kind") != "matmul" or not _BLOCK.search(module):
+        return row, 0.0
+    shapes, casts = [], 0.0
+    for sh in row.get("shapes") or ():
+        if "mnk" in sh and sh.get("dtype") in ("bf16", "fp16"):
+            b, m, n, k = sh["mnk"]
+            casts += 3.0 * int(sh.get("count") or 0) * b * (m * k + k * n)
+            sh = dict(sh, dtype="fp8")
+        shapes.append(sh)
+    return dict(row, shapes=shapes), casts
 
 
 def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled: bool = False,
@@ -183,12 +213,21 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     gpu = get_gpu(gpu)
     eff = st.efficiency(gpu)
     dtype = _dtype_of(rec)
-    compiled = _compiled(rec, opts)
+    kernels = _kernels(rec, opts)
+    compiled = _compiled(rec, opts) or kernels == "te"      # TE's fused norm/activation/bias/RoPE
     fusion_known = any("fused_kernels" in r for r in rec.ops or ())
     unfusable = compiled and not fusion_known
     compiled = compiled and fusion_known
     t = rec.totals
     audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
+    te = kernels == "te"
+    if te and "cudnn" in eff["attention"]:
+        eff = dict(eff, attention_kernel="cudnn")          # TE's cuDNN fused attention
+    fp8 = audit.get("precision") == "fp8"
+    # Megatron's distributed optimizer (ZeRO-1) under te: each data-parallel replica updates
+    # 1/d of the parameters (its shard of the fp32 masters and moments)
+    zero1 = max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1
+    cast_bytes = 0.0
     pipe = t.get("pipeline") if isinstance(t.get("pipeline"), dict) else None
     # a pipeline audit's composed stage (``per_stage``): its ops are one micro-step's, its
     # totals and collectives the whole step's (m micro-steps, each row with ``micro_steps``)
@@ -213,18 +252,28 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         if made_state and row.get("phase") == "optimizer" and str(row.get("op", "")).startswith(STATE_CREATION):
             skipped += int(row.get("count") or 0)       # a steady step's optimizer has its state
             continue
-        got = op_seconds(row, gpu, eff, dtype, compiled, cp)
-        secs = got["seconds"]
+        phase = row.get("phase") or "other"
+        casts = 0.0
+        if fp8:
+            row, casts = fp8_row(row)
+            cast_bytes += casts
+        # model fusion (compiled, te) in the passes; TE's fused Adam fuses the optimizer
+        fuse = compiled and (phase in ("forward", "backward", "recompute") or (te and phase == "optimizer"))
+        got = op_seconds(row, gpu, eff, dtype, fuse, cp)
+        if phase == "optimizer" and zero1 > 1:
+            got = {k: (v / zero1 if isinstance(v, float) else v) for k, v in got.items()}
+        cast_s = st.memory_seconds(casts, gpu, eff, floor=False) if casts else 0.0
+        secs = got["seconds"] + cast_s
         if not secs:
             continue
-        phase = row.get("phase") or "other"
         by_phase[phase if phase in by_phase else "other"] += secs
         bucket = kinds if phase in ("forward", "backward", "recompute") else kinds_once
         bucket["launch"] += got["launch"]
-        body = secs - got["launch"]
+        body = got["seconds"] - got["launch"]
         if got["kind"] in bucket:
             bucket[got["kind"]] += body
-        if got["kind"] == "memory_bound" and not compiled and fusion_known:
+        bucket["memory_bound"] += cast_s
+        if got["kind"] == "memory_bound" and not fuse and fusion_known and phase != "optimizer":
             fused = op_seconds(row, gpu, eff, dtype, True, cp)["seconds"]
             fusable += (secs - fused) * (micro if bucket is kinds else 1)
         if got["kind"] == "matmul":
@@ -267,6 +316,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     spread: list = []            # backward reductions with no unit (DDP buckets)
     tail_comm = 0.0              # reductions of the root / no unit: after the last block
     reduced_once = 0.0           # reductions (last micro-step only) of a one-micro-step record
+    tp_serial = 0.0              # tensor-parallel collectives of the step
     for c, (secs, _) in zip(rows, coll_seconds):
         phase, op = c.get("phase"), c.get("op")
         r, nodes = st.group_layout(int(c.get("group_size") or 1), c.get("group_span"), gpn)
@@ -282,6 +332,8 @@ def predict_step_time(rec, gpu, options=None) -> dict:
             every, per_micro = True, secs
         if group == "after":
             after_comm += secs
+        elif is_tp and te and op in ("all_gather", "reduce_scatter"):
+            tp_serial += secs if composed else micro * secs
         elif is_tp:
             serial += secs if composed else micro * secs
         elif op in _GATHER_OPS and unit is not None:
@@ -300,6 +352,11 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         else:
             serial += secs if composed else micro * secs
 
+    # TP collectives: exposed in eager PyTorch; under te the sequence-parallel all-gathers and
+    # reduce-scatters overlap the GEMMs they feed (Transformer Engine's userbuffers split them
+    # into chunks that run under the neighbouring GEMM's chunks; it overlaps no all-reduce, so
+    # TP without sequence parallelism stays exposed): exposed only beyond the matmul time
+    serial += max(0.0, tp_serial - micro * kinds["matmul"])
     comm_step = comm_total if composed else micro * (comm_total - reduced_once - after_comm) + reduced_once + after_comm
 
     def unit_time(group, unit):
@@ -366,6 +423,10 @@ def predict_step_time(rec, gpu, options=None) -> dict:
             assumptions.append(f"the bounding stage's step: {m} micro-steps of its traced one, FSDP2's gathers in "
                                f"the first, gradient reductions in the last, p2p and TP collectives exposed")
     exposed = max(0.0, seconds - compute_step - bubble)
+    # compute under collectives in flight runs slower (NCCL's CTAs and copies take SMs and HBM)
+    hidden = max(0.0, comm_step - exposed)
+    contention = float(eff.get("overlap_slowdown", 0.0)) * min(hidden, compute_step)
+    seconds += contention
 
     # -- rates ---------------------------------------------------------------------------------
     per_step = 1 if composed else micro      # a composed stage's totals are its step's already
@@ -382,6 +443,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     hfu = hflops / seconds / peak if seconds and hflops else None
     by_kind = {k: v * micro + kinds_once[k] for k, v in kinds.items()}
     by_kind["comm_exposed"] = exposed
+    by_kind["comm_contention"] = contention
     by_kind["bubble"] = bubble
     phases = {p: v * (micro if p in ("forward", "backward", "recompute") else 1) for p, v in by_phase.items()}
     if not phases.get("other"):
@@ -397,14 +459,20 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k))})",
         f"attention as {kernel} on {gpu.name} (SDPA's choice for 16-bit inputs there), whatever kernel "
         f"the traced device ran",
-        "elementwise chains fused (torch.compile): one read and one write per chain" if compiled else
-        "eager: every elementwise op its own kernel (--compiled fuses them)",
+        _kernels_line(kernels, compiled, zero1, fp8),
         f"collectives: NCCL ring/tree alpha-beta, NVLink {eff['nvlink_fraction']:.0%} and NICs "
         f"{eff['network_fraction']:.0%} of peak, {gpu.gpus_per_node} GPUs and {gpu.nics_per_node} NICs per node, "
         f"ranks placed node by node",
         "FSDP all-gathers prefetched one unit ahead, reduce-scatters under the next backward; TP collectives "
-        "exposed; the optimizer after the last reduction",
+        + ("of sequence parallelism overlapped with the GEMMs (exposed beyond the matmul time), "
+           "all-reduces exposed" if te else "exposed")
+        + "; the optimizer after the last reduction",
     ]
+    if eff.get("sustained_fraction", 1.0) != 1.0 or eff.get("overlap_slowdown"):
+        assumptions.append(f"sustained training: tensor-core work (GEMMs, attention) at "
+                           f"{float(eff.get('sustained_fraction', 1.0)):.3f} of the single-kernel figures; "
+                           f"compute under collectives in flight {float(eff.get('overlap_slowdown', 0.0)):.0%} "
+                           f"slower (NCCL's CTAs and copies)")
     if unfusable:
         assumptions.append("--compiled asked, but the record has no fusion chains (made before they were "
                            "recorded): priced unfused")
@@ -430,6 +498,23 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     out["_modules"] = {k: v * micro for k, v in mod_seconds.items()}
     out["_collectives"] = coll_seconds
     return out
+
+
+def _kernels_line(kernels: str, fused: bool, zero1: int, fp8: bool) -> str:
+    """The assumptions line that says which kernels the step is priced as."""
+    if kernels == "te":
+        line = ("kernels te (Megatron-Core / NeMo with Transformer Engine): cuDNN fused attention, fused "
+                "norm/activation/bias/RoPE (elementwise chains one read and one write each), fused Adam")
+        line += f", distributed optimizer (each of {zero1} replicas steps 1/{zero1})" if zero1 > 1 else ""
+    elif fused:
+        line = ("kernels compiled (torch.compile of the model): elementwise chains fused, one read and one "
+                "write per chain; the optimizer step eager")
+    else:
+        line = "kernels eager: every elementwise op its own kernel (--kernels compiled or te fuse them)"
+    if fp8:
+        line += ("; fp8: the blocks' linear-layer GEMMs at the dense fp8 peak, their operands cast from bf16 "
+                 "first (3 B an element); embedding, head and attention in bf16")
+    return line
 
 
 def _model_parallel(totals) -> int:
@@ -470,6 +555,9 @@ def _bound(p: dict, rows, coll) -> str:
         top = max(ops, key=ops.get).replace("_", "-") if ops else "communication"
         items.append((k["comm_exposed"], f"{_pct(k['comm_exposed'], T)} exposed communication (largest: {top})"))
     items.append((k["launch"], f"{_pct(k['launch'], T)} launch overhead"))
+    if k.get("comm_contention"):
+        items.append((k["comm_contention"], f"{_pct(k['comm_contention'], T)} compute slowed by overlapped "
+                                            f"collectives"))
     if k["bubble"]:
         items.append((k["bubble"], f"{_pct(k['bubble'], T)} pipeline bubble"))
     items.sort(key=lambda x: -x[0])

@@ -9,6 +9,7 @@ import os
 
 import click
 
+from ..parallel.layout import CHECKPOINTING, KERNELS, PRECISIONS
 from .supervise import supervised
 from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output
 
@@ -170,10 +171,19 @@ def _exit_code(findings, fail_on: str) -> int:
               help="Pipeline: sequences per step over all data-parallel ranks (micro-batches = G / (dp x B)).")
 @click.option("--schedule", type=click.Choice(["1f1b", "interleaved", "gpipe", "zero-bubble"]), default=None,
               help="Pipeline schedule [default: 1f1b; interleaved with --virtual-stages > 1].")
-@click.option("--checkpointing", type=click.Choice(["none", "full", "selective-op", "selective-layer"]),
-              default=None, help="Standard plan: activation checkpointing per block (torchtitan's policies).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed", "bf16"]), default=None,
-              help="Standard plan: FSDP2's MixedPrecisionPolicy (autocast without FSDP), or bf16 parameters.")
+@click.option("--checkpointing", type=click.Choice(list(CHECKPOINTING)),
+              default=None, help="Standard plan: activation checkpointing per block (torchtitan's policies; "
+                                 "selective-attention: Megatron's selective recompute, core attention only).")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)), default=None,
+              help="Standard plan: bf16-mixed/fp16-mixed FSDP2's MixedPrecisionPolicy (autocast without "
+                   "FSDP); bf16 parameters; bf16-params/fp16-params 16-bit weights and gradients with fp32 "
+                   "master weights and optimizer state (Megatron, NeMo); fp8: bf16-params with the blocks' "
+                   "GEMMs in fp8 (Transformer Engine).")
+@click.option("--kernels", type=click.Choice(list(KERNELS)), default=None,
+              help="With --gpu: eager (PyTorch eager, the default), compiled (torch.compile's fusion of the "
+                   "model, as --compiled), te (Megatron-Core / NeMo with Transformer Engine: cuDNN fused "
+                   "attention, fused norm/activation/bias, TP communication overlapped with GEMMs, fused Adam, "
+                   "distributed optimizer).")
 @click.option("--link-bandwidth", type=BANDWIDTH, default=None, metavar="450GB/s",
               help="Bus bandwidth per rank for the communication time (default: --gpu's NVLink, or its "
                    "node's InfiniBand when the world spans nodes); B is bytes, b bits (400Gb/s = 50 GB/s).")
@@ -185,7 +195,7 @@ def _exit_code(findings, fail_on: str) -> int:
               help="CUDA only: write the allocator snapshot of the last step (opens in PyTorch's memory_viz).")
 @click.option("--compiled", is_flag=True, default=False,
               help="With --gpu: predict the step as torch.compile runs it (elementwise chains between "
-                   "matmuls fused: one read and one write per chain).")
+                   "matmuls fused: one read and one write per chain); the same as --kernels compiled.")
 @click.option("--ignore", "ignore", multiple=True, metavar="RULE",
               help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
                    "the report counts them and they do not fail --fail-on.")
@@ -200,7 +210,7 @@ def _exit_code(findings, fail_on: str) -> int:
 @supervised(lambda text, output: _emit(text, output))   # cli/supervise.py
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
           virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision,
-          link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False):
+          link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False, kernels=None):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
 
@@ -210,6 +220,9 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     from ..spec import AuditError
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
+    if compiled and kernels not in (None, "compiled"):
+        raise InputError(f"--compiled and --kernels {kernels}: --compiled is --kernels compiled; give one")
+    kernels = "compiled" if compiled else kernels
     fmt = _resolve_format(fmt, output)
     output = _rank_output(output)           # under torchrun: out.json -> out.rank{r}.json
     peak, peak_source = _peak(peak_flops, gpu)
@@ -234,7 +247,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
                             timing_steps=timing_steps,
                             plan={"virtual_stages": virtual_stages, "micro_batches": micro_batches,
                                   "global_batch": global_batch, "schedule": schedule,
-                                  "checkpointing": checkpointing, "precision": precision})
+                                  "checkpointing": checkpointing, "precision": precision,
+                                  "kernels": kernels})
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
@@ -243,7 +257,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         from ..tracer.peak import measure_matmul_peak
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
     findings = _findings(run, settings, peak, peak_source, gpu,
-                         {"link_bandwidth": link_bandwidth, "assumed_mfu": mfu, "compiled": compiled or None})
+                         {"link_bandwidth": link_bandwidth, "assumed_mfu": mfu,
+                          "compiled": compiled or kernels == "compiled" or None, "kernels": kernels})
     rec = run.record
     findings += check_budgets(rec, settings)
     if base is not None:

@@ -131,6 +131,21 @@ _BUILTIN = [
     _spec("H100 SXM", 80, 3.35, 67, 494.7, 989.5, 989.5, 1979, ["h100-80gb", "h100", "h100-80gb-hbm3"], 132, 450, 50,
           peaks="NVIDIA H100 datasheet (SXM: 989 TF bf16 dense, 1,979 with sparsity; 3.35 TB/s)",
           network="NVLink 4: 900 GB/s bidirectional; DGX H100: 8 x NDR 400 Gb/s ConnectX-7"),
+    # Meta's Grand Teton H100 (torchtitan's benchmark part): the SXM5 die with 96 GB of HBM2e
+    # (6 stacks x 1,024 bits x 3.2 Gb/s = 2.46 TB/s, the HBM2e speed of the H100 PCIe's 5 stacks
+    # at 2.0 TB/s) at a 500 W cap instead of 700 W. The datasheet peaks are at the boost clock;
+    # a GEMM-bound step at 500 W runs the clock lower: dynamic power ~ f V^2 with V ~ f over
+    # the DVFS range (P ~ f^3), so (500 / 700)^(1/3) = 0.894 of the 700 W part's sustained rate
+    # (the H100 SXM row's matmul and attention fractions x 0.894).
+    _spec("H100 96GB 500W", 96, 2.46, 67, 494.7, 989.5, 989.5, 1979, ["h100-96gb-500w", "h100-96gb"], 132, 450,
+          50, efficiency={"matmul_peak_fraction": round(0.8435 * 0.894, 4),
+                      "attention": {"flash": [round(0.38 * 0.894, 4), round(0.30 * 0.894, 4)],
+                                    "cudnn": [round(0.60 * 0.894, 4), round(0.45 * 0.894, 4)],
+                                    "efficient": [round(0.20 * 0.894, 4), round(0.16 * 0.894, 4)]}},
+          peaks="NVIDIA H100 SXM5 datasheet peaks (989 TF bf16 dense); 96 GB HBM2e, 500 W (torchtitan's "
+                "published benchmarks: 'H100 GPUs with 95 GiB HBM2e, 500 W TDP'); bandwidth 6 HBM2e stacks at "
+                "3.2 Gb/s per pin",
+          network="NVLink 4: 900 GB/s bidirectional; 8 x 400 Gb/s NICs per node assumed (as DGX H100)"),
     _spec("H100 PCIe", 80, 2.0, 51, 378, 756, 756, 1513, ["h100-pcie-80gb"], 114, 64, 50,
           peaks="NVIDIA H100 datasheet (PCIe: 756 TF bf16 dense, 1,513 with sparsity; 2 TB/s)",
           network="PCIe Gen5 x16 (64 GB/s one direction; NVLink bridges join pairs only, not "

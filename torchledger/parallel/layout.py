@@ -19,15 +19,22 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Layout", "parse_layout", "DIM_ORDER", "SCHEDULES", "CHECKPOINTING", "PRECISIONS"]
+__all__ = ["Layout", "parse_layout", "DIM_ORDER", "SCHEDULES", "CHECKPOINTING", "PRECISIONS", "KERNELS",
+           "PARAMS_16"]
 
 #: Mesh dims, outermost first (torchtitan's ParallelDims order).
 DIM_ORDER = ("pp", "dp_replicate", "dp", "ep", "cp", "tp")
 #: Accepted aliases of the dims' names.
 ALIASES = {"dp_shard": "dp", "fsdp": "dp", "ddp": "dp_replicate", "replicate": "dp_replicate"}
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero-bubble")
-CHECKPOINTING = ("none", "full", "selective-op", "selective-layer")
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+CHECKPOINTING = ("none", "full", "selective-op", "selective-layer", "selective-attention")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-params", "fp16-params", "fp8")
+#: Precisions with 16-bit weights and gradients and fp32 master weights in the optimizer
+#: (Megatron, NeMo, DeepSpeed): the dtype the weights are stored in.
+PARAMS_16 = {"bf16-params": "bfloat16", "fp16-params": "float16", "fp8": "bfloat16"}
+#: The kernels the step is priced as: PyTorch eager, torch.compile's fusion of the model, or
+#: Megatron-Core / NeMo with Transformer Engine.
+KERNELS = ("eager", "compiled", "te")
 
 
 def _error(message: str):
@@ -53,7 +60,10 @@ class Layout:
     """Activation checkpointing of the standard plan (torchtitan's policies)."""
     precision: str = "fp32"
     """fp32; bf16-mixed / fp16-mixed (FSDP2's MixedPrecisionPolicy, autocast without FSDP);
-    bf16 (parameters in bf16)."""
+    bf16 (parameters in bf16); bf16-params / fp16-params (16-bit weights and gradients, fp32
+    master weights and optimizer state); fp8 (bf16-params, the blocks' GEMMs priced in fp8)."""
+    kernels: str = "eager"
+    """eager, compiled or te (:data:`KERNELS`): how the step's kernels are priced."""
     named: bool = True
     """False for the unnamed ``8x8`` form."""
 
@@ -71,7 +81,8 @@ class Layout:
                          "implies the micro-batches: G / (dp x the spec's batch))")
         for key, choices, flag in (("schedule", SCHEDULES, "--schedule"),
                                    ("checkpointing", CHECKPOINTING, "--checkpointing"),
-                                   ("precision", PRECISIONS, "--precision")):
+                                   ("precision", PRECISIONS, "--precision"),
+                                   ("kernels", KERNELS, "--kernels")):
             if getattr(self, key) not in choices:
                 raise _error(f"{flag}: expected one of {', '.join(choices)}, got {getattr(self, key)!r}")
 

@@ -106,13 +106,16 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     traced, stage, notes, meta = records[bound["rank"]]
     from ..render.sarif import spec_location
     import os
-    rec.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": "fake", "steps": 1,
-                         "seq_len": meta["seq_len"], "spec_line": spec_location(path, entry)[1],
-                         "loss": "the last chunk's cross-entropy (pipeline stage)",
-                         "world_size": n, "mesh": list(shape), "rank": bound["rank"] * per_rank,
-                         "mesh_dims": list(layout.names), "plan": notes, "precision": layout.precision}
-    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape), parallel_dims=dict(layout.dims))
-    rec.meta["device"] = "fake (cpu)"
+    for r, stage_rec in composed.items():       # each stage's record says what ran (its pricing reads it)
+        stage_rec.meta["audit"] = {
+            "file": os.path.relpath(path), "entry": entry, "device": "fake", "steps": 1,
+            "seq_len": meta["seq_len"], "spec_line": spec_location(path, entry)[1],
+            "loss": "the last chunk's cross-entropy (pipeline stage)",
+            "world_size": n, "mesh": list(shape), "rank": r * per_rank,
+            "mesh_dims": list(layout.names), "plan": records[r][2], "precision": layout.precision,
+            "kernels": layout.kernels}
+        stage_rec.totals.update(rank=r * per_rank, world_size=n, mesh=list(shape))
+        stage_rec.meta["device"] = "fake (cpu)"
     from .plan import plan_warnings
     rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
     run = AuditRun([rec], None, "fake", path)
@@ -230,7 +233,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
     from ..formulas.pipeline import rank_chunks
     from ..ledger import Ledger
     from ..spec import as_spec, infer_tokens
-    from .plan import cp_inputs, find_decoder
+    from .plan import cp_inputs, find_decoder, make_optimizer
     p, v = layout.size("pp"), layout.virtual_stages
     chunks = rank_chunks(p, v, r)
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
@@ -256,7 +259,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             model, notes = _standard_plan(model, mesh, layout, path, seq.seq_len, blocks=keep, pipelined=True)
         if layout.size("cp") > 1:
             inputs = cp_inputs(inputs, layout.size("cp"), mesh["cp"].get_local_rank(), seq.seq_len)
-        opt = (spec.optimizer or torch.optim.AdamW)(model.parameters())
+        opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
         runner = _StageRunner(model, dec, inputs, chunks, blocks, last, pp_ranks, mesh["pp"].get_group(),
                               layout, spec, _dtype_named(act_dtype))
         _warm_optimizer(model, opt)

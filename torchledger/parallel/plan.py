@@ -42,7 +42,10 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings"]
+from .layout import PARAMS_16
+
+__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings",
+           "make_optimizer"]
 
 #: What the record cannot see under a plan option (``record.warnings``).
 SELECTIVE_OP_UNSEEN = ("activation bytes under --checkpointing selective-op are a lower bound: the "
@@ -366,6 +369,73 @@ def _apply_checkpointing(blocks, mode: str, notes) -> None:
     notes.append(f"checkpointing {mode}: {done} of {len(blocks)} blocks recompute their forward in backward")
 
 
+def _checkpoint_attention(model, dec, blocks, notes) -> None:
+    """Megatron's selective recompute: the attention core of every block (scores, softmax,
+    weighted values: the SDPA call) is recomputed in backward; its inputs Q, K, V are saved,
+    its output and softmax statistics are not. torchledger's decoders: the attention's
+    ``sdpa`` (over context parallelism's, when set); Hugging Face ones: an attention function
+    around the one the config selects."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    def recomputed(fn):
+        def attend(*args, **kwargs):
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return attend
+
+    if dec.family == "hf":
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        inner_name = model.config._attn_implementation or "sdpa"
+        inner = ALL_ATTENTION_FUNCTIONS.get(inner_name)
+        if inner is None:       # "eager": the model's own attention code, around the sdpa one
+            inner_name, inner = "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"]
+        name = f"torchledger_selective_{inner_name}"
+        AttentionInterface.register(name, recomputed(inner))
+        if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS.get(inner_name)
+                                            or ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        model.config._attn_implementation = name
+    else:
+        for _, block in blocks:
+            attn = getattr(block, dec.attn)
+            attn.sdpa = recomputed(attn.sdpa or torch.nn.functional.scaled_dot_product_attention)
+    notes.append(f"checkpointing selective-attention: the attention core of {len(blocks)} blocks recomputed "
+                 f"in backward (Megatron's selective recompute)")
+
+
+def make_optimizer(factory, model, layout):
+    """The step's optimizer: ``factory(model.parameters())``; under a precision with 16-bit
+    weights (:data:`~.layout.PARAMS_16`) ``factory`` over fp32 master copies of them, as
+    Megatron's mixed precision runs: the step casts each 16-bit gradient to an fp32 one on the
+    master (freeing the 16-bit one), updates the masters and copies them back into the
+    weights; the copies are the optimizer phase's ops."""
+    import torch
+    params = list(model.parameters())
+    sixteen = (torch.bfloat16, torch.float16)
+    if layout is None or layout.precision not in PARAMS_16 or not any(q.dtype in sixteen for q in params):
+        return factory(params)      # (a model file's own plan that kept fp32 weights: no masters)
+    masters = [q.detach().float().requires_grad_(q.requires_grad) for q in params]
+    opt = factory(masters)
+    pairs = list(zip(params, masters))
+
+    def grads_to_masters(optimizer, args, kwargs):
+        for q, m in pairs:
+            m.grad = None if q.grad is None else q.grad.float()
+            q.grad = None
+
+    def masters_to_weights(optimizer, args, kwargs):
+        with torch.no_grad():
+            for q, m in pairs:
+                q.copy_(m)
+                m.grad = None
+
+    opt.register_step_pre_hook(grads_to_masters)
+    opt.register_step_post_hook(masters_to_weights)
+    return opt
+
+
 # -- precision ---------------------------------------------------------------------------------
 def _to_dtype(model, dtype) -> None:
     """Parameters (and floating buffers) to ``dtype`` in place of ``model.to``, which cannot
@@ -452,6 +522,12 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     if layout.precision == "bf16":
         _to_dtype(model, torch.bfloat16)
         notes.append("precision bf16: parameters, gradients and optimizer state in bf16")
+    elif layout.precision in PARAMS_16:
+        _to_dtype(model, getattr(torch, PARAMS_16[layout.precision]))
+        notes.append(f"precision {layout.precision}: {PARAMS_16[layout.precision]} weights and gradients, fp32 "
+                     f"master weights and optimizer state (Megatron's mixed precision)"
+                     + ("; the blocks' GEMMs priced in fp8 (Transformer Engine), traced in bf16"
+                        if layout.precision == "fp8" else ""))
     chosen = _block_fqns(dec, blocks) if dec is not None else []
     if dec is not None and tp > 1:
         _apply_tp(model, dec, mesh["tp"], chosen, notes)
@@ -466,7 +542,9 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                      f"over the cp group (reduce-scatters their gradients in backward)")
     if layout.size("ep") > 1:
         _apply_ep(dec, chosen, mesh, layout, notes)
-    if dec is not None:
+    if dec is not None and layout.checkpointing == "selective-attention":
+        _checkpoint_attention(model, dec, chosen, notes)
+    elif dec is not None:
         _apply_checkpointing(chosen, layout.checkpointing, notes)
     dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
     if kind in ("fsdp", "hsdp"):

@@ -375,7 +375,7 @@ def _optimizer_summary(optimizers, params) -> dict:
             for p in group["params"]:
                 n_opt_params += p.numel()
                 if id(p) not in model_params and p.dtype == torch.float32 and low_precision:
-                    master += p.numel() * p.element_size()
+                    master += _bytes(p)          # a DTensor master: its local shard
         for key, v in state_tensors(opt):       # LBFGS's history lists too
             dtype = dtype_names.get(v.dtype)
             if dtype is None:
