@@ -150,11 +150,13 @@ def test_calibrate_fits_the_untraced_step_time():
     h100 = get_gpu("h100")
     rec = _record(_MM, step_seconds=2 * _mm_seconds(0.6), step_seconds_untraced=_mm_seconds(0.6))
     assert _mm_seconds(0.6) == pytest.approx(7.7587e-3, rel=1e-4)
-    assert predict_step_time(rec, replace(h100, efficiency={"matmul_peak_fraction": 0.6}))["seconds"] \
-        == pytest.approx(_mm_seconds(0.6), rel=1e-9)
+    # (the row calibrate writes: the fraction of whole measured steps, no sustained derate)
+    row = {"matmul_peak_fraction": 0.6, "sustained_fraction": 1.0}
+    assert predict_step_time(rec, replace(h100, efficiency=row))["seconds"] == pytest.approx(_mm_seconds(0.6), rel=1e-9)
     assert measured_seconds(rec) == _mm_seconds(0.6)
     fit = fit_efficiency([rec], h100)
     assert fit["efficiency"]["matmul_peak_fraction"] == pytest.approx(0.6, rel=1e-4)
+    assert fit["efficiency"]["sustained_fraction"] == 1.0
     # a record with no untraced figure: its traced one
     rec.totals["step_seconds_untraced"] = None
     assert fit_efficiency([rec], h100)["efficiency"]["matmul_peak_fraction"] == pytest.approx(0.3, rel=1e-4)

@@ -13,7 +13,7 @@ from torchledger.record import StepRecord
 PART = GPUSpec("Round", 80e9, 1e12, {"bf16": 100e12, "fp32": 50e12}, (), 100, 100e9, 10e9, 8, 8)
 EFF = dict(st.DEFAULT_EFFICIENCY, matmul_peak_fraction=1.0, matmul_tiles=[[128, 128]], matmul_k_tile=64,
            matmul_k_overhead=2.0, matmul_min_intensity=64.0, memory_fraction=1.0, launch_s=5e-6,
-           nvlink_fraction=1.0, network_fraction=1.0)
+           nvlink_fraction=1.0, network_fraction=1.0, sustained_fraction=1.0)
 
 
 def test_matmul_tiles_waves_and_k_loop_by_hand():
@@ -200,7 +200,8 @@ def test_calibrate_recovers_known_parameters(tmp_path):
     from torchledger.analyzers.steptime import predict_step_time
     from dataclasses import replace
     h100 = get_gpu("h100")
-    truth = {"matmul_peak_fraction": 0.62, "memory_fraction": 0.71, "launch_s": 9e-6}
+    # the part as whole measured steps run it (no further sustained derate: calibrate's rows)
+    truth = {"matmul_peak_fraction": 0.62, "memory_fraction": 0.71, "launch_s": 9e-6, "sustained_fraction": 1.0}
     base = st.efficiency(h100)
     true_att = {k: [f * 0.8 for f in v] for k, v in base["attention"].items()}
     true_part = replace(h100, efficiency={**truth, "attention": true_att})
@@ -224,7 +225,7 @@ def test_calibrate_cli_writes_a_hardware_file_and_refuses_fake_records(tmp_path,
     from torchledger.analyzers.steptime import predict_step_time
     from dataclasses import replace
     h100 = get_gpu("h100")
-    true_part = replace(h100, efficiency={"matmul_peak_fraction": 0.6})
+    true_part = replace(h100, efficiency={"matmul_peak_fraction": 0.6, "sustained_fraction": 1.0})
     paths = []
     for i, rows in enumerate(_synthetic_records(h100)[:1]):
         rec = _cuda_record(rows)

@@ -20,11 +20,11 @@ GB = 10 ** 9
 @pytest.fixture(scope="module")
 def part():
     """100 SMs, 100 TFLOP/s bf16 (200 fp8), 1 TB/s at 100% (1 GB = 1 ms), NVLink 100 GB/s at
-    100%; cuDNN attention 0.9 / 0.8 of peak, FlashAttention 0.5 / 0.4."""
+    100%; cuDNN attention 0.9 / 0.8 of peak, FlashAttention 0.5 / 0.4; no sustained derate."""
     hardware._ensure_loaded()
     return hardware.register_gpu(
         "Round-kernels", "80GB", "1TB/s", {"bf16": "100T", "fp8": "200T"}, sm_count=100, nvlink="100GB/s",
-        nic="10GB/s", efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0,
+        nic="10GB/s", efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0, "sustained_fraction": 1.0,
                                   "attention": {"flash": [0.5, 0.4], "cudnn": [0.9, 0.8]}})
 
 

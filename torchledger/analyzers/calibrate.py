@@ -15,6 +15,9 @@ Fitted, with their bounds:
 * ``attention_scale`` (0.1-3): multiplies the part's attention fractions (forward and
   backward) of its default kernel.
 
+The fit is of whole measured steps, so the fractions it writes are sustained ones: the row
+sets ``sustained_fraction`` to 1 (the default derates single-kernel figures instead).
+
 A parameter the records cannot see (no attention in any of them, no launch-bound op) keeps
 its value (the search finds a flat objective and stays put). More varied records (large and
 small matmuls, long and short sequences) pin more of them; one record pins at most a blend.
@@ -62,7 +65,9 @@ def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40)
     from ..formulas.hardware import get_gpu
     from .steptime import predict_step_time
     gpu = get_gpu(gpu)
-    base = st.efficiency(gpu)
+    # measured steps hold what a sustained training step loses: the fitted fractions are the
+    # step's own, so the row carries no further sustained derate
+    base = dict(st.efficiency(gpu), sustained_fraction=1.0)
     pairs = [(r, measured_seconds(r)) for r in records]
     pairs = [(r, m) for r, m in pairs if m]
     if not pairs:
@@ -109,7 +114,7 @@ def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40)
         if not moved:
             break
     eff = _apply(base, params)
-    row = {k: eff[k] for k in ("matmul_peak_fraction", "memory_fraction", "launch_s")}
+    row = {k: eff[k] for k in ("matmul_peak_fraction", "memory_fraction", "launch_s", "sustained_fraction")}
     row["attention"] = eff["attention"]
     n = len(pairs)
     return {"efficiency": row, "attention_scale": params["attention_scale"], "records": n,
