@@ -10,7 +10,7 @@ import os
 import click
 
 from .supervise import supervised
-from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output
+from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output, gpu_part
 
 __all__ = ["audit", "report"]
 
@@ -34,16 +34,12 @@ def _resolve_format(fmt, output):
 
 
 def _peak(peak_flops, gpu, dtype="bf16"):
-    if peak_flops and gpu:
+    if peak_flops and gpu is not None:
         raise click.UsageError("give --peak-flops or --gpu, not both")
     if peak_flops:
         return peak_flops, "--peak-flops"
-    if gpu:
-        from ..formulas.hardware import get_gpu
-        try:
-            spec = get_gpu(gpu)
-        except (KeyError, ValueError) as e:
-            raise click.BadParameter(str(e).strip("'\""), param_hint="--gpu") from None
+    if gpu is not None:                     # '' too: refused, not a memory gate turned off
+        spec = gpu_part(gpu)
         peak = spec.peak_flops.get(dtype) if hasattr(spec, "peak_flops") else None
         if not peak:
             raise click.BadParameter(f"{gpu} has no {dtype} peak in the hardware table", param_hint="--gpu")

@@ -5,7 +5,7 @@ import click
 
 from .. import units
 
-__all__ = ["InputError", "check_output", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH"]
+__all__ = ["InputError", "check_output", "gpu_part", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH"]
 
 
 class InputError(click.ClickException):
@@ -23,6 +23,23 @@ def check_output(output) -> None:
             check_output_path(output)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
+
+
+def gpu_part(name, flag: str = "--gpu", ctx=None, param=None):
+    """The ``GPUSpec`` of ``name``. A bad ``TORCHLEDGER_HARDWARE`` file is bad input (one line
+    naming the file, the part and the field), not a bad ``--gpu``; an unknown or empty name
+    is a bad ``flag``."""
+    from ..formulas.hardware import HardwareFileError, get_gpu
+    if not str(name).strip():
+        raise click.BadParameter("expected a GPU name such as H100, got an empty string", ctx, param,
+                                 param_hint=None if param is not None else flag)
+    try:
+        return get_gpu(name)
+    except HardwareFileError as e:
+        raise InputError(str(e)) from None
+    except (KeyError, ValueError) as e:
+        raise click.BadParameter(str(e).strip("'\""), ctx, param,
+                                 param_hint=None if param is not None else flag) from None
 
 
 class _Number(click.ParamType):

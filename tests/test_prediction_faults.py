@@ -1,0 +1,110 @@
+"""Faults on the prediction surfaces (issue 32): hostile hardware files, ``--timeout``, records
+the schema accepts, limits, and digits that are not ASCII. Each input here was a traceback
+or a silently wrong output before; now it is one line on stderr and exit 2 (or a report)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from test_audit_cli import one_line_error, run, write
+
+LINEAR = """
+    import torch, torchledger
+    def audit_spec():
+        return torchledger.AuditSpec(torch.nn.Linear(4, 6), torch.randn(2, 4))
+"""
+
+
+# -- 1. TORCHLEDGER_HARDWARE: every field checked when the file is read --------------------------
+#: name -> (the file's text, what the error line must name besides the file)
+HOSTILE_HARDWARE = {
+    "NaN memory": ('{"H100": {"memory": NaN}}', ["part 'H100'", "memory", "got NaN"]),
+    "Infinity peak": ('{"H100": {"peak_flops": {"bf16": Infinity}}}', ["peak_flops.bf16", "Infinity"]),
+    "negative bandwidth": ('{"H100": {"bandwidth": -3.35e12}}', ["bandwidth", "> 0"]),
+    "absurd sm_count": ('{"H100": {"sm_count": 1e30}}', ["sm_count", "whole number"]),
+    "fractional sm_count": ('{"H100": {"sm_count": 13.5}}', ["sm_count"]),
+    "negative launch_s": ('{"H100": {"efficiency": {"launch_s": -1}}}', ["efficiency.launch_s"]),
+    "misspelt efficiency key": ('{"H100": {"efficiency": {"matmul_peak_fracton": 0.5}}}',
+                                ["'matmul_peak_fracton'", "did you mean 'matmul_peak_fraction'"]),
+    "misspelt field": ('{"H100": {"memroy": "80GB"}}', ["'memroy'", "did you mean 'memory'"]),
+    "aliases a string": ('{"Z9": {"memory": "8GB", "bandwidth": "1TB/s", "peak_flops": {"bf16": "1T"}, '
+                         '"aliases": "xyz"}}', ["part 'Z9'", "aliases", "a list of names"]),
+    "alias not a string": ('{"H100": {"aliases": [1]}}', ["aliases[0]"]),
+    "unit typo": ('{"H100": {"memory": "80XB"}}', ["memory", "'80XB'"]),
+    "memory a boolean": ('{"H100": {"memory": true}}', ["memory", "got true"]),
+    "fraction above 1": ('{"H100": {"efficiency": {"matmul_peak_fraction": 7}}}', ["matmul_peak_fraction"]),
+    "attention fraction": ('{"H100": {"efficiency": {"attention": {"flash": [0.5, 2]}}}}',
+                           ["efficiency.attention.flash[1]"]),
+    "no NICs": ('{"H100": {"nics_per_node": 0}}', ["nics_per_node"]),
+    "unknown dtype": ('{"H100": {"peak_flops": {"bf17": "1T"}}}', ["'bf17'", "did you mean 'bf16'"]),
+    "row not an object": ('{"H100": 5}', ["part 'H100'", "an object of fields"]),
+    "a list": ('[1, 2]', ["expected a JSON object", "got list"]),
+    "deep nesting": ('[' * 100_000, ["nested too deep"]),
+    "huge number": ('{"H100": {"memory": 1e400}}', ["memory", "Infinity"]),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_HARDWARE))
+def test_a_hostile_hardware_file_is_one_line(name, tmp_path, monkeypatch):
+    """Was: NaN in JSON output and a memory gate that passed, negative bandwidths in records,
+    a 2.7e24 s step, misspelt keys dropped, 'xyz' registering x, y and z, tracebacks."""
+    text, needles = HOSTILE_HARDWARE[name]
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    monkeypatch.setenv("TORCHLEDGER_HARDWARE", str(path))
+    r = run("estimate", "decode", "--params", "7B", "--gpu", "h100")
+    err = one_line_error(r, f"TORCHLEDGER_HARDWARE={path}: ", *needles)
+    assert r.stdout == "" and "Traceback" not in err
+
+
+def test_a_hardware_fifo_or_device_is_refused(tmp_path, monkeypatch):
+    fifo = tmp_path / "hw.fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), ("/dev/zero", "a device")):
+        monkeypatch.setenv("TORCHLEDGER_HARDWARE", str(path))
+        one_line_error(run("estimate", "train", "--params", "7B", "--tokens", "1T"), kind)
+
+
+def test_a_bad_hardware_file_stops_audit_before_nan_reaches_json(tmp_path, monkeypatch):
+    """Was: exit 0 printing NaN (not JSON), TL-MEM-002 saying the step fits in nan B."""
+    (tmp_path / "hw.json").write_text('{"H100": {"memory": NaN}}')
+    monkeypatch.setenv("TORCHLEDGER_HARDWARE", str(tmp_path / "hw.json"))
+    r = run("audit", write(tmp_path, "m.py", LINEAR), "--gpu", "h100", "--format", "json", "--steps", "1")
+    one_line_error(r, "TORCHLEDGER_HARDWARE=", "part 'H100': memory")
+    assert r.stdout == ""
+
+
+def test_a_failed_hardware_file_registers_nothing(tmp_path, monkeypatch):
+    from torchledger.formulas.hardware import get_gpu
+    (tmp_path / "hw.json").write_text('{"Z7": {"memory": "8GB", "bandwidth": "1TB/s", "peak_flops": '
+                                      '{"bf16": "1T"}}, "H100": {"memory": -1}}')
+    monkeypatch.setenv("TORCHLEDGER_HARDWARE", str(tmp_path / "hw.json"))
+    with pytest.raises(ValueError, match="part 'H100': memory"):
+        get_gpu("h100")
+    monkeypatch.delenv("TORCHLEDGER_HARDWARE")
+    with pytest.raises(ValueError, match="unknown GPU 'z7'"):
+        get_gpu("z7")
+
+
+def test_every_efficiency_parameter_is_checked_and_the_built_in_rows_pass():
+    from torchledger.analyzers.calibrate import FITTED
+    from torchledger.formulas.hardware_fields import EFFICIENCY_FIELDS, check_row
+    from torchledger.formulas.steptime import DEFAULT_EFFICIENCY, PART_EFFICIENCY
+    assert set(EFFICIENCY_FIELDS) == set(DEFAULT_EFFICIENCY)
+    check_row("default", {"efficiency": DEFAULT_EFFICIENCY})
+    for name, row in PART_EFFICIENCY.items():
+        check_row(name, {"efficiency": row})
+    for key, (low, high) in FITTED.items():        # what calibrate writes is read back
+        if key in EFFICIENCY_FIELDS:
+            check_row("fitted", {"efficiency": {key: low}})
+            check_row("fitted", {"efficiency": {key: high}})
+
+
+def test_register_gpu_checks_its_arguments_too():
+    from torchledger.formulas.hardware import register_gpu
+    with pytest.raises(ValueError, match="part 'Z8': aliases"):
+        register_gpu("Z8", "8GB", "1TB/s", {"bf16": "1T"}, aliases="xyz")
+    with pytest.raises(ValueError, match="part 'Z8': bandwidth"):
+        register_gpu("Z8", "8GB", float("nan"), {"bf16": "1T"})
