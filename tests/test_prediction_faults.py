@@ -108,3 +108,56 @@ def test_register_gpu_checks_its_arguments_too():
         register_gpu("Z8", "8GB", "1TB/s", {"bf16": "1T"}, aliases="xyz")
     with pytest.raises(ValueError, match="part 'Z8': bandwidth"):
         register_gpu("Z8", "8GB", float("nan"), {"bf16": "1T"})
+
+
+# -- 3. --timeout: a number of seconds, and a short grace for exit handlers ---------------------
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e10", "9.3e9", "1e400", "-1", "８"])
+def test_timeout_nan_inf_or_huge_is_a_usage_error(value, tmp_path):
+    """Was: a traceback (OverflowError, ValueError in select) with exit 1, CI's "findings"."""
+    r = run("audit", write(tmp_path, "m.py", LINEAR), "--steps", "1", "--timeout", value)
+    one_line_error(r, "--timeout", "expected a number >= 0 and <= 1e+06", "0: no limit")
+
+
+def test_exit_handlers_get_a_short_grace_not_the_whole_timeout(tmp_path):
+    """Was: the audit waited the whole --timeout (30 min by default) for an exit handler that
+    sleeps, after its report was in. Now: EXIT_GRACE_S, a warning, and the result's own code."""
+    import time
+    from torchledger.cli import supervise
+    grace = getattr(supervise, "EXIT_GRACE_S", 3.0)
+    path = write(tmp_path, "m.py", LINEAR + "    import atexit, time\n    atexit.register(lambda: time.sleep(600))\n")
+    began = time.monotonic()
+    r = run("audit", path, "--steps", "1", "--format", "json", "--timeout", "60", "--fail-on", "info")
+    took = time.monotonic() - began
+    data = json.loads(r.stdout)
+    assert r.exit_code == (1 if data["findings"] else 0), r.stderr
+    assert "exit handlers were still running" in r.stderr and "stopped them" in r.stderr
+    assert grace <= took < grace + 30, took
+
+
+# -- 9. digits that are not ASCII are not numbers in flags --------------------------------------
+@pytest.mark.parametrize("args, flag", [
+    (["--world-size", "８"], "--world-size"),           # full-width 8
+    (["--world-size", "٨"], "--world-size"),            # Arabic-Indic 8
+    (["--timing-steps", "３", "--device", "cpu"], "--timing-steps"),
+    (["--mesh", "８x8"], "--mesh"),
+    (["--mesh", "dp=٢,tp=4"], "--mesh"),
+    (["--steps", "２"], "--steps"),
+])
+def test_non_ascii_digits_in_audit_flags_are_refused(args, flag, tmp_path):
+    """Was: --world-size ８ ran 8 simulated ranks (int() reads full-width digits)."""
+    r = run("audit", write(tmp_path, "m.py", LINEAR), *args)
+    one_line_error(r, flag)
+
+
+@pytest.mark.parametrize("args", [
+    ["estimate", "params", "--preset", "gpt2", "--positions", "１０２４"],
+    ["estimate", "train", "--params", "٧B", "--tokens", "1T"],
+])
+def test_non_ascii_digits_in_estimate_flags_are_refused(args):
+    one_line_error(run(*args))
+
+
+def test_snapshot_top_refuses_non_ascii_digits():
+    r = run("snapshot", os.path.join(os.path.dirname(__file__), "data", "snapshots", "history.pickle"),
+            "--top", "５")
+    one_line_error(r, "--top")

@@ -10,7 +10,8 @@ import os
 import click
 
 from .supervise import supervised
-from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output, gpu_part
+from .types import (BANDWIDTH, FLOPS, FRACTION, POS_INT, SECONDS, InputError, PlainNumber, check_output,
+                    gpu_part)
 
 __all__ = ["audit", "report"]
 
@@ -151,7 +152,7 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--gpu", default=None,
               help="GPU (e.g. H100) whose memory the step's peak must fit (TL-MEM-002) and whose bf16 "
                    "peak MFU is measured against.")
-@click.option("--world-size", type=int, default=None,
+@click.option("--world-size", type=PlainNumber(), default=None,
               help="Simulate this many ranks (fake tensors, fake process group; AuditSpec(parallelize=fn) "
                    "shards the model); the report is rank 0's.")
 @click.option("--mesh", default=None, metavar="DxD|dp=..,tp=..",
@@ -185,10 +186,10 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--ignore", "ignore", multiple=True, metavar="RULE",
               help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
                    "the report counts them and they do not fail --fail-on.")
-@click.option("--timing-steps", type=click.IntRange(0, 1000), default=None, metavar="N",
+@click.option("--timing-steps", type=PlainNumber(0, 1000, example="3"), default=None, metavar="N",
               help="cpu/cuda: untraced steps timed for MFU, after one untimed warm-up step; 0 times none "
                    "[default: 3 to 20, until they add up to 0.5 s].")
-@click.option("--timeout", type=click.FloatRange(min=0), default=TIMEOUT_S, show_default=True,
+@click.option("--timeout", type=SECONDS, default=TIMEOUT_S, show_default=True,
               metavar="SECONDS",
               help="Stop an audit that runs longer (a loop in the model file) and say where it was; "
                    "0: no limit. The model file runs in a child process: its exit code, hang or prints "

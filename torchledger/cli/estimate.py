@@ -23,7 +23,7 @@ from ..formulas.inference import DTYPE_BYTES, KV_DTYPES
 from ..formulas.memory import WEIGHT_DTYPES
 from ..models.config import MLP_KINDS, NORM_KINDS, TransformerConfig, get_config
 from ..units import GiB, fmt_bytes, fmt_count, fmt_flops, fmt_int
-from .types import BYTES, COUNT, FLOPS, FRACTION, POS_FLOAT, POS_INT, InputError, gpu_part
+from .types import BYTES, COUNT, FLOPS, FRACTION, POS_FLOAT, POS_INT, InputError, PlainNumber, gpu_part
 
 __all__ = ["estimate"]
 
@@ -173,7 +173,7 @@ def _component_formulas(cfg) -> dict:
 @click.option("--bias/--no-bias", default=None, help="Biases on projections and LayerNorm.")
 @click.option("--tie-embeddings/--no-tie-embeddings", default=None,
               help="LM head shares the embedding (default tied).")
-@click.option("--positions", type=click.IntRange(min=0),
+@click.option("--positions", type=PlainNumber(0, example="2048"),
               help="Rows of a learned position table (0: RoPE, the default).")
 @_json_option
 def params_cmd(preset, vocab, hidden, layers, heads, kv_heads, ffn, mlp, norm, bias,

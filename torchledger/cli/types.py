@@ -1,11 +1,13 @@
 """click parameter types for the numbers users type (``7B``, ``80GB``, ``989.5T``)."""
 from __future__ import annotations
 
+import math
+
 import click
 
 from .. import units
 
-__all__ = ["InputError", "check_output", "gpu_part", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH"]
+__all__ = ["InputError", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH"]
 
 
 class InputError(click.ClickException):
@@ -86,3 +88,51 @@ POS_FLOAT = _Number("number", units.parse_count, example="0.5")
 #: ``400Gb/s`` / ``400Gbps`` are bits (/8), as network links are sold.
 BANDWIDTH = _Number("bandwidth", units.parse_bandwidth, example="450GB/s")
 FRACTION = _Number("fraction", units.parse_count, upper=1.0, example="0.5")
+
+
+class PlainNumber(click.ParamType):
+    """A number typed in ASCII (``int()`` and ``float()`` also read full-width ``８`` and
+    Arabic-Indic ``٨`` digits, which no one types for a count on purpose), finite, within
+    ``[low, high]`` (either may be None: no bound)."""
+
+    def __init__(self, low=None, high=None, *, integer=True, example="8", note=""):
+        self.name = "integer" if integer else "number"
+        self._low, self._high, self._integer = low, high, integer
+        self._example, self._note = example, note
+
+    def _expected(self) -> str:
+        kind = "a whole number" if self._integer else "a number"
+        bounds = [f">= {self._low:g}" if self._low is not None else "",
+                  f"<= {self._high:g}" if self._high is not None else ""]
+        within = " and ".join(b for b in bounds if b)
+        return f"{kind}{' ' + within if within else ''} in ASCII digits, such as {self._example}{self._note}"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, bool):
+            self.fail(f"expected {self._expected()}, got {value!r}", param, ctx)
+        if isinstance(value, (int, float)):
+            num = value
+        else:
+            text = str(value).strip()
+            try:
+                if not text.isascii():
+                    raise ValueError
+                num = int(text) if self._integer else float(text)
+            except ValueError:
+                self.fail(f"expected {self._expected()}, got {_shown(value)}", param, ctx)
+        if (not math.isfinite(num) or (self._low is not None and num < self._low)
+                or (self._high is not None and num > self._high)):
+            self.fail(f"expected {self._expected()}, got {_shown(value)}", param, ctx)
+        return num
+
+
+def _shown(value) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 40 else f"{text[:37]}... ({len(str(value)):,} characters)"
+
+
+#: The longest ``audit --timeout``: past it (about 11 days) a limit is no limit (0 says so);
+#: ``inf``, ``nan`` and 1e10 (beyond what ``select`` can wait) are refused, not tracebacks.
+MAX_TIMEOUT_S = 1e6
+#: ``audit --timeout``: seconds, 0 for no limit.
+SECONDS = PlainNumber(0, MAX_TIMEOUT_S, integer=False, example="1800", note=" (0: no limit)")
