@@ -161,3 +161,18 @@ def test_snapshot_top_refuses_non_ascii_digits():
     r = run("snapshot", os.path.join(os.path.dirname(__file__), "data", "snapshots", "history.pickle"),
             "--top", "５")
     one_line_error(r, "--top")
+
+
+# -- 4. report: a record the schema accepts renders ---------------------------------------------
+@pytest.mark.parametrize("fmt", ["table", "markdown", "html", "json"])
+def test_a_measured_step_with_no_ratio_renders(fmt, tmp_path):
+    """Was: TypeError (format None with .2f) in table, markdown and html."""
+    from _record_fuzz import SCENARIOS, load, with_predictions
+    d = with_predictions(load(next(p for p in SCENARIOS if "cruncher-copy" in p)))
+    d["predictions"]["step_time"].update(measured_seconds=0.0021, predicted_over_measured=None)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(d))
+    r = run("report", str(path), "--format", fmt)
+    assert r.exit_code == 0, r.output
+    if fmt != "json":
+        assert "predicted / measured -" in r.stdout
