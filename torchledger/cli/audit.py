@@ -10,8 +10,8 @@ import os
 import click
 
 from .supervise import supervised
-from .types import (BANDWIDTH, FLOPS, FRACTION, POS_INT, SECONDS, InputError, PlainNumber, check_output,
-                    gpu_part)
+from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, POS_INT, SECONDS, InputError,
+                    PlainNumber, check_output, gpu_part)
 
 __all__ = ["audit", "report"]
 
@@ -161,9 +161,9 @@ def _exit_code(findings, fail_on: str) -> int:
                    "--world-size. Without AuditSpec(parallelize=fn) the standard plan applies it.")
 @click.option("--virtual-stages", type=POS_INT, default=None,
               help="Pipeline: model chunks per pp rank (interleaved schedule) [default: 1].")
-@click.option("--micro-batches", type=POS_INT, default=None,
+@click.option("--micro-batches", type=MICRO_BATCHES, default=None,
               help="Pipeline: micro-batches per step, each the AuditSpec's inputs [default: pp].")
-@click.option("--global-batch", type=POS_INT, default=None,
+@click.option("--global-batch", type=GLOBAL_BATCH, default=None,
               help="Pipeline: sequences per step over all data-parallel ranks (micro-batches = G / (dp x B)).")
 @click.option("--schedule", type=click.Choice(["1f1b", "interleaved", "gpipe", "zero-bubble"]), default=None,
               help="Pipeline schedule [default: 1f1b; interleaved with --virtual-stages > 1].")
@@ -247,18 +247,40 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         more, rows = compare_baseline(rec, base, settings.get("baseline_tolerance", 0.01))
         findings += more
         rec.meta["baseline_diff"] = rows
-        from ..analyzers.steptime import compare_step_time      # predicted step time (--gpu)
+        from ..analyzers.steptime import compare_step_time, step_time_skipped    # (--gpu)
         findings += compare_step_time(rec, base, settings.get("baseline_tolerance", 0.01))
+        skipped = step_time_skipped(rec, base)
+        if skipped:
+            click.echo(f"torchledger: warning: --baseline: the predicted step time was not compared: {skipped}",
+                       err=True)
     findings, suppressed = suppress(findings, ignore)
     if ignore:
         rec.meta["suppressed"] = {"ignore": ignore, "count": len(suppressed),
                                   "rules": {r: sum(f.rule == r for f in suppressed)
                                             for r in ignore if any(f.rule == r for f in suppressed)}}
     rec.findings = findings
+    _check_counts(rec, micro_batches, global_batch)
     from ..render import render
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _check_counts(rec, micro_batches, global_batch) -> None:
+    """Records hold counts (FLOPs, bytes) in int64, as ``report`` reads them back: a step past
+    that (1e6 micro-batches of a large step) is one line naming the count, not a record that
+    ``report`` refuses."""
+    from ..record_json import MAX_INT, past_int64
+    found = past_int64(rec.to_dict())
+    if found is None:
+        return
+    where, value = found
+    flags = [f"{flag} {v:,}" for flag, v in (("--micro-batches", micro_batches), ("--global-batch", global_batch))
+             if v]
+    cause = (f"{' and '.join(flags)} multiplies the step's counts; give fewer" if flags
+             else "audit a smaller step")
+    raise InputError(f"the audit's record has {where} = {value:.3g}, past int64 ({MAX_INT:,}), which records "
+                     f"count in: {cause}")
 
 
 def _rank_output(output):

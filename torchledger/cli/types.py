@@ -7,7 +7,9 @@ import click
 
 from .. import units
 
-__all__ = ["InputError", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH"]
+__all__ = ["InputError", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT",
+           "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH", "MICRO_BATCHES", "GLOBAL_BATCH",
+           "MAX_MICRO_BATCHES"]
 
 
 class InputError(click.ClickException):
@@ -45,9 +47,9 @@ def gpu_part(name, flag: str = "--gpu", ctx=None, param=None):
 
 
 class _Number(click.ParamType):
-    def __init__(self, name, parse, *, integer=False, positive=True, upper=None, example="7B"):
+    def __init__(self, name, parse, *, integer=False, positive=True, upper=None, example="7B", why=""):
         self.name, self._parse, self._integer = name, parse, integer
-        self._positive, self._upper, self._example = positive, upper, example
+        self._positive, self._upper, self._example, self._why = positive, upper, example, why
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -60,7 +62,7 @@ class _Number(click.ParamType):
         if self._positive and num <= 0:
             self.fail(f"expected a number > 0 such as {self._example}, got {value!r}", param, ctx)
         if self._upper is not None and num > self._upper:
-            self.fail(f"expected a number <= {self._upper:g}, got {value!r}", param, ctx)
+            self.fail(f"expected a number <= {self._upper:g}{self._why}, got {value!r}", param, ctx)
         if self._integer:
             whole = round(num)
             if abs(num - whole) > max(1e-6, 1e-12 * abs(num)):   # 8.03B is 8029999999.999999
@@ -88,6 +90,14 @@ POS_FLOAT = _Number("number", units.parse_count, example="0.5")
 #: ``400Gb/s`` / ``400Gbps`` are bits (/8), as network links are sold.
 BANDWIDTH = _Number("bandwidth", units.parse_bandwidth, example="450GB/s")
 FRACTION = _Number("fraction", units.parse_count, upper=1.0, example="0.5")
+#: Micro-batches per step: each multiplies the step's FLOPs and bytes, which records hold in
+#: int64; a million is far past any real schedule (thousands), 1e12 is a typo.
+MAX_MICRO_BATCHES = 10**6
+MICRO_BATCHES = _Number("integer", units.parse_count, integer=True, upper=MAX_MICRO_BATCHES, example="8",
+                        why=" (each micro-batch multiplies the step's FLOPs, which records count in int64)")
+#: Sequences per step over all data-parallel ranks (Llama 3 405B: 2,048 of 8,192 tokens).
+GLOBAL_BATCH = _Number("integer", units.parse_count, integer=True, upper=10**9, example="2048",
+                       why=" (sequences per step; the step's FLOPs are counted in int64)")
 
 
 class PlainNumber(click.ParamType):
