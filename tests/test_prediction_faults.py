@@ -176,3 +176,81 @@ def test_a_measured_step_with_no_ratio_renders(fmt, tmp_path):
     assert r.exit_code == 0, r.output
     if fmt != "json":
         assert "predicted / measured -" in r.stdout
+
+
+# -- 7. limits ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag, value", [("--micro-batches", "1e12"), ("--micro-batches", "1000001"),
+                                         ("--global-batch", "1e12")])
+def test_absurd_micro_batches_are_refused_up_front(flag, value, tmp_path):
+    """Was: exit 0 with FLOPs past int64 (a pipeline's), a record report refuses."""
+    r = run("audit", write(tmp_path, "m.py", LINEAR), "--steps", "1", flag, value)
+    one_line_error(r, flag, "int64", repr(value))
+
+
+def test_a_step_past_int64_is_one_line_not_a_record_report_refuses(tmp_path):
+    """A fake step of 3 x 2**62 FLOPs: was exit 0 and a record `report` refused."""
+    path = write(tmp_path, "m.py", """
+        import torch, torchledger
+        def audit_spec():
+            return torchledger.AuditSpec(torch.nn.Linear(2**20, 2**20, bias=False), torch.randn(2**21, 2**20))
+    """)
+    r = run("audit", path, "--steps", "1", "--format", "json")
+    one_line_error(r, "past int64", "audit a smaller step")
+    assert r.stdout == ""
+
+
+def test_past_int64_names_the_first_count_outside():
+    from torchledger.record_json import past_int64
+    assert past_int64({"totals": {"flops": {"total": 2**63 - 1}}, "x": [1.5e300, True]}) is None
+    assert past_int64({"predictions": {"a": [{"b": 2**64}]}, "totals": {"flops": {"total": 2**63}}}) == \
+        ("totals.flops.total", 2**63)                   # the total before its deeper parts
+
+
+@pytest.mark.parametrize("gpu", ["", "   "])
+def test_audit_refuses_an_empty_gpu(gpu, tmp_path):
+    """Was: exit 0 with the memory gate (TL-MEM-002) silently off; estimate refused it."""
+    r = run("audit", write(tmp_path, "m.py", LINEAR), "--steps", "1", "--gpu", gpu)
+    one_line_error(r, "--gpu", "expected a GPU name such as H100")
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"gpu": "A100 SXM"}, "the baseline was predicted on A100 SXM, this audit on H100 SXM"),
+    ({"seconds": 0}, "the baseline's predicted step time is 0 s"),
+])
+def test_a_skipped_step_time_gate_says_so(change, needle, tmp_path):
+    """Was: the --baseline step-time gate skipped without a word."""
+    from _record_fuzz import SCENARIOS, load, with_predictions
+    base = with_predictions(load(next(p for p in SCENARIOS if "cruncher-copy" in p)))
+    base["predictions"]["step_time"].update(change)
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    r = run("audit", write(tmp_path, "m.py", LINEAR), "--steps", "1", "--gpu", "h100",
+            "--baseline", str(tmp_path / "base.json"))
+    assert r.exit_code in (0, 1), r.stderr
+    assert f"torchledger: warning: --baseline: the predicted step time was not compared: {needle}" in r.stderr
+
+
+def test_the_step_time_gate_still_compares_on_the_same_part(tmp_path):
+    from torchledger.analyzers.steptime import compare_step_time, step_time_skipped
+    from torchledger.record import StepRecord
+    from _record_fuzz import SCENARIOS, load, with_predictions
+    rec = StepRecord.from_dict(with_predictions(load(next(p for p in SCENARIOS if "cruncher-copy" in p))))
+    base = StepRecord.from_dict(json.loads(json.dumps(rec.to_dict())))
+    base.predictions["step_time"]["seconds"] /= 2
+    assert step_time_skipped(rec, base) is None
+    assert [f.rule for f in compare_step_time(rec, base)] == ["TL-BASELINE-001"]
+
+
+LONG = "A" * 20_000
+
+
+@pytest.mark.parametrize("args", [
+    ["audit", "m.py", "--gpu", LONG], ["audit", "m.py", "--format", LONG], ["audit", "m.py", "--mesh", LONG],
+    ["audit", "m.py", "--output", LONG + ".json"], ["audit", "m.py", "--baseline", LONG],
+    ["audit", LONG + ".py"], ["report", LONG + ".json"], ["estimate", "decode", "--params", LONG],
+])
+def test_an_overlong_argument_is_not_echoed_whole(args, tmp_path):
+    """Was: the 20,000 characters echoed back in the error line."""
+    write(tmp_path, "m.py", LINEAR)
+    r = run(*args, cwd=tmp_path)
+    err = one_line_error(r)
+    assert len(err) < 1000 and "characters)" in err, len(err)
