@@ -163,6 +163,7 @@ _BUILTIN = [
           network="PCIe Gen4 x16 (32 GB/s one direction), no NVLink; one 400 Gb/s NIC per GPU assumed"),
 ]
 
+
 class HardwareFileError(ValueError):
     """The ``TORCHLEDGER_HARDWARE`` file cannot be used: one line naming the file, the part
     and the field."""
