@@ -8,7 +8,7 @@ would be dropped. A bad field is a :class:`HardwareFieldError` naming the part a
     >>> check_row("H100", {"memory": -1})
     Traceback (most recent call last):
     ...
-    torchledger.formulas.hardware_fields.HardwareFieldError: part 'H100': memory: expected a size > 0 and at most 1e+15 bytes such as "80GB", got -1
+    torchledger.formulas.hardware_fields.HardwareFieldError: part 'H100': memory: expected a size in bytes > 0 and at most 1e+15 such as "80GB", got -1
 
 The ranges are generous (a thousand times today's largest parts) but finite: they refuse
 typos and units mixed up, not parts yet to come.
