@@ -4,6 +4,12 @@ test (tests/test_record_fuzz.py, a few seconds in CI) and the long run by hand:
     python tests/_record_fuzz.py 2000 [SEED]          # every format for each case
     python tests/_record_fuzz.py 20000 SEED --rotate  # one format per case, cyclically
 
+The prediction fields (``predictions.step_time``, each module's and collective's
+``predicted_seconds``, as ``audit --gpu`` writes them) are fuzzed the same way, on scenario
+records that carry them (:func:`with_predictions`), the mutations aimed at those fields:
+
+    python tests/_record_fuzz.py 2000 SEED --predictions
+
 A case takes a scenario record (tests/data/*/record.json), applies one to three mutations
 (a value replaced by another type, NaN, Infinity, a huge int, a lone surrogate, deep nesting
 or a formula-like string; a key dropped; a key added), and runs ``torchledger report`` in every
@@ -56,14 +62,15 @@ def _parent(d, path):
     return d
 
 
-def mutate(record: dict, steps) -> str:
+def mutate(record: dict, steps, under=None) -> str:
     """The record's JSON text after ``steps``: (kind, pick, literal) with pick a number that
-    chooses the path; literals are substituted as raw text."""
+    chooses the path (among those below one of the prefixes ``under``, when given); literals
+    are substituted as raw text."""
     import copy
     d = copy.deepcopy(record)
     literals = []
     for kind, pick, literal in steps:
-        all_paths = paths(d)
+        all_paths = [p for p in paths(d) if under is None or any(p[:len(u)] == u and p != u for u in under)]
         if not all_paths:
             break
         path = all_paths[pick % len(all_paths)]
@@ -86,6 +93,47 @@ def mutate(record: dict, steps) -> str:
     for i, lit in enumerate(literals):
         text = text.replace(f'"{SENTINEL}{i}"', lit, 1)
     return text
+
+
+#: ``predictions.step_time`` as ``audit --gpu`` on a timed device writes it
+#: (analyzers/steptime.py): every field the schema knows, set.
+STEP_TIME = {
+    "gpu": "H100 SXM", "seconds": 0.00263, "micro_batches": 1, "tokens_per_s_per_gpu": 97338.4,
+    "mfu": 0.00128, "hfu": 0.00131, "measured_seconds": 0.0021, "predicted_over_measured": 1.252,
+    "by_phase": {"forward": 0.000165, "backward": 0.000305, "recompute": 0.0, "optimizer": 0.00216},
+    "by_kind": {"matmul": 0.000155, "attention": 2e-05, "memory_bound": 1.0e-05, "launch": 0.00244,
+                "comm_exposed": 0.0, "bubble": 0.0},
+    "comm_seconds": 0.0, "comm_exposed_seconds": 0.0, "bubble_seconds": 0.0, "matmul_fraction_of_peak": 0.0194,
+    "compiled": False, "fusable_seconds": 0.00231,
+    "assumptions": ["H100 SXM: dense fp32 peak 67.0 TFLOP/s", "eager: every elementwise op its own kernel"],
+    "bound": "93% launch overhead, 6% matmul at 2% of peak, 1% attention",
+}
+#: Where the prediction fields are: the mutations of ``--predictions`` are aimed below these.
+PREDICTION_PATHS = (("predictions", "step_time"), ("predictions", "comparisons"))
+#: Values a prediction field may hold that the schema accepts, and some it does not.
+PREDICTION_LITERALS = ["null", "0", "0.0", "-0.0", "5e-324", "1e-300", "1e308", "1.7976931348623157e308",
+                       str(2**63 - 1), "1", "-1", "NaN", "Infinity", '"x"', '""', "true", "[]", "{}", '["x"]',
+                       '{"a": 1}', '{"a": null}', "[null]"]
+
+
+def with_predictions(record: dict) -> dict:
+    """``record`` with :data:`STEP_TIME` and a ``predicted_seconds`` on each module and
+    collective (a copy)."""
+    import copy
+    d = copy.deepcopy(record)
+    d.setdefault("predictions", {})["step_time"] = copy.deepcopy(STEP_TIME)
+    for i, row in enumerate(d.get("modules") or []):
+        row["predicted_seconds"] = 1e-4 * (i + 1)
+    for row in d.get("collectives") or []:
+        row.update(predicted_seconds=2e-5, predicted_algorithm="ring")
+    return d
+
+
+def prediction_paths(record: dict) -> tuple:
+    """:data:`PREDICTION_PATHS` and each module's and collective's ``predicted_seconds``."""
+    rows = [(key, i, "predicted_seconds") for key in ("modules", "collectives")
+            for i, row in enumerate(record.get(key) or []) if "predicted_seconds" in row]
+    return PREDICTION_PATHS + tuple(rows)
 
 
 def _strict(text: str):
@@ -185,8 +233,10 @@ def _baseline(path: str) -> list:
     except Exception as e:                              # noqa: BLE001 - what the fuzz looks for
         return [f"baseline load: {type(e).__name__}: {str(e)[:80]}"]
     try:
-        now = StepRecord.from_dict(_GOOD)
+        from torchledger.analyzers.steptime import compare_step_time
+        now = StepRecord.from_dict(with_predictions(_GOOD))
         findings, rows = compare_baseline(now, base, 0.01)
+        findings += compare_step_time(now, base, 0.01)      # audit --gpu --baseline
         now.meta["baseline_diff"] = rows
         for fmt in ("json", "sarif", "table"):
             text = render(now, findings, fmt)
@@ -199,21 +249,26 @@ def _baseline(path: str) -> list:
     return []
 
 
-def main(n: int, seed: int = 0, rotate: bool = False) -> int:
+def main(n: int, seed: int = 0, rotate: bool = False, predictions: bool = False) -> int:
     """``n`` cases from ``seed``; ``rotate``: case i runs one format (the i-th, cyclically)
-    and the baseline path, for a long run in less time (CSV through pandas costs the most)."""
+    and the baseline path, for a long run in less time (CSV through pandas costs the most);
+    ``predictions``: records with predictions, the mutations aimed at their fields."""
     import collections
     import random
     rng = random.Random(seed)
     records = [load(p) for p in SCENARIOS]
+    if predictions:
+        records = [with_predictions(r) for r in records]
+    literals = PREDICTION_LITERALS + LITERALS if predictions else LITERALS
     places, failed = collections.Counter(), 0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(n):
             rec = rng.choice(records)
-            steps = [(rng.choice(MUTATIONS), rng.randrange(1 << 30), rng.choice(LITERALS))
+            steps = [(rng.choice(MUTATIONS), rng.randrange(1 << 30), rng.choice(literals))
                      for _ in range(rng.randint(1, 3))]
             formats = (FORMATS[i % len(FORMATS)],) if rotate else FORMATS
-            problems = check_case(mutate(rec, steps), tmp, formats)
+            under = prediction_paths(rec) if predictions else None
+            problems = check_case(mutate(rec, steps, under), tmp, formats)
             if problems:
                 failed += 1
                 places.update(problems)
@@ -229,6 +284,6 @@ def main(n: int, seed: int = 0, rotate: bool = False) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
-    args = [a for a in sys.argv[1:] if a != "--rotate"]
+    args = [a for a in sys.argv[1:] if a not in ("--rotate", "--predictions")]
     sys.exit(main(int(args[0]) if args else 2000, int(args[1]) if len(args) > 1 else 0,
-                  rotate="--rotate" in sys.argv))
+                  rotate="--rotate" in sys.argv, predictions="--predictions" in sys.argv))

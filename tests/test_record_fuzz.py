@@ -10,7 +10,8 @@ import os
 import tempfile
 
 from _optional_hypothesis import given, settings, st
-from _record_fuzz import LITERALS, MUTATIONS, SCENARIOS, check_case, load, mutate
+from _record_fuzz import (LITERALS, MUTATIONS, PREDICTION_LITERALS, SCENARIOS, STEP_TIME, check_case, load,
+                          mutate, paths, prediction_paths, with_predictions)
 
 RECORDS = {os.path.basename(os.path.dirname(p)): load(p) for p in SCENARIOS}
 
@@ -74,3 +75,47 @@ def test_the_mutations_reach_both_outcomes():
                 fh.write(mutate(RECORDS["cruncher-copy"], [("replace", 7 * i + 3, literal)]))
             codes.append(CliRunner().invoke(cli, ["report", path, "--format", "json"]).exit_code)
     assert set(codes) == {0, 2}, codes
+
+
+# -- the prediction fields (audit --gpu): predictions.step_time, predicted_seconds --------------
+PREDICTED = {name: with_predictions(record) for name, record in RECORDS.items()}
+
+
+@st.composite
+def mutated_predictions(draw):
+    record = PREDICTED[draw(st.sampled_from(sorted(PREDICTED)))]
+    steps = draw(st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 2**30),
+                                    st.sampled_from(PREDICTION_LITERALS + LITERALS)), min_size=1, max_size=3))
+    return mutate(record, steps, prediction_paths(record))
+
+
+@settings(max_examples=15, deadline=None)
+@given(mutated_predictions())
+def test_mutated_predictions_render_or_are_refused_in_one_line(text):
+    with tempfile.TemporaryDirectory() as tmp:
+        assert check_case(text, tmp) == []
+
+
+#: Values the schema accepts for most prediction fields (and "drop": the field left out).
+EDGE_VALUES = [None, 0, 1e308, 2**63 - 1, "drop"]
+
+
+def test_every_step_time_field_at_its_edges():
+    """Each field of predictions.step_time (nested ones too) null, 0, huge or missing, in the
+    formats that print the prediction. Was: TypeError in table, markdown and html for
+    ``measured_seconds`` set and ``predicted_over_measured: null``."""
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in paths(STEP_TIME):
+            for value in EDGE_VALUES:
+                d = json.loads(json.dumps(PREDICTED["cruncher-copy"]))
+                parent = d["predictions"]["step_time"]
+                for key in path[:-1]:
+                    parent = parent[key]
+                if value == "drop":
+                    del parent[path[-1]]
+                else:
+                    parent[path[-1]] = value
+                found = check_case(json.dumps(d), tmp, ("table", "markdown", "html", "json"))
+                problems += [f"{'.'.join(map(str, path))}={value}: {p}" for p in found]
+    assert problems == []

@@ -16,7 +16,7 @@ import json
 import math
 import re
 
-__all__ = ["RecordError", "parse_record", "check_values", "arrived", "fail", "refuse", "MAX_DEPTH",
+__all__ = ["RecordError", "parse_record", "check_values", "past_int64", "arrived", "fail", "refuse", "MAX_DEPTH",
            "MAX_STRING", "MAX_INT"]
 
 #: Deepest nesting of objects and lists; ``to_dict()`` writes 5 (meta.config may add a few).
@@ -207,6 +207,22 @@ def check_values(data) -> None:
                 stack.extend((item, path + (i,), depth + 1) for i, item in enumerate(value))
         else:
             refuse(path, "a JSON value", type(value).__name__)
+
+
+def past_int64(data):
+    """``(path, value)`` of the first whole number in ``data`` outside int64 (a record about
+    to be written: ``report`` would refuse it), else None."""
+    import collections
+    queue = collections.deque([(data, ())])          # breadth first: totals before their parts
+    while queue:
+        value, path = queue.popleft()
+        if isinstance(value, dict):
+            queue.extend((v, path + (k,)) for k, v in value.items() if isinstance(k, str))
+        elif isinstance(value, (list, tuple)):
+            queue.extend((v, path + (i,)) for i, v in enumerate(value))
+        elif isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT - 1 <= value <= MAX_INT:
+            return _where(path), value
+    return None
 
 
 def fail(path: tuple, expected: str, value) -> None:

@@ -68,7 +68,7 @@ def mesh_dim_names(ndim: int) -> tuple:
 def parse_mesh(text) -> tuple:
     """``"8x8"`` -> ``(8, 8)``; ``"64"`` -> ``(64,)``. WorldError on anything else."""
     s = str(text).strip().lower().replace("×", "x").replace("*", "x").replace(",", "x")
-    if not re.fullmatch(r"\d+(x\d+)*", s):
+    if not re.fullmatch(r"[0-9]+(x[0-9]+)*", s):        # ASCII: \d takes '８' and '٨' too
         raise WorldError(f"--mesh: expected dims joined by x, e.g. 8x8 or 64, got {_clip(text)}")
     parts = s.split("x")
     # NB: a dim longer than MAX_WORLD's digits is over it; int() of a 5,000-digit string

@@ -48,7 +48,8 @@ import re
 from ..formulas import steptime as st
 from .fit import first_step_state
 
-__all__ = ["predict_step_time", "attach_step_time", "op_seconds", "collective_row_seconds"]
+__all__ = ["predict_step_time", "attach_step_time", "op_seconds", "collective_row_seconds", "compare_step_time",
+           "step_time_skipped"]
 
 _PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 #: Ops with which an optimizer makes its state on its first step (AdamW: exp_avg and
@@ -639,10 +640,12 @@ def compare_step_time(record, baseline, tolerance: float = 0.01) -> list:
     """TL-BASELINE-001 when the predicted step time grew more than ``tolerance`` over a
     baseline predicted on the same part (records without a prediction compare nothing)."""
     from ..record import Finding
+    if step_time_skipped(record, baseline) is not None:
+        return []
     now = (record.predictions or {}).get("step_time") or {}
     before = (baseline.predictions or {}).get("step_time") or {}
     a, b = now.get("seconds"), before.get("seconds")
-    if not (_finite(a) and _finite(b)) or b <= 0 or now.get("gpu") != before.get("gpu"):
+    if not (_finite(a) and _finite(b)):                 # neither predicted: nothing to gate
         return []
     if (a - b) / b > tolerance:
         return [Finding("TL-BASELINE-001", "error",
@@ -650,6 +653,29 @@ def compare_step_time(record, baseline, tolerance: float = 0.01) -> list:
                         f"baseline ({b * 1e3:,.2f} ms -> {a * 1e3:,.2f} ms; tolerance {tolerance:.0%})",
                         measured=a, expected=b, hint="update the baseline if the slowdown is intended")]
     return []
+
+
+def step_time_skipped(record, baseline):
+    """Why :func:`compare_step_time` cannot compare this audit's predicted step time with the
+    baseline's (one sentence, for a warning), or None: it compares them, or neither has one."""
+    now = _step_time(record)
+    before = _step_time(baseline)
+    if not now and not before:
+        return None
+    if not before or not _finite(before.get("seconds")):
+        return "the baseline has no predicted step time (audit it with --gpu)"
+    if not now or not _finite(now.get("seconds")):
+        return f"this audit has no predicted step time (the baseline's is on {before.get('gpu')}: give --gpu)"
+    if now.get("gpu") != before.get("gpu"):
+        return f"the baseline was predicted on {before.get('gpu')}, this audit on {now.get('gpu')}"
+    if before["seconds"] <= 0:
+        return f"the baseline's predicted step time is {before['seconds']:g} s; a gate against it would always fail"
+    return None
+
+
+def _step_time(record) -> dict:
+    p = (getattr(record, "predictions", None) or {}).get("step_time")
+    return p if isinstance(p, dict) else {}
 
 
 def comm_finding(rec, pred: dict, bus_total: float, kind: str) -> list:

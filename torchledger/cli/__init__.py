@@ -80,7 +80,25 @@ def _one_line(e: click.ClickException) -> str:
     ctx = getattr(e, "ctx", None)
     if isinstance(e, click.UsageError) and ctx is not None and not isinstance(e, InputError):
         msg = f"{msg} (see '{ctx.command_path} --help')"
-    return " ".join(str(msg).split())
+    return clip_line(" ".join(clip_word(w) for w in str(msg).split()))
+
+
+#: An error line echoes what was typed, but not 20,000 characters of it: a word (a path, a
+#: value) past ``WORD_MAX`` keeps its first ``WORD_KEPT``; a line past ``LINE_MAX`` keeps its
+#: start and its end (what to do).
+WORD_MAX, WORD_KEPT, LINE_MAX = 300, 120, 2000
+
+
+def clip_word(word: str) -> str:
+    if len(word) <= WORD_MAX:
+        return word
+    return f"{word[:WORD_KEPT]}...({len(word):,} characters)"
+
+
+def clip_line(line: str) -> str:
+    if len(line) <= LINE_MAX:
+        return line
+    return f"{line[:LINE_MAX - 500]} ...({len(line):,} characters)... {line[-400:]}"
 
 
 @click.group(cls=LedgerGroup, context_settings={"help_option_names": ["-h", "--help"],

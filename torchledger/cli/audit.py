@@ -11,7 +11,8 @@ import click
 
 from ..parallel.layout import CHECKPOINTING, KERNELS, PRECISIONS
 from .supervise import supervised
-from .types import BANDWIDTH, FLOPS, FRACTION, POS_INT, InputError, check_output
+from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, POS_INT, SECONDS, InputError,
+                    PlainNumber, check_output, gpu_part)
 
 __all__ = ["audit", "report"]
 
@@ -35,16 +36,12 @@ def _resolve_format(fmt, output):
 
 
 def _peak(peak_flops, gpu, dtype="bf16"):
-    if peak_flops and gpu:
+    if peak_flops and gpu is not None:
         raise click.UsageError("give --peak-flops or --gpu, not both")
     if peak_flops:
         return peak_flops, "--peak-flops"
-    if gpu:
-        from ..formulas.hardware import get_gpu
-        try:
-            spec = get_gpu(gpu)
-        except (KeyError, ValueError) as e:
-            raise click.BadParameter(str(e).strip("'\""), param_hint="--gpu") from None
+    if gpu is not None:                     # '' too: refused, not a memory gate turned off
+        spec = gpu_part(gpu)
         peak = spec.peak_flops.get(dtype) if hasattr(spec, "peak_flops") else None
         if not peak:
             raise click.BadParameter(f"{gpu} has no {dtype} peak in the hardware table", param_hint="--gpu")
@@ -156,7 +153,7 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--gpu", default=None,
               help="GPU (e.g. H100) whose memory the step's peak must fit (TL-MEM-002) and whose bf16 "
                    "peak MFU is measured against.")
-@click.option("--world-size", type=int, default=None,
+@click.option("--world-size", type=PlainNumber(), default=None,
               help="Simulate this many ranks (fake tensors, fake process group; AuditSpec(parallelize=fn) "
                    "shards the model); the report is rank 0's.")
 @click.option("--mesh", default=None, metavar="DxD|dp=..,tp=..",
@@ -165,9 +162,9 @@ def _exit_code(findings, fail_on: str) -> int:
                    "--world-size. Without AuditSpec(parallelize=fn) the standard plan applies it.")
 @click.option("--virtual-stages", type=POS_INT, default=None,
               help="Pipeline: model chunks per pp rank (interleaved schedule) [default: 1].")
-@click.option("--micro-batches", type=POS_INT, default=None,
+@click.option("--micro-batches", type=MICRO_BATCHES, default=None,
               help="Pipeline: micro-batches per step, each the AuditSpec's inputs [default: pp].")
-@click.option("--global-batch", type=POS_INT, default=None,
+@click.option("--global-batch", type=GLOBAL_BATCH, default=None,
               help="Pipeline: sequences per step over all data-parallel ranks (micro-batches = G / (dp x B)).")
 @click.option("--schedule", type=click.Choice(["1f1b", "interleaved", "gpipe", "zero-bubble"]), default=None,
               help="Pipeline schedule [default: 1f1b; interleaved with --virtual-stages > 1].")
@@ -199,10 +196,10 @@ def _exit_code(findings, fail_on: str) -> int:
 @click.option("--ignore", "ignore", multiple=True, metavar="RULE",
               help="Suppress this rule's findings (repeatable; adds to ignore in [tool.torchledger]); "
                    "the report counts them and they do not fail --fail-on.")
-@click.option("--timing-steps", type=click.IntRange(0, 1000), default=None, metavar="N",
+@click.option("--timing-steps", type=PlainNumber(0, 1000, example="3"), default=None, metavar="N",
               help="cpu/cuda: untraced steps timed for MFU, after one untimed warm-up step; 0 times none "
                    "[default: 3 to 20, until they add up to 0.5 s].")
-@click.option("--timeout", type=click.FloatRange(min=0), default=TIMEOUT_S, show_default=True,
+@click.option("--timeout", type=SECONDS, default=TIMEOUT_S, show_default=True,
               metavar="SECONDS",
               help="Stop an audit that runs longer (a loop in the model file) and say where it was; "
                    "0: no limit. The model file runs in a child process: its exit code, hang or prints "
@@ -265,18 +262,40 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         more, rows = compare_baseline(rec, base, settings.get("baseline_tolerance", 0.01))
         findings += more
         rec.meta["baseline_diff"] = rows
-        from ..analyzers.steptime import compare_step_time      # predicted step time (--gpu)
+        from ..analyzers.steptime import compare_step_time, step_time_skipped    # (--gpu)
         findings += compare_step_time(rec, base, settings.get("baseline_tolerance", 0.01))
+        skipped = step_time_skipped(rec, base)
+        if skipped:
+            click.echo(f"torchledger: warning: --baseline: the predicted step time was not compared: {skipped}",
+                       err=True)
     findings, suppressed = suppress(findings, ignore)
     if ignore:
         rec.meta["suppressed"] = {"ignore": ignore, "count": len(suppressed),
                                   "rules": {r: sum(f.rule == r for f in suppressed)
                                             for r in ignore if any(f.rule == r for f in suppressed)}}
     rec.findings = findings
+    _check_counts(rec, micro_batches, global_batch)
     from ..render import render
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _check_counts(rec, micro_batches, global_batch) -> None:
+    """Records hold counts (FLOPs, bytes) in int64, as ``report`` reads them back: a step past
+    that (1e6 micro-batches of a large step) is one line naming the count, not a record that
+    ``report`` refuses."""
+    from ..record_json import MAX_INT, past_int64
+    found = past_int64(rec.to_dict())
+    if found is None:
+        return
+    where, value = found
+    flags = [f"{flag} {v:,}" for flag, v in (("--micro-batches", micro_batches), ("--global-batch", global_batch))
+             if v]
+    cause = (f"{' and '.join(flags)} multiplies the step's counts; give fewer" if flags
+             else "audit a smaller step")
+    raise InputError(f"the audit's record has {where} = {value:.3g}, past int64 ({MAX_INT:,}), which records "
+                     f"count in: {cause}")
 
 
 def _rank_output(output):

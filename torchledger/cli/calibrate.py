@@ -7,7 +7,7 @@ import os
 
 import click
 
-from .types import InputError, check_output
+from .types import InputError, check_output, gpu_part
 
 __all__ = ["calibrate"]
 
@@ -25,14 +25,10 @@ def calibrate(record_files, gpu, output, compiled):
 
     Use it with: export TORCHLEDGER_HARDWARE=torchledger-hardware.json"""
     from ..analyzers.calibrate import fit_efficiency, measured_seconds
-    from ..formulas.hardware import get_gpu
     from ..render.output import write_atomic
     from .audit import _load_record
     check_output(output)
-    try:
-        part = get_gpu(gpu)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--gpu") from None
+    part = gpu_part(gpu)
     records = []
     for path in record_files:
         rec = _load_record(path, path)

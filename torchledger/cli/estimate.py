@@ -23,7 +23,7 @@ from ..formulas.inference import DTYPE_BYTES, KV_DTYPES
 from ..formulas.memory import WEIGHT_DTYPES
 from ..models.config import MLP_KINDS, NORM_KINDS, TransformerConfig, get_config
 from ..units import GiB, fmt_bytes, fmt_count, fmt_flops, fmt_int
-from .types import BYTES, COUNT, FLOPS, FRACTION, POS_FLOAT, POS_INT, InputError
+from .types import BYTES, COUNT, FLOPS, FRACTION, POS_FLOAT, POS_INT, InputError, PlainNumber, gpu_part
 
 __all__ = ["estimate"]
 
@@ -52,10 +52,7 @@ def _preset(ctx, param, value):
 def _gpu(ctx, param, value):
     if value is None:
         return None
-    try:
-        return an.get_gpu(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e), ctx, param) from None
+    return gpu_part(value, ctx=ctx, param=param)
 
 
 def _flagify(message: str) -> str:
@@ -176,7 +173,7 @@ def _component_formulas(cfg) -> dict:
 @click.option("--bias/--no-bias", default=None, help="Biases on projections and LayerNorm.")
 @click.option("--tie-embeddings/--no-tie-embeddings", default=None,
               help="LM head shares the embedding (default tied).")
-@click.option("--positions", type=click.IntRange(min=0),
+@click.option("--positions", type=PlainNumber(0, example="2048"),
               help="Rows of a learned position table (0: RoPE, the default).")
 @_json_option
 def params_cmd(preset, vocab, hidden, layers, heads, kv_heads, ffn, mlp, norm, bias,
@@ -248,7 +245,7 @@ def train_cmd(params, tokens, gpu, gpus, mfu, dtype, peak_flops, price, preset, 
     preset's exact matmul N. --preset also adds the attention term 12*L*T*d per token.
     """
     n = _n_params(params, preset, matmul=True)
-    gpu = gpu or an.get_gpu(DEFAULT_GPU)
+    gpu = gpu or gpu_part(DEFAULT_GPU)
     peak = _peak(gpu, dtype, peak_flops, "choose another --dtype or give --peak-flops")
     flops = an.training_flops(n, tokens)
     t = an.training_time(flops, peak_flops=peak, gpus=gpus, mfu=mfu, price_per_gpu_hour=price)

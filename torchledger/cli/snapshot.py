@@ -15,7 +15,7 @@ import os
 
 import click
 
-from .types import InputError, check_output
+from .types import InputError, PlainNumber, check_output
 
 __all__ = ["snapshot"]
 
@@ -24,7 +24,7 @@ __all__ = ["snapshot"]
 @click.argument("file", metavar="FILE.pickle")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default=None,
               help="table for people (default), json for programs; inferred from --output's ending.")
-@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
+@click.option("--top", type=PlainNumber(1, example="10"), default=10, show_default=True,
               help="How many allocation stacks to list.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
               help="Write to this file instead of stdout (atomically).")

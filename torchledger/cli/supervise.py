@@ -12,6 +12,9 @@ descriptor level, reaches the parent's stderr through a pipe, and only while the
 * The child ends without sending its result (``os._exit(n)``, a signal, a crash): exit 2, one
   line saying so, naming the model file's line that called ``os._exit`` (the child's
   ``os._exit`` notes its caller first) or the stack ``faulthandler`` wrote at a crash.
+* The result sent, then the model file's exit handlers still running ``EXIT_GRACE_S``
+  seconds later (a thread joined at exit, a server left up): they are stopped, a warning
+  says so, and the result stands (its exit code too); the audit does not wait out ``timeout``.
 * No result within ``timeout`` seconds: the child's stack is dumped (``faulthandler`` on
   ``SIGUSR1``, which works inside C code too), the child is killed, and one line names the
   model file's frames that were running (innermost first). Exit 2.
@@ -65,6 +68,9 @@ __all__ = ["supervise", "supervised", "handed_over"]
 
 #: Seconds to wait for the child's stack after asking for it on a timeout.
 STACK_WAIT_S = 2.0
+#: Seconds the model file's exit handlers may run once the audit's result is in; then the
+#: child is stopped and the result reported (a warning says so).
+EXIT_GRACE_S = 3.0
 #: Model-file frames named in a timeout or exit message (innermost first).
 FRAMES_SHOWN = 4
 
@@ -301,16 +307,18 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
     pidfd = _pidfd(child.pid)
     for fd in (result_r, output_r):
         os.set_blocking(fd, False)
-    lines, pending, status, result, ended = [], bytearray(), None, None, set()
+    lines, pending, status, result, ended, graced = [], bytearray(), None, None, set(), False
     sink = _Forward()
     try:
         while status is None:
+            if result is not None and not graced:       # the report is in: a short grace
+                deadline, graced = _grace(deadline, child.paused), True
             left = None if deadline is None else deadline + child.paused - time.monotonic()
             if left is not None and left <= 0:
                 if result is not None:       # sent, then stuck in its exit handlers
                     child.end()
-                    click.echo("torchledger: warning: the model file's exit handlers were still running "
-                               "at --timeout; stopped them", err=True)
+                    click.echo(f"torchledger: warning: the model file's exit handlers were still running "
+                               f"{EXIT_GRACE_S:g} s after the audit's result was in; stopped them", err=True)
                     return _outcome(result)
                 raise InputError(_timed_out(child, stack, timeout, model_path))
             watch = [fd for fd in (result_r, output_r, pidfd) if fd is not None and fd not in ended]
@@ -350,6 +358,14 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
         return _outcome(result)
     exit_note = next((m for m in messages if "exit" in m), None)
     raise InputError(_ended(status, exit_note, _read_stack(stack), model_path))
+
+
+def _grace(deadline, paused: float) -> float:
+    """The deadline once the audit's result is in: at most :data:`EXIT_GRACE_S` from now for
+    the model file's exit handlers (``atexit``), not what is left of ``--timeout``. Like
+    ``deadline``, it is reached when ``deadline + paused`` (the time stopped) is."""
+    grace = time.monotonic() + EXIT_GRACE_S - paused
+    return grace if deadline is None else min(deadline, grace)
 
 
 def _outcome(message: dict):

@@ -1,11 +1,15 @@
 """click parameter types for the numbers users type (``7B``, ``80GB``, ``989.5T``)."""
 from __future__ import annotations
 
+import math
+
 import click
 
 from .. import units
 
-__all__ = ["InputError", "check_output", "COUNT", "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH"]
+__all__ = ["InputError", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT",
+           "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH", "MICRO_BATCHES", "GLOBAL_BATCH",
+           "MAX_MICRO_BATCHES"]
 
 
 class InputError(click.ClickException):
@@ -25,10 +29,27 @@ def check_output(output) -> None:
             raise click.BadParameter(str(e), param_hint="--output") from None
 
 
+def gpu_part(name, flag: str = "--gpu", ctx=None, param=None):
+    """The ``GPUSpec`` of ``name``. A bad ``TORCHLEDGER_HARDWARE`` file is bad input (one line
+    naming the file, the part and the field), not a bad ``--gpu``; an unknown or empty name
+    is a bad ``flag``."""
+    from ..formulas.hardware import HardwareFileError, get_gpu
+    if not str(name).strip():
+        raise click.BadParameter("expected a GPU name such as H100, got an empty string", ctx, param,
+                                 param_hint=None if param is not None else flag)
+    try:
+        return get_gpu(name)
+    except HardwareFileError as e:
+        raise InputError(str(e)) from None
+    except (KeyError, ValueError) as e:
+        raise click.BadParameter(str(e).strip("'\""), ctx, param,
+                                 param_hint=None if param is not None else flag) from None
+
+
 class _Number(click.ParamType):
-    def __init__(self, name, parse, *, integer=False, positive=True, upper=None, example="7B"):
+    def __init__(self, name, parse, *, integer=False, positive=True, upper=None, example="7B", why=""):
         self.name, self._parse, self._integer = name, parse, integer
-        self._positive, self._upper, self._example = positive, upper, example
+        self._positive, self._upper, self._example, self._why = positive, upper, example, why
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -41,7 +62,7 @@ class _Number(click.ParamType):
         if self._positive and num <= 0:
             self.fail(f"expected a number > 0 such as {self._example}, got {value!r}", param, ctx)
         if self._upper is not None and num > self._upper:
-            self.fail(f"expected a number <= {self._upper:g}, got {value!r}", param, ctx)
+            self.fail(f"expected a number <= {self._upper:g}{self._why}, got {value!r}", param, ctx)
         if self._integer:
             whole = round(num)
             if abs(num - whole) > max(1e-6, 1e-12 * abs(num)):   # 8.03B is 8029999999.999999
@@ -69,3 +90,59 @@ POS_FLOAT = _Number("number", units.parse_count, example="0.5")
 #: ``400Gb/s`` / ``400Gbps`` are bits (/8), as network links are sold.
 BANDWIDTH = _Number("bandwidth", units.parse_bandwidth, example="450GB/s")
 FRACTION = _Number("fraction", units.parse_count, upper=1.0, example="0.5")
+#: Micro-batches per step: each multiplies the step's FLOPs and bytes, which records hold in
+#: int64; a million is far past any real schedule (thousands), 1e12 is a typo.
+MAX_MICRO_BATCHES = 10**6
+MICRO_BATCHES = _Number("integer", units.parse_count, integer=True, upper=MAX_MICRO_BATCHES, example="8",
+                        why=" (each micro-batch multiplies the step's FLOPs, which records count in int64)")
+#: Sequences per step over all data-parallel ranks (Llama 3 405B: 2,048 of 8,192 tokens).
+GLOBAL_BATCH = _Number("integer", units.parse_count, integer=True, upper=10**9, example="2048",
+                       why=" (sequences per step; the step's FLOPs are counted in int64)")
+
+
+class PlainNumber(click.ParamType):
+    """A number typed in ASCII (``int()`` and ``float()`` also read full-width ``８`` and
+    Arabic-Indic ``٨`` digits, which no one types for a count on purpose), finite, within
+    ``[low, high]`` (either may be None: no bound)."""
+
+    def __init__(self, low=None, high=None, *, integer=True, example="8", note=""):
+        self.name = "integer" if integer else "number"
+        self._low, self._high, self._integer = low, high, integer
+        self._example, self._note = example, note
+
+    def _expected(self) -> str:
+        kind = "a whole number" if self._integer else "a number"
+        bounds = [f">= {self._low:g}" if self._low is not None else "",
+                  f"<= {self._high:g}" if self._high is not None else ""]
+        within = " and ".join(b for b in bounds if b)
+        return f"{kind}{' ' + within if within else ''} in ASCII digits, such as {self._example}{self._note}"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, bool):
+            self.fail(f"expected {self._expected()}, got {value!r}", param, ctx)
+        if isinstance(value, (int, float)):
+            num = value
+        else:
+            text = str(value).strip()
+            try:
+                if not text.isascii():
+                    raise ValueError
+                num = int(text) if self._integer else float(text)
+            except ValueError:
+                self.fail(f"expected {self._expected()}, got {_shown(value)}", param, ctx)
+        if (not math.isfinite(num) or (self._low is not None and num < self._low)
+                or (self._high is not None and num > self._high)):
+            self.fail(f"expected {self._expected()}, got {_shown(value)}", param, ctx)
+        return num
+
+
+def _shown(value) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 40 else f"{text[:37]}... ({len(str(value)):,} characters)"
+
+
+#: The longest ``audit --timeout``: past it (about 11 days) a limit is no limit (0 says so);
+#: ``inf``, ``nan`` and 1e10 (beyond what ``select`` can wait) are refused, not tracebacks.
+MAX_TIMEOUT_S = 1e6
+#: ``audit --timeout``: seconds, 0 for no limit.
+SECONDS = PlainNumber(0, MAX_TIMEOUT_S, integer=False, example="1800", note=" (0: no limit)")

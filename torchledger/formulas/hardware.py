@@ -23,7 +23,11 @@ environment variable ``TORCHLEDGER_HARDWARE``::
      "H100 SXM": {"efficiency": {"matmul_peak_fraction": 0.74}, "nic": "50GB/s"}}
 
 A row naming a known part may give only the fields it changes (``calibrate`` writes such
-rows); a new part needs ``memory``, ``bandwidth`` and ``peak_flops``.
+rows); a new part needs ``memory``, ``bandwidth`` and ``peak_flops``. Every field is checked
+when the file is read (type, unit, range; :mod:`.hardware_fields`): a bad one, a misspelt key
+or a file that is not a regular JSON file is one line naming the file, the part and the field,
+and no part of that file is registered. Bandwidths read as ``--link-bandwidth`` does:
+``B`` bytes, ``b`` bits (``"nic": "400Gb/s"`` is 50 GB/s).
 
 Known limitations:
   - peaks are the vendors' dense numbers; sustained clocks and power caps are not modelled.
@@ -39,19 +43,18 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
-from .. import units
+from ..inputs import InputFileError, read_input
+from .hardware_fields import DTYPES, HardwareFieldError, check_row, normalize_dtype
 
 __all__ = ["GPUSpec", "get_gpu", "register_gpu", "known_gpus", "normalize_dtype", "DTYPES",
-           "HARDWARE_ENV"]
+           "HARDWARE_ENV", "HardwareFileError"]
 
-#: Dtypes that have a peak FLOP/s column.
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: Environment variable naming a JSON file of extra or overriding GPU specs.
 HARDWARE_ENV = "TORCHLEDGER_HARDWARE"
 
 _TF = 1e12
-_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
-                  "half": "fp16", "float8": "fp8", "e4m3": "fp8", "e5m2": "fp8"}
+#: The largest hardware file read (a table of every part ever made is a few KB).
+HARDWARE_MAX_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,12 @@ _BUILTIN = [
           network="PCIe Gen4 x16 (32 GB/s one direction), no NVLink; one 400 Gb/s NIC per GPU assumed"),
 ]
 
+
+class HardwareFileError(ValueError):
+    """The ``TORCHLEDGER_HARDWARE`` file cannot be used: one line naming the file, the part
+    and the field."""
+
+
 _REGISTRY: dict = {}
 _ENV_LOADED: Optional[str] = None
 
@@ -193,36 +202,22 @@ def register_gpu(name: str, memory=None, bandwidth=None, peak_flops: Optional[Ma
     ``register_gpu("h100", efficiency={"matmul_peak_fraction": 0.7})``); a new one needs
     ``memory``, ``bandwidth`` and ``peak_flops``. ``extra``: ``sm_count``, ``nvlink``,
     ``nic`` (bandwidths), ``nics_per_node``, ``gpus_per_node``, ``efficiency``, ``sources``.
+    Every field is checked (type, unit, range: :mod:`.hardware_fields`); a bad one raises
+    ``ValueError`` naming the part and the field.
     Returns the stored :class:`GPUSpec`; later lookups find it by any alias.
     """
     _ensure_builtin()
+    row = {"memory": memory, "bandwidth": bandwidth, "peak_flops": peak_flops, "aliases": aliases, **extra}
+    fields = check_row(name, row)
     base = _REGISTRY.get(_key(name))
-    if base is None and (memory is None or bandwidth is None or peak_flops is None):
-        raise ValueError(f"{name!r} is not a known part: give memory, bandwidth and peak_flops")
-    unknown = set(extra) - {"sm_count", "nvlink", "nic", "nics_per_node", "gpus_per_node",
-                            "efficiency", "sources"}
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))} for {name!r}")
-    fields = {}
-    if memory is not None:
-        fields["memory_bytes"] = units.parse_bytes(memory)
-    if bandwidth is not None:
-        fields["bandwidth_bytes_per_s"] = _rate(bandwidth)
-    if peak_flops is not None:
-        peaks = dict(base.peak_flops) if base is not None else {}
-        peaks.update({normalize_dtype(k): (units.parse_flops(v) if v is not None else None)
-                      for k, v in dict(peak_flops).items()})
-        fields["peak_flops"] = peaks
-    for key, attr in (("nvlink", "nvlink_bytes_per_s"), ("nic", "nic_bytes_per_s")):
-        if extra.get(key) is not None:
-            fields[attr] = _rate(extra[key])
-    for key in ("sm_count", "nics_per_node", "gpus_per_node"):
-        if extra.get(key) is not None:
-            fields[key] = int(extra[key])
-    if extra.get("efficiency"):
-        fields["efficiency"] = {**(base.efficiency if base is not None else {}), **dict(extra["efficiency"])}
-    if extra.get("sources"):
-        fields["sources"] = {**(base.sources if base is not None else {}), **dict(extra["sources"])}
+    if base is None and not {"memory_bytes", "bandwidth_bytes_per_s", "peak_flops"} <= set(fields):
+        raise HardwareFieldError(f"part {name!r} is not a known part: give memory, bandwidth and peak_flops")
+    aliases = fields.pop("aliases", ())
+    for attr in ("peak_flops", "efficiency", "sources"):     # merged over the known part's
+        if base is not None and attr in fields:
+            fields[attr] = {**getattr(base, attr), **fields[attr]}
+    if not fields.get("efficiency", True):
+        del fields["efficiency"]
     if base is not None and _key(base.name) == _key(name):
         spec = replace(base, aliases=tuple(dict.fromkeys((*base.aliases, *aliases))), **fields)
     else:
@@ -230,10 +225,6 @@ def register_gpu(name: str, memory=None, bandwidth=None, peak_flops: Optional[Ma
                        fields.pop("peak_flops"), tuple(aliases), **fields)
     _store(spec)
     return spec
-
-
-def _rate(value) -> float:
-    return units.parse_bytes(value.rstrip("/sS") if isinstance(value, str) else value)
 
 
 def _store(spec: GPUSpec) -> None:
@@ -257,19 +248,47 @@ def _ensure_loaded() -> None:
 
 
 def _load_file(path: str) -> None:
+    """Register every part of the file, or none: one line naming the file, the part and the
+    field that is wrong."""
+    saved = dict(_REGISTRY)
     try:
-        with open(path, encoding="utf-8") as f:
-            table = json.load(f)
+        table = _read_table(path)
         for name, row in table.items():
-            row = dict(row)
-            register_gpu(name, row.pop("memory", None), row.pop("bandwidth", None),
-                         row.pop("peak_flops", None), row.pop("aliases", ()), **row)
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-        raise ValueError(f"{HARDWARE_ENV}={path}: expected a JSON object of "
-                         f'{{"NAME": {{"memory": "80GB", "bandwidth": "3.35TB/s", '
-                         f'"peak_flops": {{"bf16": "989.5T"}}}}}} (a known part may give only '
-                         f'"efficiency", "nic", ...), but reading it failed: '
-                         f"{type(e).__name__}: {e}") from None
+            register_gpu(name, **_as_row(name, row))
+    except (InputFileError, HardwareFieldError) as e:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
+        raise HardwareFileError(f"{HARDWARE_ENV}={path}: {e}; fix the file (or unset {HARDWARE_ENV})") from None
+
+
+_SHAPE = ('expected a JSON object of {"NAME": {"memory": "80GB", "bandwidth": "3.35TB/s", '
+          '"peak_flops": {"bf16": "989.5T"}}} (a known part may give only "efficiency", "nic", ...)')
+
+
+def _read_table(path: str) -> dict:
+    try:
+        data = read_input(path, what="hardware JSON", max_bytes=HARDWARE_MAX_BYTES)
+    except InputFileError as e:
+        text = str(e)
+        raise InputFileError(text[len(path) + 2:] if text.startswith(f"{path}: ") else text) from None
+    try:
+        table = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InputFileError(f"not UTF-8 text; {_SHAPE}") from None
+    except ValueError as e:
+        raise InputFileError(f"not valid JSON ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                             f"{_SHAPE}") from None
+    except RecursionError:
+        raise InputFileError(f"nested too deep to read; {_SHAPE}") from None
+    if not isinstance(table, dict):
+        raise InputFileError(f"{_SHAPE}, got {type(table).__name__}")
+    return table
+
+
+def _as_row(name, row) -> dict:
+    """A part's JSON object as ``register_gpu``'s keywords: an object of known fields."""
+    check_row(name, row)
+    return dict(row)
 
 
 def known_gpus() -> list:
@@ -292,12 +311,3 @@ def get_gpu(name) -> GPUSpec:
         raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(known_gpus())} "
                          f"(add one with register_gpu() or ${HARDWARE_ENV})")
     return spec
-
-
-def normalize_dtype(dtype: str) -> str:
-    """``'bfloat16'`` -> ``'bf16'``; unknown names raise ``ValueError`` listing the known ones."""
-    key = str(dtype).lower().replace("torch.", "")
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    return key

@@ -161,7 +161,7 @@ def parse_layout(text, world_size: Optional[int] = None) -> Layout:
         sizes[name] = value
     names = [n for n in DIM_ORDER if n in sizes]
     for n in names:
-        if not sizes[n].isdigit():
+        if not (sizes[n].isascii() and sizes[n].isdigit()):     # '８' and '٨' are digits too
             raise _error(f"--mesh: {n}={sizes[n]}: expected a whole number >= 1 (e.g. {n}=2) in {text!r}")
     # the sizes go through parse_mesh's own checks (>= 1, its caps)
     try:

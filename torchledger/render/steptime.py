@@ -46,8 +46,9 @@ def step_time_lines(record) -> list:
     lines.append(f"  time per phase: {text}")
     lines.append(f"  where the time goes: {p.get('bound', '-')}")
     if p.get("measured_seconds"):
+        ratio = p.get("predicted_over_measured")      # null where the schema allows it
         lines.append(f"  measured {fmt_seconds(p['measured_seconds'])}: predicted / measured "
-                     f"{p.get('predicted_over_measured', 0):.2f}")
+                     f"{f'{ratio:.2f}' if isinstance(ratio, (int, float)) else '-'}")
     if p.get("assumptions"):
         lines.append("  assumes: " + "; ".join(p["assumptions"]))
     return lines
