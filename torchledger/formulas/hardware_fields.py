@@ -206,6 +206,8 @@ EFFICIENCY_FIELDS = {
     "attention": _attention,
     "attention_seq_half": lambda v, w: _real(v, w, 0.0, 1e9, low_open=False, example="256"),
     "allow_tf32": _flag,
+    "sustained_fraction": _fraction,
+    "overlap_slowdown": lambda v, w: _real(v, w, 0.0, 1.0, low_open=False, example="0.1"),
 }
 
 
