@@ -60,7 +60,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     """Trace each distinct pipeline rank and compose the schedule; an ``AuditRun`` whose
     record is the bounding rank's."""
     from ..audit import AuditRun, load_entry
-    from ..formulas.pipeline import bubble_fraction, chunk_sizes, rank_chunks
+    from ..formulas.pipeline import bubble_fraction, chunk_sizes, rank_chunks, schedule_problem
     n, shape = world
     p, v = layout.size("pp"), layout.virtual_stages
     t0 = time.perf_counter()
@@ -73,6 +73,9 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
                      f"use fewer stages or virtual stages") from None
     m = _micro_batches(layout, batch, p)
     schedule = layout.schedule_name
+    problem = schedule_problem(p, v, m, schedule)
+    if problem:
+        raise _error(f"--mesh {layout.text()} --schedule {schedule} at {m} micro-batches: {problem}")
     last = p * v - 1
     groups = {}
     for r in range(p):
