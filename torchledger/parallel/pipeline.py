@@ -94,7 +94,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     stages.sort(key=lambda s: s["rank"])
     bound = max(stages, key=lambda s: (s["peak_bytes"], -s["rank"]))
     traced, stage, notes, meta = records[bound["rank"]]
-    rec = _composed_record(traced, stage, m)
+    rec = _composed_record(traced, stage, m, dict(layout.dims))
     rec.totals["pipeline"] = {
         "stages": p, "virtual_stages": v, "micro_batches": m, "schedule": schedule,
         "bubble_fraction": bubble_fraction(p, v, m, schedule), "bounding_rank": bound["rank"],
@@ -107,7 +107,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
                          "loss": "the last chunk's cross-entropy (pipeline stage)",
                          "world_size": n, "mesh": list(shape), "rank": bound["rank"] * per_rank,
                          "mesh_dims": list(layout.names), "plan": notes}
-    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape), parallel_dims=dict(layout.dims))
+    rec.totals.update(rank=bound["rank"] * per_rank, world_size=n, mesh=list(shape))
     rec.meta["device"] = "fake (cpu)"
     from .plan import plan_warnings
     rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
@@ -272,8 +272,10 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m):
             traced[kind].totals.update(rank=int(mesh.get_rank()), world_size=int(mesh.size()),
                                        mesh=list(mesh.shape))
     block_names = [f"{dec.prefix}.{i}" for i in sorted(keep)]
+    # the rank's own sequence length (a cp-th of the spec's under context parallelism), as
+    # an audit without pp records it
     meta = {"rank": r, "chunks": chunks, "blocks": len(keep), "block_names": block_names,
-            "seq_len": seq.seq_len}
+            "seq_len": tokens.seq_len}
     return traced, notes, meta
 
 
@@ -528,12 +530,14 @@ ADDITIVE = ("flops", "flops_causal", "attention_flops", "hardware_flops", "eleme
             "param_matmul_flops_grad", "tokens", "view_ops", "comm_bytes")
 
 
-def _composed_record(traced, stage, m):
-    """The bounding rank's record: its last micro-step's, with the step's totals."""
+def _composed_record(traced, stage, m, dims):
+    """The bounding rank's record: its last micro-step's, with the step's totals; ``dims`` the
+    layout's ({"pp": 9, "cp": 2, ...}), which its references read."""
     w = _weights(m)
     last = traced.get("last") or traced["only"]
     rec = copy.deepcopy(last)
     t = rec.totals
+    t["parallel_dims"] = dims
     for key in ADDITIVE:
         values = [r.totals.get(key) for r in traced.values()]
         if all(isinstance(x, int) and not isinstance(x, bool) for x in values):
