@@ -77,3 +77,58 @@ def test_context_parallel_flops_reference_on_a_pipeline_stage(tmp_path):
     row = _row(rec, "training FLOPs vs 6ND + 12LTd")
     assert row["predicted"] == 204_472_320 and row["ratio"] == 1.0
     assert "TL-CMP-001" not in _codes(rec)
+    # comm: FSDP2 over cp = 2 for the stage's 533,504 B (gathered once, kept: pipelined),
+    # 266,752 + reduce-scatter 533,504 = 800,256; K and V per layer and micro-batch: 128 local
+    # tokens x 4 KV heads x 16 x 4 B = 32,768 B each all-gathered, 65,536 B each reduce-scattered:
+    # 196,608 x 2 layers x 2 micro-batches = 786,432. The p2p (65,536 B) is the stage's, beside
+    comm = next(f for f in rec["findings"] if f["rule"] == "TL-COMM-001")
+    assert comm["measured"] == comm["expected"] == 800_256 + 786_432
+    assert "the pipeline's sends and receives" in comm["hint"] and "65,536 B in 4 calls" in comm["hint"]
+    assert "TL-COMM-002" not in _codes(rec)
+
+
+# MoE-tiny (tests/test_layouts.py's) with a batch of 8 x 64: d 64, 2 layers, 4 SwiGLU experts
+# of width 32, top-2, capacity factor 1; dense 99,136 params, each expert 3 x 64 x 32 = 6,144.
+MOE_8x64 = """
+    import torch, torchledger
+    from torchledger.models import build_model
+    from torchledger.models.moe import MoEConfig
+
+    def audit_spec():
+        cfg = MoEConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=32, mlp="swiglu",
+                        norm="rmsnorm", bias=False, tie_embeddings=False, n_experts=4, top_k=2,
+                        capacity_factor=1.0, name="moe-tiny")
+        idx = torch.randint(0, 512, (8, 64))
+        return torchledger.AuditSpec(build_model(cfg), {"idx": idx, "targets": idx})
+"""
+
+
+def test_expert_parallel_all_to_alls_are_in_the_closed_form(tmp_path):
+    code, rec = audit_json(tmp_path, MOE_8x64, "--mesh", "dp=2,ep=2")
+    # EP: capacity C = ceil(1.0 x 512 tokens x 2 / 4) = 256; the dispatch buffer 4 x 256 x 64
+    # fp32 = 262,144 B, all-to-all'd 4 times per layer (dispatch, combine, their backwards):
+    # 8 x 262,144 = 2,097,152 B.
+    # FSDP2 over dp x ep = 4 for the dense 99,136 params (396,544 B): all-gather 99,136 in
+    # forward and again in backward, reduce-scatter 396,544: 594,816. The experts this rank
+    # holds (2 of 4 per layer: 24,576 params, 98,304 B) shard over dp = 2: 49,152 + 49,152 +
+    # 98,304 = 196,608. In all 2,097,152 + 594,816 + 196,608 = 2,888,576 (3.89x FSDP2's alone)
+    a2a = sum(c["bytes"] for c in rec["collectives"] if c["op"] == "all_to_all")
+    assert a2a == 8 * 262_144
+    comm = next(f for f in rec["findings"] if f["rule"] == "TL-COMM-001")
+    assert comm["measured"] == comm["expected"] == 2_888_576
+    assert "FSDP2 + EP all-to-alls (1.000x)" in comm["message"]
+    assert "TL-COMM-002" not in _codes(rec) and code == 0
+
+
+def test_context_parallel_k_v_collectives_are_in_the_closed_form(tmp_path):
+    body = TINY_128.replace("(2, 128)", "(2, 512)")
+    code, rec = audit_json(tmp_path, body, "--mesh", "cp=2")
+    # FSDP2 over the 2 cp ranks, 166,208 fp32 params = 664,832 B: all-gather 332,416 in forward
+    # and again in backward, reduce-scatter 664,832: 1,329,664. K and V: this rank's 2 x 256
+    # tokens x 4 KV heads x 16 x 4 B = 131,072 B each all-gathered per layer (4 x: 524,288),
+    # their gradients over all 512 positions, 262,144 B each, reduce-scattered (4 x: 1,048,576).
+    # In all 2,902,528 (2.18x FSDP2's alone: TL-COMM-002 before)
+    comm = next(f for f in rec["findings"] if f["rule"] == "TL-COMM-001")
+    assert comm["measured"] == comm["expected"] == 1_329_664 + 524_288 + 1_048_576
+    assert "FSDP2 + CP K/V (1.000x)" in comm["message"]
+    assert not _codes(rec) & {"TL-COMM-002", "TL-CMP-001"} and code == 0
