@@ -132,3 +132,45 @@ def test_context_parallel_k_v_collectives_are_in_the_closed_form(tmp_path):
     assert comm["measured"] == comm["expected"] == 1_329_664 + 524_288 + 1_048_576
     assert "FSDP2 + CP K/V (1.000x)" in comm["message"]
     assert not _codes(rec) & {"TL-COMM-002", "TL-CMP-001"} and code == 0
+
+
+HF_LLAMA_GQA = """
+    import torch, torchledger
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def audit_spec():
+        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                          attn_implementation="sdpa")
+        idx = torch.randint(0, 512, (2, 512))
+        return torchledger.AuditSpec(LlamaForCausalLM(cfg), {"input_ids": idx, "labels": idx})
+"""
+
+
+def _blocks_activation_bytes(rec):
+    return sum(r["activation_bytes"] for r in rec.modules
+               if r["name"] in ("blocks.0", "blocks.1", "model.layers.0", "model.layers.1"))
+
+
+@pytest.mark.parametrize("body, kv_heads", [(TINY_128.replace("(2, 128)", "(2, {T})"), 4),
+                                            (HF_LLAMA_GQA.replace("(2, 512)", "(2, {T})"), 2)],
+                         ids=["llama-tiny", "hf-llama-gqa"])
+def test_context_parallel_saves_no_mask(tmp_path, body, kv_heads):
+    if "transformers" in body:
+        pytest.importorskip("transformers")
+    from torchledger.audit import run_audit
+    full, part = tmp_path / "full.py", tmp_path / "part.py"
+    full.write_text(textwrap.dedent(body.replace("{T}", "512")))
+    part.write_text(textwrap.dedent(body.replace("{T}", "128")))
+    cp4 = run_audit(str(full), steps=1, mesh="cp=4").record
+    plain = run_audit(str(part), steps=1).record          # one rank's 128 positions, no cp
+    # a cp rank saves what a plain step at T/cp = 128 saves, except that SDPA keeps the
+    # all-gathered K and V (512 positions, not 128): per layer 2 x (2 x kv_heads x 384 x 16 x
+    # 4 B). No [128, 512] mask (an fp32 additive one: 262,144 B a layer), no K/V expanded to
+    # the 4 query heads (Hugging Face did that whenever a mask was passed)
+    gathered = 2 * 2 * (2 * kv_heads * 384 * 16 * 4)
+    assert _blocks_activation_bytes(cp4) == _blocks_activation_bytes(plain) + gathered
+    # the kernel's causal flag: 128 queries x 512 keys dense, half of them causal
+    attn = cp4.totals["attention_flops"]
+    assert attn["dense"] == 3 * 2 * (2 * 4 * 128 * 512) * 32 * 2            # fwd + bwd, 2 layers
+    assert attn["causal"] == attn["dense"] // 2
