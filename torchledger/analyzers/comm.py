@@ -226,9 +226,9 @@ def _act_bytes(record, layout):
 
 def cp_closed_form(record, layout):
     """(CommStep, explanation) of context parallelism's K/V all-gathers and their gradients'
-    reduce-scatters in the step (every attention layer, every micro-batch), or None without
-    ``cp`` or without the config's heads."""
-    cp, cfg = int(_dims(record).get("cp") or 1), record.meta.get("config") or {}
+    reduce-scatters in the step (every attention layer, every micro-batch), or None without the
+    standard plan's context parallelism (``totals.context_parallel``) or the config's heads."""
+    cp, cfg = int(record.totals.get("context_parallel") or 1), record.meta.get("config") or {}
     act = _act_bytes(record, layout)
     if cp <= 1 or act is None or not all(cfg.get(k) for k in ("n_heads", "d_model", "n_layers")):
         return None
@@ -254,7 +254,7 @@ def _cp_rows(tp_rows, record, layout) -> list:
     """Context parallelism's K/V collectives among the rows told apart as tensor parallelism's
     (dp > 1 beside tp): on a cp group, cp ranks tp apart (torchtitan's mesh order: cp just
     outside tp), so spanning (cp - 1) tp + 1 global ranks."""
-    cp, tp = int(_dims(record).get("cp") or 1), int(layout.get("tp") or 1)
+    cp, tp = int(record.totals.get("context_parallel") or 1), int(layout.get("tp") or 1)
     span = (cp - 1) * tp + 1
     return [c for c in tp_rows if c.get("group_size") == cp
             and (c.get("group_span") == span or (c.get("group_span") is None and cp != tp))]

@@ -113,9 +113,9 @@ def _tp(totals) -> int:
 
 
 def _cp(totals) -> int:
-    """The context-parallel degree of a ``--mesh`` audit (the sequence split over its ranks), 1
-    without."""
-    return max(int((totals.get("parallel_dims") or {}).get("cp") or 1), 1)
+    """The context-parallel degree of a ``--mesh`` audit whose inputs the standard plan cut to
+    T/cp (``totals.context_parallel``), 1 without."""
+    return max(int(totals.get("context_parallel") or 1), 1)
 
 
 def predictions(record) -> dict:

@@ -538,6 +538,8 @@ def _composed_record(traced, stage, m, dims):
     rec = copy.deepcopy(last)
     t = rec.totals
     t["parallel_dims"] = dims
+    if dims.get("cp", 1) > 1:            # every rank's inputs cut to T/cp (cp_inputs)
+        t["context_parallel"] = dims["cp"]
     for key in ADDITIVE:
         values = [r.totals.get(key) for r in traced.values()]
         if all(isinstance(x, int) and not isinstance(x, bool) for x in values):
