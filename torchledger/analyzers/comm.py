@@ -199,7 +199,7 @@ def ep_closed_form(record, layout):
     torchledger's MoE decoder: dispatch and combine, and their backwards), or None without
     ``ep`` or without the MoE config (``n_experts``, ``top_k``, ``capacity_factor``)."""
     ep, cfg = int(_dims(record).get("ep") or 1), record.meta.get("config") or {}
-    act = _act_bytes(record, layout)
+    act = _activations(record, layout)
     if ep <= 1 or act is None or not all(cfg.get(k) for k in ("n_experts", "top_k", "capacity_factor", "d_model",
                                                                "n_layers")):
         return None
@@ -215,8 +215,9 @@ def ep_closed_form(record, layout):
         f"and their backwards), {calls} x 4 = {4 * calls} calls")
 
 
-def _act_bytes(record, layout):
-    """(this rank's tokens per micro-batch, an activation's dtype name, its bytes), or None."""
+def _activations(record, layout):
+    """(this rank's tokens per micro-batch, micro-batches, an activation's dtype name, its bytes), or
+    None."""
     t = record.totals
     micro = int((t.get("pipeline") or {}).get("micro_batches") or 1)   # a composed stage: m calls
     dtype = layout.get("param_dtype") or record.meta.get("dtype") or ""
@@ -229,7 +230,7 @@ def cp_closed_form(record, layout):
     reduce-scatters in the step (every attention layer, every micro-batch), or None without the
     standard plan's context parallelism (``totals.context_parallel``) or the config's heads."""
     cp, cfg = int(record.totals.get("context_parallel") or 1), record.meta.get("config") or {}
-    act = _act_bytes(record, layout)
+    act = _activations(record, layout)
     if cp <= 1 or act is None or not all(cfg.get(k) for k in ("n_heads", "d_model", "n_layers")):
         return None
     tokens, micro, dtype, size = act
