@@ -26,7 +26,8 @@ def test_bubble_by_hand():
 def test_in_flight_by_hand():
     # 1F1B: the first stage holds p micro-batches (Korthikanti App. B), the last one
     assert [in_flight(4, 1, 8, r, "1f1b") for r in range(4)] == [4, 3, 2, 1]
-    assert in_flight(4, 1, 2, 0, "1f1b") == 2                   # never more than m
+    with pytest.raises(ValueError, match="Schedule1F1B refuses"):   # m < p: PyTorch refuses it
+        in_flight(4, 1, 2, 0, "1f1b")
     # interleaved: 2 (p - 1 - r) + (v - 1) p + 1 chunk-micro-batches: r0 2*3 + 4 + 1 = 11
     assert in_flight(4, 2, 8, 0, "interleaved") == 11
     assert in_flight(4, 2, 8, 3, "interleaved") == 5

@@ -416,6 +416,11 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
             if layout is not None:
                 r.meta["audit"]["mesh_dims"] = list(layout.names)
                 r.totals["parallel_dims"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
+                if spec.parallelize is None and layout.size("cp") > 1:  # inputs cut to T/cp (_cp_part)
+                    r.totals["context_parallel"] = layout.size("cp")
+                # the references read the mesh (context parallel: keys of the whole sequence)
+                from .analyzers.compare import record_predictions
+                r.predictions = record_predictions(r)
             # NB: set, not defaulted: a tracer that reads the process group finds the same
             # rank and size, but no mesh unless one is current
             r.totals.update(rank=0, world_size=n, mesh=list(shape))

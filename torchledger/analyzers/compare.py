@@ -112,6 +112,12 @@ def _tp(totals) -> int:
     return max(int(totals.get("tensor_parallel") or 1), 1)
 
 
+def _cp(totals) -> int:
+    """The context-parallel degree of a ``--mesh`` audit whose inputs the standard plan cut to
+    T/cp (``totals.context_parallel``), 1 without."""
+    return max(int(totals.get("context_parallel") or 1), 1)
+
+
 def predictions(record) -> dict:
     """Closed-form predictions for what ``record`` measured (keys absent when not computable)."""
     t = record.totals
@@ -157,8 +163,9 @@ def predictions(record) -> dict:
                                if shape.n_enc is not None else 12 * L * d * d + V * d)
         if D and T:
             # per token and layer: Q K^T 2*T*d_qk + x V 2*T*d_v forward, 3x for training;
-            # tensor parallelism splits the heads over its ranks (Megatron's plan)
-            attn = 6 * L * T * (shape.attn_width or 2 * d_attn) * D // _tp(t)
+            # tensor parallelism splits the heads over its ranks (Megatron's plan); under
+            # context parallelism a rank's T/cp queries (its D tokens) attend all T = cp x T/cp keys
+            attn = 6 * L * T * _cp(t) * (shape.attn_width or 2 * d_attn) * D // _tp(t)
             base = _base_value(out, _base(t, out))
             out["flops_6nd_attention"] = base + attn
             out["flops_6nd_attention_causal"] = base + attn // 2
@@ -269,6 +276,10 @@ def comparisons(record, p=None) -> list:
             if _tp(t) > 1:
                 text += (f"; tensor parallel {_tp(t)}: N is this rank's part of the split weights, "
                          f"the attention term its {_tp(t)}th of the heads")
+            if _cp(t) > 1:
+                T = _seq_len(record)
+                text += (f"; context parallel {_cp(t)}: this rank's {T:,} queries a sequence attend all "
+                         f"T = {_cp(t)} x {T:,} = {_cp(t) * T:,} keys (K and V all-gathered)")
         if base != "6nd" and lengths is None:
             text += f"; the weights' term is {_BASES[base].split(' vs ')[1]} = {_base_value(p, base):,}, not 6ND"
         elif base == "grads":

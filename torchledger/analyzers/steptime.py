@@ -112,10 +112,10 @@ def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled:
     the seconds that is launch floor above the kernels' own time.
 
     ``cp``: the context-parallel degree of the step. A rank's T/cp queries over the
-    all-gathered T keys (``sq x cp == sk``) ran under the causal mask shifted to its offset
-    (the standard plan's attention; a masked kernel computes every pair); on the GPU
-    PyTorch's ``context_parallel`` and Transformer Engine run it as a load-balanced causal
-    ring, each rank half the pairs: priced causal."""
+    all-gathered T keys (``sq x cp == sk``) ran under the kernel's causal flag (the standard
+    plan's attention; records made before it used a shifted mask, a masked kernel computing
+    every pair); on the GPU PyTorch's ``context_parallel`` and Transformer Engine run it as a
+    load-balanced causal ring, each rank half the pairs: priced causal."""
     kind = row.get("kind")
     count = int(row.get("count") or 0)
     if count <= 0:
@@ -485,7 +485,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     if cp > 1:
         assumptions.append(f"context parallel {cp}: each rank's T/{cp} queries over the all-gathered keys as a "
                            f"load-balanced causal ring (half the pairs, as PyTorch's context_parallel and "
-                           f"Transformer Engine run it), not the shifted mask the traced step used")
+                           f"Transformer Engine run it)")
     out = {
         "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
         "tokens_per_s_per_gpu": tok_rate, "mfu": mfu, "hfu": hfu,

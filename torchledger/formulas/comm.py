@@ -42,15 +42,26 @@ row-parallel one, mirrored in backward; Megatron re-gathers the block input in b
 the weight gradient, PyTorch keeps the gathered input saved instead (no backward re-gather;
 its activation memory is larger: ``activations.pytorch_sp_layer_bytes``).
 
-Known limitations: pipeline parallel, context parallel and expert parallel traffic is not
-modelled here.
+Expert parallelism, per MoE layer (:func:`ep_comm_per_layer`, torchledger's MoE with a fixed
+capacity C = ceil(capacity_factor x N x k / E) of a rank's N tokens): the dispatch buffer of
+E x C x d elements goes to the experts' ranks by one all-to-all and comes back by another
+(combine), and their backwards are two more of the same size: 4 x E x C x d x bytes sent.
+
+Context parallelism, per attention layer (:func:`cp_comm_per_layer`, the standard plan's
+all-gather form: a rank holds T/cp of the sequence): K and V all-gathered in forward, each rank
+sending its own part (its tokens x the K/V width), and their gradients reduce-scattered in
+backward, each rank sending the whole sequence's (cp times that).
+
+Known limitations: pipeline parallel traffic is not modelled here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["STRATEGIES", "bus_factor", "CommStep", "comm_per_step", "fsdp_padded_bytes",
-           "fsdp_comm_per_step", "tp_comm_per_layer"]
+           "fsdp_comm_per_step", "tp_comm_per_layer", "ep_comm_per_layer", "cp_comm_per_layer",
+           "combine_steps"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -209,3 +220,47 @@ def tp_comm_per_layer(tokens: int, hidden: int, *, tp: int, dtype_bytes: int = 2
         ops += [_op("all_gather", "backward", x // t, x, t)] * row_outputs
         ops += [_op("reduce_scatter", "backward", x, x, t)] * column_inputs
     return _step("tp+sp" if sequence_parallel else "tp", t, ops)
+
+
+def ep_comm_per_layer(tokens: int, hidden: int, *, n_experts: int, top_k: int, capacity_factor: float,
+                      ep: int, dtype_bytes: int = 2) -> CommStep:
+    """Expert parallelism's all-to-alls of one MoE layer on one rank (module docstring):
+    dispatch and combine in forward, their transposes in backward, each sending the whole
+    E x C x d buffer (the chunk a rank keeps included, as ``all_to_all_single`` takes it).
+
+    >>> ep_comm_per_layer(64, 64, n_experts=4, top_k=2, capacity_factor=1.0, ep=4, dtype_bytes=4).sent
+    {'forward': 65536, 'backward': 65536, 'optimizer': 0, 'total': 131072}
+    """
+    n = int(ep)
+    if n < 1 or n_experts < 1 or not 1 <= top_k <= n_experts:
+        raise ValueError(f"need ep >= 1 and 1 <= top_k <= n_experts, got {ep!r}, {top_k!r}, {n_experts!r}")
+    capacity = math.ceil(capacity_factor * int(tokens) * top_k / n_experts)
+    x = int(n_experts) * capacity * int(hidden) * int(dtype_bytes)
+    ops = [_op("all_to_all", phase, x, x, n) for phase in ("forward", "forward", "backward", "backward")]
+    return _step("ep", n, ops)
+
+
+def cp_comm_per_layer(tokens: int, kv_width: int, *, cp: int, dtype_bytes: int = 2) -> CommStep:
+    """Context parallelism's collectives of one attention layer on one rank (module docstring):
+    ``tokens`` this rank's (b x T/cp), ``kv_width`` the K (= V) width on it (KV heads x head dim,
+    a tp-th under tensor parallelism).
+
+    >>> cp_comm_per_layer(16, 64, cp=4, dtype_bytes=4).sent      # K, V 16 x 64 x 4 = 4,096 each
+    {'forward': 8192, 'backward': 32768, 'optimizer': 0, 'total': 40960}
+    """
+    n = int(cp)
+    if n < 1:
+        raise ValueError(f"cp must be >= 1, got {cp!r}")
+    x = int(tokens) * int(kv_width) * int(dtype_bytes)
+    ops = [_op("all_gather", "forward", x, x * n, n)] * 2 + [_op("reduce_scatter", "backward", x * n, x * n, n)] * 2
+    return _step("cp", n, ops)
+
+
+def combine_steps(strategy: str, gpus: int, steps) -> CommStep:
+    """One CommStep of several (each parameter group's FSDP2 collectives, each layer's):
+    their collectives together.
+
+    >>> combine_steps("fsdp+ep", 4, [fsdp_comm_per_step(800, 800, shard_group=4)] * 2).total
+    2400
+    """
+    return _step(strategy, int(gpus), [op for step in steps for op in step.ops])

@@ -60,7 +60,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     """Trace each distinct pipeline rank and compose the schedule; an ``AuditRun`` whose
     record is the bounding rank's."""
     from ..audit import AuditRun, load_entry
-    from ..formulas.pipeline import bubble_fraction, chunk_sizes, rank_chunks
+    from ..formulas.pipeline import bubble_fraction, chunk_sizes, rank_chunks, schedule_problem
     n, shape = world
     p, v = layout.size("pp"), layout.virtual_stages
     t0 = time.perf_counter()
@@ -73,6 +73,9 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
                      f"use fewer stages or virtual stages") from None
     m = _micro_batches(layout, batch, p)
     schedule = layout.schedule_name
+    problem = schedule_problem(p, v, m, schedule)
+    if problem:
+        raise _error(f"--mesh {layout.text()} --schedule {schedule} at {m} micro-batches: {problem}")
     last = p * v - 1
     groups = {}
     for r in range(p):
@@ -100,7 +103,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     # every distinct stage composed: the step time is priced on each (the slowest sets it)
     composed = {}
     for r, (traced_r, stage_r, _, _) in records.items():
-        composed[r] = _composed_record(traced_r, stage_r, m)
+        composed[r] = _composed_record(traced_r, stage_r, m, dict(layout.dims))
         composed[r].totals.update(pipeline=pipeline, parallel_dims=dict(layout.dims))
     rec = composed[bound["rank"]]
     traced, stage, notes, meta = records[bound["rank"]]
@@ -280,8 +283,10 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             traced[kind].totals.update(rank=int(mesh.get_rank()), world_size=int(mesh.size()),
                                        mesh=list(mesh.shape))
     block_names = [f"{dec.prefix}.{i}" for i in sorted(keep)]
+    # the rank's own sequence length (a cp-th of the spec's under context parallelism), as
+    # an audit without pp records it
     meta = {"rank": r, "chunks": chunks, "blocks": len(keep), "block_names": block_names,
-            "seq_len": seq.seq_len, "activation_dtype": _dtype_name(runner.act_dtype),
+            "seq_len": tokens.seq_len, "activation_dtype": _dtype_name(runner.act_dtype),
             "sent_dtypes": sorted(_dtype_name(d) for d in runner.sent_dtypes)}
     return traced, notes, meta
 
@@ -564,12 +569,16 @@ ADDITIVE = ("flops", "flops_causal", "attention_flops", "hardware_flops", "eleme
             "param_matmul_flops_grad", "tokens", "view_ops", "comm_bytes")
 
 
-def _composed_record(traced, stage, m):
-    """The bounding rank's record: its last micro-step's, with the step's totals."""
+def _composed_record(traced, stage, m, dims):
+    """The bounding rank's record: its last micro-step's, with the step's totals; ``dims`` the
+    layout's ({"pp": 9, "cp": 2, ...}), which its references read."""
     w = _weights(m)
     last = traced.get("last") or traced["only"]
     rec = copy.deepcopy(last)
     t = rec.totals
+    t["parallel_dims"] = dims
+    if dims.get("cp", 1) > 1:            # every rank's inputs cut to T/cp (cp_inputs)
+        t["context_parallel"] = dims["cp"]
     for key in ADDITIVE:
         values = [r.totals.get(key) for r in traced.values()]
         if all(isinstance(x, int) and not isinstance(x, bool) for x in values):

@@ -198,20 +198,20 @@ def _is_placeholder(module) -> bool:
 # -- context parallelism -----------------------------------------------------------------------
 def _cp_attention(cp_mesh):
     """SDPA for a rank that holds T/cp of the sequence: K and V all-gathered over the cp group
-    (an autograd all-gather: backward reduce-scatters their gradients); the causal mask is
-    shifted by the rank's offset."""
-    import torch
+    (an autograd all-gather: backward reduce-scatters their gradients), the rank's T/cp queries
+    against all T keys under the kernel's causal flag, with no mask: a [T/cp, T] one would be
+    saved by SDPA in every layer (T^2/cp elements), and PyTorch's context_parallel and ring
+    attention build none (the causal structure is the kernel's). The flag on T/cp x T counts
+    half the pairs: a rank's work under PyTorch's load-balanced sharding (rank r holds chunks r
+    and 2 cp - 1 - r of 2 cp, so every rank meets half of its T/cp x T pairs). Fake tensors hold
+    no values: the flag's top-left alignment, not the rank's offset, changes no figure."""
     import torch.nn.functional as F
     from torch.distributed._functional_collectives import all_gather_single_autograd
-    rank = cp_mesh.get_local_rank()
 
     def sdpa(q, k, v, attn_mask=None, is_causal=False, **kw):
         k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp_mesh)
         v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp_mesh)
-        if is_causal:
-            tq, tk = q.shape[2], k.shape[2]
-            attn_mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=rank * tq)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
     return sdpa
 
 
@@ -222,8 +222,9 @@ HF_CP_ATTENTION = "torchledger_cp"
 def _hf_cp_attention(model, layers, cp_mesh) -> None:
     """Context parallelism for a Hugging Face decoder: an attention function (registered once in
     transformers' AttentionInterface, with the sdpa mask) that all-gathers K and V over the
-    layer's cp group and calls transformers' own sdpa attention under the shifted causal mask;
-    the model's config selects it."""
+    layer's cp group and runs SDPA as :func:`_cp_attention` does (the kernel's causal flag, no
+    mask, K/V at their KV heads with ``enable_gqa``; transformers' own sdpa attention would cut
+    the keys to the queries' length under the flag); the model's config selects it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -232,15 +233,10 @@ def _hf_cp_attention(model, layers, cp_mesh) -> None:
         mesh = getattr(module, "_torchledger_cp", None)
         if mesh is None:                      # a layer the plan did not touch
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        import torch
-        from torch.distributed._functional_collectives import all_gather_single_autograd
-        key = all_gather_single_autograd(key.contiguous(), gather_dim=2, group=mesh)
-        value = all_gather_single_autograd(value.contiguous(), gather_dim=2, group=mesh)
-        tq, tk = query.shape[2], key.shape[2]
-        mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(
-            diagonal=mesh.get_local_rank() * tq)
-        kwargs.pop("is_causal", None)
-        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
+        gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
+        out = _cp_attention(mesh)(query, key, value, is_causal=True, dropout_p=kwargs.get("dropout", 0.0),
+                                  scale=kwargs.get("scaling"), **gqa)
+        return out.transpose(1, 2).contiguous(), None
 
     if HF_CP_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(HF_CP_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
