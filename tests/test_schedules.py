@@ -91,7 +91,7 @@ def _bubble(order, n_stages, v, m):
     stage's backward, or the forward for the last stage; its own I for W)."""
     where = {a: (r, k) for r, acts in order.items() for k, a in enumerate(acts)}
     dur = {"F": 1, "B": 2, "I": 1, "W": 1}
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 20_000))
+    limit = sys.getrecursionlimit()
 
     @functools.lru_cache(maxsize=None)
     def end(r, k):
@@ -106,7 +106,13 @@ def _bubble(order, n_stages, v, m):
             waits.append(end(*where[(s, "I", i)]))
         return max(waits) + dur[kind]
 
-    total = max(end(r, len(acts) - 1) for r, acts in order.items())
+    # the recursion is as deep as the longest chain of actions; the limit is put back after
+    # (a raised limit left behind changes what later tests in this process see)
+    sys.setrecursionlimit(max(limit, 20_000))
+    try:
+        total = max(end(r, len(acts) - 1) for r, acts in order.items())
+    finally:
+        sys.setrecursionlimit(limit)
     return (total - 3 * v * m) / (3 * v * m)
 
 
