@@ -42,6 +42,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .hf_moe import expert_width, is_sparse_block, n_experts, shard_experts, use_balanced_experts
+
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings"]
 
 #: What the record cannot see under a plan option (``record.warnings``).
@@ -83,6 +85,9 @@ class Decoder:
     d_ff: int
     sequence_parallel: bool
     """TP shards the sequence between blocks too (torchtitan's SP)."""
+    experts: int = 0
+    """E of its mixture-of-experts layers (a Hugging Face sparse block); 0: none."""
+    top_k: int = 0
 
     def module(self, model, fqn: str):
         return model.get_submodule(fqn) if fqn else model
@@ -111,16 +116,20 @@ def find_decoder(model) -> Optional[Decoder]:
         return None
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return None
-    if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+    dense = all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+    if not (dense or is_sparse_block(mlp)):
         return None
     if not (hasattr(inner, "embed_tokens") and hasattr(inner, "norm")):
         return None
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None) or attn.q_proj.out_features // attn.head_dim
     kv = getattr(cfg, "num_key_value_heads", None) or heads
+    sparse = [b.mlp for b in layers if is_sparse_block(getattr(b, "mlp", None))]
     return Decoder("hf", layers, "model.layers", "self_attn", "mlp",
                    ("input_layernorm", "post_attention_layernorm"), True, "model.embed_tokens",
-                   "model.norm", "lm_head", heads, kv, mlp.gate_proj.out_features, sequence_parallel=False)
+                   "model.norm", "lm_head", heads, kv,
+                   mlp.gate_proj.out_features if dense else expert_width(mlp), sequence_parallel=False,
+                   experts=n_experts(sparse[0]) if sparse else 0, top_k=sparse[0].gate.top_k if sparse else 0)
 
 
 def _block_fqns(dec: Decoder, keep=None):
@@ -265,21 +274,70 @@ def cp_inputs(inputs, cp: int, rank: int, seq_len: int):
 
 
 # -- expert parallelism ------------------------------------------------------------------------
+def _sparse_blocks(dec, blocks) -> list:
+    """(fqn, sparse block) of the Hugging Face mixture-of-experts layers among ``blocks``."""
+    if dec is None or dec.family != "hf":
+        return []
+    return [(f"{fqn}.{dec.mlp}", getattr(b, dec.mlp)) for fqn, b in blocks
+            if is_sparse_block(getattr(b, dec.mlp, None))]
+
+
+def _check_moe(dec, layout) -> None:
+    """What the plan cannot do with a mixture-of-experts decoder: one line."""
+    if dec is None or not dec.experts:
+        return
+    if layout.size("tp") > 1:
+        raise PlanError(f"--mesh {layout.text()}: tp on mixture-of-experts layers is not simulated yet "
+                        f"(the experts would need their own tp plan); use ep and dp for the experts")
+    ep = layout.size("ep")
+    if ep > 1 and dec.experts % ep:
+        raise PlanError(f"--mesh {layout.text()}: the model's {dec.experts} experts do not divide by "
+                        f"ep={ep}; choose an ep that divides {dec.experts}")
+
+
+def _use_balanced(model, dec, blocks, notes) -> None:
+    sparse = _sparse_blocks(dec, blocks)
+    if not sparse:
+        return
+    use_balanced_experts(model, sparse)
+    notes.append(f"experts: {len(sparse)} mixture-of-experts layers computed by the plan's forward (one "
+                 f"batched matmul per projection over the {dec.experts} experts) under balanced routing, "
+                 f"assumed: fake tensors cannot know the router's choices, so each expert takes "
+                 f"ceil(tokens x {dec.top_k} / {dec.experts}) rows")
+
+
 def _apply_ep(dec, blocks, mesh, layout, notes) -> None:
     """Each ep rank keeps E / ep of every MoE layer's experts; tokens reach them by all-to-all."""
     ep = layout.size("ep")
+    sparse = _sparse_blocks(dec, blocks)
     moes = [getattr(b, dec.mlp) for _, b in blocks] if dec is not None else []
     moes = [m for m in moes if hasattr(m, "experts") and hasattr(m, "n_experts")]
-    if not moes:
+    if not moes and not sparse:
         raise PlanError(f"--mesh {layout.text()}: ep={ep} shards experts, and the model has no "
-                        f"mixture-of-experts layers (torchledger.models.moe.MoEConfig); drop ep")
+                        f"mixture-of-experts layers (torchledger.models.moe.MoEConfig, or a Hugging Face "
+                        f"sparse MoE block); drop ep")
     for name in ("tp", "cp"):
         if layout.size(name) > 1:
             raise PlanError(f"--mesh {layout.text()}: ep with {name} is not simulated yet (the experts "
                             f"would need their own {name} plan); drop one of them")
-    import torch
     ep_mesh = mesh["ep"]
-    r = ep_mesh.get_local_rank()
+    if sparse:
+        for _, mlp in sparse:
+            local = shard_experts(mlp, ep_mesh)
+            mlp.ep_mesh = ep_mesh
+        notes.append(f"ep={ep}: each rank holds {local} of {dec.experts} experts per MoE layer; tokens "
+                     f"dispatched and combined by all-to-all over the ep group (balanced: each rank "
+                     f"receives tokens x {dec.top_k} / {ep} rows)")
+        return
+    _shard_moe(moes, ep_mesh, layout)
+    notes.append(f"ep={ep}: each rank holds {moes[0].n_experts // ep} of {moes[0].n_experts} experts per "
+                 f"MoE layer; tokens dispatched and combined by all-to-all")
+
+
+def _shard_moe(moes, ep_mesh, layout) -> None:
+    """torchledger's MoE layers (:mod:`torchledger.models.moe`): this rank's E / ep experts."""
+    import torch
+    ep, r = ep_mesh.size(), ep_mesh.get_local_rank()
     for moe in moes:
         if moe.n_experts % ep:
             raise PlanError(f"--mesh {layout.text()}: the model's {moe.n_experts} experts do not divide by "
@@ -289,8 +347,6 @@ def _apply_ep(dec, blocks, mesh, layout, notes) -> None:
             w = getattr(moe.experts, name)
             setattr(moe.experts, name, torch.nn.Parameter(w.detach()[r * local:(r + 1) * local].clone()))
         moe.ep_mesh = ep_mesh
-    notes.append(f"ep={ep}: each rank holds {moes[0].n_experts // ep} of {moes[0].n_experts} experts per "
-                 f"MoE layer; tokens dispatched and combined by all-to-all")
 
 
 # -- checkpointing -----------------------------------------------------------------------------
@@ -443,10 +499,11 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         if needs or layout.checkpointing != "none":
             what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
             raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
-                            f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2), not "
+                            f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2 and their MoE: Mixtral, Qwen2/3-MoE), not "
                             f"{type(model).__name__}; add AuditSpec(parallelize=fn), fn(model, mesh) applying "
                             f"your own plan and returning the model")
     else:
+        _check_moe(dec, layout)
         _check_divides(layout, dec, seq_len)
     mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
     if layout.precision == "bf16":
@@ -464,6 +521,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                 getattr(block, dec.attn).sdpa = sdpa
         notes.append(f"cp={cp}: each rank holds T/{cp} of the sequence; attention all-gathers K and V "
                      f"over the cp group (reduce-scatters their gradients in backward)")
+    _use_balanced(model, dec, chosen, notes)
     if layout.size("ep") > 1:
         _apply_ep(dec, chosen, mesh, layout, notes)
     if dec is not None:
