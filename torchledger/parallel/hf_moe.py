@@ -94,9 +94,10 @@ def balanced_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     order = top_k_index.reshape(-1).argsort()
     token = order // k
     x = hidden_states[token]
-    if E * C > rows:
+    if E * C > rows:                                  # padded to E x C rows
         x = F.pad(x, (0, 0, 0, E * C - rows))
-    y = _dispatched(self, x.view(E, C, d)).reshape(E * C, d)[:rows]
+    y = _dispatched(self, x.view(E, C, d)).reshape(E * C, d)
+    y = y if E * C == rows else y[:rows]
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
     return hidden_states.new_zeros(N, d, dtype=y.dtype).index_add(0, token, y).to(hidden_states.dtype)
 

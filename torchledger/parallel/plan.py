@@ -479,7 +479,10 @@ def _dp_mesh(mesh, layout):
             warnings.simplefilter("ignore", UserWarning)
             return mesh["dp_replicate", shard_name], "hsdp"
     if shard_name:
-        return mesh[shard_name], "fsdp"
+        import warnings
+        with warnings.catch_warnings():     # the same: a flattened dim (dp x ep, dp x cp) sliced once
+            warnings.simplefilter("ignore", UserWarning)
+            return mesh[shard_name], "fsdp"
     if rep:
         return mesh["dp_replicate"], "ddp"
     return None, None

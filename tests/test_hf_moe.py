@@ -1,0 +1,178 @@
+"""Hugging Face mixture-of-experts decoders (transformers 5.x Qwen3-MoE, Mixtral) under the
+standard plan with expert parallelism (issue 29, item 7), checked by hand on small configs at
+``--mesh ep=2`` and ``ep=2,dp=2``, and the published Qwen3-30B-A3B run's command."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import click
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+transformers = pytest.importorskip("transformers")
+if not dist.is_available():
+    pytest.skip("torch built without torch.distributed", allow_module_level=True)
+if not hasattr(transformers, "Qwen3MoeConfig"):
+    pytest.skip("transformers without Qwen3-MoE", allow_module_level=True)
+
+from click.testing import CliRunner  # noqa: E402
+
+from torchledger.audit import run_audit  # noqa: E402
+from torchledger.cli import cli  # noqa: E402
+from test_audit_cli import one_line_error  # noqa: E402
+
+SPEC = """
+    import torch, torchledger, transformers
+
+    def audit_spec():
+        cfg = transformers.{config}
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        ids = torch.randint(0, cfg.vocab_size, ({batch}, {seq}))
+        return torchledger.AuditSpec(model, {{"input_ids": ids, "labels": ids}}, tokens={batch} * {seq},
+                                     seq_len={seq})
+"""
+
+# Qwen3-MoE small: V 512, d 64, L 2, h 4, kv 2, d_h 16, E 8 experts of width f 32, top-2; batch 2 x 32
+# = N 64 tokens. Per layer: q, o 2 x 4,096 + k, v 2 x 2,048 = 12,288; q_norm, k_norm 2 x 16; two
+# norms 128; router 8 x 64 = 512: dense 12,960. Experts 8 x 3 x 64 x 32 = 49,152 (gate_up (8, 64, 64),
+# down (8, 64, 32)). Embedding, head 2 x 32,768, final norm 64.
+QWEN3 = ("Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, "
+         "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, "
+         "num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], "
+         "max_position_embeddings=128, tie_word_embeddings=False)")
+QWEN3_DENSE = 2 * 12_960 + 2 * 32_768 + 64          # 91,520
+QWEN3_EXPERTS = 2 * 49_152                         # 98,304
+# Mixtral small: V 512, d 64, L 2, h 4, kv 2 (d_h 16), E 4 experts of width 32, top-2. Per layer:
+# attention 12,288, router 4 x 64 = 256, norms 128: dense 12,672; experts 4 x 3 x 64 x 32 = 24,576.
+MIXTRAL = ("MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, "
+           "num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, "
+           "max_position_embeddings=128, tie_word_embeddings=False)")
+MIXTRAL_DENSE = 2 * 12_672 + 2 * 32_768 + 64       # 90,944
+MIXTRAL_EXPERTS = 2 * 24_576                       # 49,152
+
+# Matmul FLOPs of one step, N = 64 tokens, forward per layer: attention projections 2 x 64 x 12,288
+# = 1,572,864; scores and values 2 x (2 x B 2 x h 4 x T 32 x T 32 x d_h 16) = 524,288; router
+# 2 x 64 x E d; experts 2 x rows (N x k = 128) x d 64 x f 32 x 3 (gate, up, down) = 1,572,864.
+# Head 2 x 64 x 64 x 512 = 4,194,304. Backward twice the forward.
+EXPERT_FLOPS = 2 * 128 * 64 * 32 * 3
+
+
+def _forward_flops(router_params):
+    return 2 * (1_572_864 + 524_288 + 2 * 64 * router_params + EXPERT_FLOPS) + 4_194_304
+
+
+QWEN3_FLOPS = 3 * _forward_flops(512)             # 3 x 11,665,408 = 34,996,224
+MIXTRAL_FLOPS = 3 * _forward_flops(256)           # 3 x 11,599,872 = 34,799,616
+# All-to-all: every rank sends its N x k = 128 routed rows of d = 64 (balanced routing), 4 B each
+# in fp32 = 32,768 B; per MoE layer dispatch and combine in forward, their transposes in backward.
+A2A_BYTES = 64 * 2 * 64 * 4
+
+
+def _spec(tmp_path_factory, name, config, batch=2, seq=32):
+    p = tmp_path_factory.mktemp("hf_moe") / f"{name}.py"
+    p.write_text(textwrap.dedent(SPEC.format(config=config, batch=batch, seq=seq)))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return _spec(tmp_path_factory, "qwen3moe", QWEN3)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return _spec(tmp_path_factory, "mixtral", MIXTRAL)
+
+
+def audit(path, mesh, **plan):
+    run = run_audit(path, steps=1, mesh=mesh, plan=plan)
+    assert not dist.is_initialized()
+    return run.record
+
+
+def _all_to_all(rec):
+    return [c for c in rec.collectives if c["op"] == "all_to_all"]
+
+
+@pytest.mark.parametrize("model, dense, experts, flops", [
+    ("qwen3", QWEN3_DENSE, QWEN3_EXPERTS, QWEN3_FLOPS),
+    ("mixtral", MIXTRAL_DENSE, MIXTRAL_EXPERTS, MIXTRAL_FLOPS)])
+def test_expert_parallel_by_hand(request, model, dense, experts, flops):
+    rec = audit(request.getfixturevalue(model), "ep=2")
+    # each rank holds E/2 experts of every layer, whole; the dense weights FSDP-sharded over ep=2
+    assert rec.totals["params"] == dense + experts // 2
+    assert rec.totals["param_bytes"] == (dense // 2 + experts // 2) * 4
+    a2a = _all_to_all(rec)
+    assert sum(c["count"] for c in a2a) == 2 * 4                # 2 layers x (2 forward + 2 backward)
+    assert {c["bytes"] // c["count"] for c in a2a} == {A2A_BYTES}
+    assert {c["group_size"] for c in a2a} == {2}
+    assert rec.totals["flops"]["total"] == flops                # balanced: the unsharded step's work
+    notes = rec.meta["audit"]["plan"]
+    assert any("balanced routing" in n for n in notes)
+    assert any(n.startswith("ep=2: each rank holds") for n in notes)
+
+
+@pytest.mark.parametrize("model, dense, experts", [
+    ("qwen3", QWEN3_DENSE, QWEN3_EXPERTS), ("mixtral", MIXTRAL_DENSE, MIXTRAL_EXPERTS)])
+def test_expert_parallel_with_fsdp(request, model, dense, experts):
+    rec = audit(request.getfixturevalue(model), "ep=2,dp=2", precision="bf16-mixed")
+    # E/2 experts per rank sharded over dp=2 (E/4 of them in bytes); dense over dp x ep = 4
+    assert rec.totals["param_bytes"] == (dense // 4 + experts // 4) * 4
+    a2a = _all_to_all(rec)
+    assert {c["bytes"] // c["count"] for c in a2a} == {A2A_BYTES // 2}    # bf16 rows
+    assert {c["group_size"] for c in a2a} == {2}
+    reduced = [c for c in rec.collectives if c["op"] == "reduce_scatter"
+               and (c["module"] or "").endswith("mlp.experts")]
+    assert reduced and {c["group_size"] for c in reduced} == {2}          # expert grads over dp
+
+
+def test_full_checkpointing_dispatches_again_in_recompute(qwen3):
+    rec = audit(qwen3, "ep=2", checkpointing="full", precision="bf16-mixed")
+    # the recomputed forward dispatches and combines again: 6 per layer, bf16 rows (16,384 B)
+    a2a = _all_to_all(rec)
+    assert sum(c["count"] for c in a2a) == 2 * 6
+    assert {c["bytes"] // c["count"] for c in a2a} == {A2A_BYTES // 2}
+
+
+def test_tp_on_moe_layers_is_one_line(qwen3):
+    one_line_error(CliRunner().invoke(cli, ["audit", qwen3, "--mesh", "tp=2", "--steps", "1"]),
+                   "tp=2", "mixture-of-experts")
+
+
+def test_experts_that_do_not_divide_by_ep_is_one_line(mixtral):
+    one_line_error(CliRunner().invoke(cli, ["audit", mixtral, "--mesh", "ep=8", "--steps", "1"]),
+                   "4 experts", "ep=8")
+
+
+# The published run (../shared/calibration-runs.json, am-qwen3-30b-a3b-bf16-h100-8): Qwen3-30B-A3B,
+# 8 H100s, ep=8, 16 micro-batches of 4 x 4,096, full checkpointing, bf16-mixed.
+QWEN3_30B = ("Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, "
+             "moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, "
+             "head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, "
+             "mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, "
+             "tie_word_embeddings=False)")
+
+
+@pytest.mark.slow
+def test_published_qwen3_30b_a3b_command(tmp_path_factory, tmp_path):
+    path = _spec(tmp_path_factory, "qwen3_30b", QWEN3_30B, batch=4, seq=4096)
+    out = tmp_path / "out.json"
+    args = ["audit", path, "--steps", "1", "--gpu", "h100", "--world-size", "8", "--mesh", "ep=8",
+            "--micro-batches", "16", "--checkpointing", "full", "--precision", "bf16-mixed",
+            "--format", "json", "--fail-on", "never", "--output", str(out)]
+    if any(p.name == "kernels" for p in cli.get_command(click.Context(cli), "audit").params):
+        args[-6:-6] = ["--kernels", "te"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code in (0, 1), result.output
+    rec = json.loads(out.read_text())
+    assert rec["predictions"]["step_time"]["seconds"] > 0
+    # per layer: q, o 2 x 2,048 x 4,096, k, v 2 x 2,048 x 512 = 18,874,368; q/k norms 256; norms
+    # 4,096; router 128 x 2,048 = 262,144: 19,140,864 x 48; embedding, head 2 x 151,936 x 2,048; norm
+    # 2,048: 1,541,093,376 dense; experts per rank 48 layers x 16 of 128 x 3 x 2,048 x 768
+    assert rec["totals"]["params"] == 1_541_093_376 + 3_623_878_656
+    a2a = [c for c in rec["collectives"] if c["op"] == "all_to_all"]
+    # 16,384 tokens x 8 x 2,048 x 2 B = 536,870,912 B each; 6 per layer (full checkpointing)
+    assert {c["bytes"] // c["count"] for c in a2a} == {536_870_912}
+    assert sum(c["count"] for c in a2a) == 48 * 6
