@@ -52,6 +52,16 @@ MIXTRAL = ("MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, 
 MIXTRAL_DENSE = 2 * 12_672 + 2 * 32_768 + 64       # 90,944
 MIXTRAL_EXPERTS = 2 * 24_576                       # 49,152
 
+# Qwen2-MoE small, its first layer dense (mlp_only_layers=[0]): attention 12,288 + q/k/v biases 128,
+# norms 128 per layer; layer 0's MLP 3 x 64 x 128 = 24,576; layer 1: router 512, a shared expert of
+# width 48 (3 x 64 x 48 = 9,216) and its gate 64, 8 routed experts of width 32 (49,152).
+QWEN2 = ("Qwen2MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, "
+         "shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, "
+         "num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], "
+         "max_position_embeddings=128, tie_word_embeddings=False)")
+QWEN2_DENSE = 2 * (12_416 + 128) + 24_576 + 512 + 9_216 + 64 + 2 * 32_768 + 64     # 125,056
+QWEN2_EXPERTS = 49_152
+
 # Matmul FLOPs of one step, N = 64 tokens, forward per layer: attention projections 2 x 64 x 12,288
 # = 1,572,864; scores and values 2 x (2 x B 2 x h 4 x T 32 x T 32 x d_h 16) = 524,288; router
 # 2 x 64 x E d; experts 2 x rows (N x k = 128) x d 64 x f 32 x 3 (gate, up, down) = 1,572,864.
@@ -126,6 +136,39 @@ def test_expert_parallel_with_fsdp(request, model, dense, experts):
     reduced = [c for c in rec.collectives if c["op"] == "reduce_scatter"
                and (c["module"] or "").endswith("mlp.experts")]
     assert reduced and {c["group_size"] for c in reduced} == {2}          # expert grads over dp
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return _spec(tmp_path_factory, "qwen2moe", QWEN2)
+
+
+def test_qwen2_moe_shared_expert_and_dense_layer(qwen2):
+    rec = audit(qwen2, "ep=2")
+    assert rec.totals["params"] == QWEN2_DENSE + QWEN2_EXPERTS // 2           # 149,632
+    # the shared expert's gate (1, 64) does not split over 2 ranks: FSDP2 pads its dim 0 and
+    # rank 0 keeps all 64 (32 more than half): 128 B
+    assert rec.totals["param_bytes"] == (QWEN2_DENSE // 2 + QWEN2_EXPERTS // 2) * 4 + 128
+    a2a = _all_to_all(rec)
+    assert sum(c["count"] for c in a2a) == 4                    # one MoE layer
+    assert {c["bytes"] // c["count"] for c in a2a} == {A2A_BYTES}
+
+
+@pytest.mark.slow
+def test_pipeline_with_expert_parallel(qwen2):
+    # the last stage holds layer 1 (the MoE layer): 22,336 dense + head 32,768 + norm 64, and
+    # 4 of its 8 experts (24,576); stage 0 holds the dense layer 0 (ep: only data parallel)
+    rec = audit(qwen2, "pp=2,ep=2")
+    assert rec.totals["params"] == 12_416 + 128 + 512 + 9_216 + 64 + 32_768 + 64 + QWEN2_EXPERTS // 2
+    assert {c["bytes"] // c["count"] for c in _all_to_all(rec)} == {A2A_BYTES}
+
+
+def test_fp32_on_fake_tensors_under_the_plan(qwen3):
+    """transformers' grouped_mm takes only bf16 on fake tensors: the plan's expert forward runs
+    fp32 (--precision fp32 alone applies the standard plan), at the grouped GEMM's FLOPs."""
+    rec = audit(qwen3, None, precision="fp32")
+    assert rec.totals["flops"]["total"] == QWEN3_FLOPS
+    assert rec.meta["audit"]["plan"][0].startswith("experts: 2 mixture-of-experts layers")
 
 
 def test_full_checkpointing_dispatches_again_in_recompute(qwen3):

@@ -306,12 +306,22 @@ def _use_balanced(model, dec, blocks, notes) -> None:
                  f"ceil(tokens x {dec.top_k} / {dec.experts}) rows")
 
 
-def _apply_ep(dec, blocks, mesh, layout, notes) -> None:
+def _has_experts(model) -> bool:
+    """The model's config says it has experts (its other pipeline stages may hold them)."""
+    cfg = getattr(model, "config", None)
+    return any((getattr(cfg, name, None) or 0) > 0 for name in ("num_experts", "num_local_experts", "n_experts"))
+
+
+def _apply_ep(model, dec, blocks, mesh, layout, notes, pipelined=False) -> None:
     """Each ep rank keeps E / ep of every MoE layer's experts; tokens reach them by all-to-all."""
     ep = layout.size("ep")
     sparse = _sparse_blocks(dec, blocks)
     moes = [getattr(b, dec.mlp) for _, b in blocks] if dec is not None else []
     moes = [m for m in moes if hasattr(m, "experts") and hasattr(m, "n_experts")]
+    if not moes and not sparse and pipelined and _has_experts(model):
+        notes.append(f"ep={ep}: this stage holds no mixture-of-experts layers; its weights are "
+                     f"data-parallel over ep")
+        return
     if not moes and not sparse:
         raise PlanError(f"--mesh {layout.text()}: ep={ep} shards experts, and the model has no "
                         f"mixture-of-experts layers (torchledger.models.moe.MoEConfig, or a Hugging Face "
@@ -526,7 +536,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                      f"over the cp group (reduce-scatters their gradients in backward)")
     _use_balanced(model, dec, chosen, notes)
     if layout.size("ep") > 1:
-        _apply_ep(dec, chosen, mesh, layout, notes)
+        _apply_ep(model, dec, chosen, mesh, layout, notes, pipelined)
     if dec is not None:
         _apply_checkpointing(chosen, layout.checkpointing, notes)
     dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
