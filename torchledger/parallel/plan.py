@@ -34,7 +34,8 @@ Known limitations: the model is recognised by its structure (torchledger's ``Tra
 a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
 ``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
 parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
-(:mod:`torchledger.models.moe`) without tp or cp.
+(:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE:
+:mod:`.hf_moe`, experts computed under balanced routing) without tp or cp.
 """
 from __future__ import annotations
 
