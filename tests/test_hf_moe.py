@@ -171,6 +171,19 @@ def test_fp32_on_fake_tensors_under_the_plan(qwen3):
     assert rec.meta["audit"]["plan"][0].startswith("experts: 2 mixture-of-experts layers")
 
 
+@pytest.mark.parametrize("mesh, expert_ops", [
+    # no dp: each rank's 4 experts whole (24,576 params a layer), their fp32 gradients all-reduced
+    # over the 2 replicas: 98,304 B a layer
+    ("dp_replicate=2,ep=2", {("all_reduce", 2, 98_304)}),
+    # HSDP: reduce-scattered over dp=2 (98,304 B in), the half all-reduced over the replicas
+    ("dp_replicate=2,dp=2,ep=2", {("reduce_scatter", 2, 98_304), ("all_reduce", 2, 49_152)})])
+def test_expert_gradients_reduce_over_replicas(qwen3, mesh, expert_ops):
+    rec = audit(qwen3, mesh)
+    grads = {(c["op"], c["group_size"], c["bytes"] // c["count"]) for c in rec.collectives
+             if (c["module"] or "").endswith("mlp.experts") and c["op"] in ("all_reduce", "reduce_scatter")}
+    assert grads == expert_ops
+
+
 def test_full_checkpointing_dispatches_again_in_recompute(qwen3):
     rec = audit(qwen3, "ep=2", checkpointing="full", precision="bf16-mixed")
     # the recomputed forward dispatches and combines again: 6 per layer, bf16 rows (16,384 B)

@@ -499,6 +499,21 @@ def _dp_mesh(mesh, layout):
     return None, None
 
 
+def _experts_mesh(mesh, layout):
+    """(mesh, replicated) for each ep rank's own experts: the data-parallel dims but ep."""
+    dp, rep = layout.size("dp") > 1, layout.size("dp_replicate") > 1
+    if dp and rep:
+        return mesh["dp_replicate", "dp"], False
+    if dp:
+        return mesh["dp"], False
+    return (mesh["dp_replicate"], True) if rep else (None, False)
+
+
+def _replicate_experts(experts, rep_mesh, mp_policy) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    replicate(experts, mesh=rep_mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {}))
+
+
 def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipelined=False):
     """Apply the layout's standard plan to ``model`` in place; returns (model, notes).
 
@@ -513,8 +528,8 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         if needs or layout.checkpointing != "none":
             what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
             raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
-                            f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2 and their MoE: Mixtral, Qwen2/3-MoE), not "
-                            f"{type(model).__name__}; add AuditSpec(parallelize=fn), fn(model, mesh) applying "
+                            f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2 and "
+                            f"Mixtral/Qwen2-MoE/Qwen3-MoE), not {type(model).__name__}; add AuditSpec(parallelize=fn), fn(model, mesh) applying "
                             f"your own plan and returning the model")
     else:
         _check_moe(dec, layout)
@@ -547,17 +562,20 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         if mixed is not None:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
         ep = layout.size("ep") > 1
-        experts_mesh = mesh["dp"] if ep and layout.size("dp") > 1 else None
+        experts_mesh, replicated = _experts_mesh(mesh, layout) if ep else (None, False)
         local_experts = set()
         for _, block in chosen:
             moe = getattr(block, dec.mlp, None) if dec is not None else None
             if ep and getattr(moe, "ep_mesh", None) is not None:
                 # each ep rank's own experts: sharded over dp only (their gradients reduce
-                # there); with no dp they stay whole on their rank, outside FSDP2
-                if experts_mesh is not None:
+                # there; HSDP with dp_replicate); with no dp they stay whole on their rank,
+                # outside FSDP2, their gradients all-reduced over dp_replicate if any
+                if experts_mesh is not None and not replicated:
                     fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
                 else:
                     local_experts.update(moe.experts.parameters())
+                    if replicated:
+                        _replicate_experts(moe.experts, experts_mesh, kw.get("mp_policy"))
             fully_shard(block, **kw, **({"ignored_params": local_experts} if local_experts else {}))
         fully_shard(model, **kw, **({"ignored_params": local_experts} if local_experts else {}))
         n = dp_mesh.size()
