@@ -62,6 +62,16 @@ QWEN2 = ("Qwen2MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, 
 QWEN2_DENSE = 2 * (12_416 + 128) + 24_576 + 512 + 9_216 + 64 + 2 * 32_768 + 64     # 125,056
 QWEN2_EXPERTS = 49_152
 
+# GPT-OSS small (router ``router``, experts transposed with biases, its own clamped gate): q, o
+# 4,096 + 64 bias each, k, v 2,048 + 32 each: 12,480; sinks 4; norms 128; router 8 x 64 + 8 = 520:
+# dense 13,132 a layer. Experts gate_up (8, 64, 64) + bias 8 x 64, down (8, 32, 64) + bias 8 x 64:
+# 50,176 a layer.
+GPT_OSS = ("GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, "
+           "num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, "
+           "num_experts_per_tok=2, sliding_window=16, max_position_embeddings=128, tie_word_embeddings=False)")
+GPT_OSS_DENSE = 2 * 13_132 + 2 * 32_768 + 64      # 91,864
+GPT_OSS_EXPERTS = 2 * 50_176                      # 100,352
+
 # Matmul FLOPs of one step, N = 64 tokens, forward per layer: attention projections 2 x 64 x 12,288
 # = 1,572,864; scores and values 2 x (2 x B 2 x h 4 x T 32 x T 32 x d_h 16) = 524,288; router
 # 2 x 64 x E d; experts 2 x rows (N x k = 128) x d 64 x f 32 x 3 (gate, up, down) = 1,572,864.
@@ -96,6 +106,18 @@ def mixtral(tmp_path_factory):
     return _spec(tmp_path_factory, "mixtral", MIXTRAL)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("transformers without GPT-OSS")
+    return _spec(tmp_path_factory, "gpt_oss", GPT_OSS)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return _spec(tmp_path_factory, "qwen2moe", QWEN2)
+
+
 def audit(path, mesh, **plan):
     run = run_audit(path, steps=1, mesh=mesh, plan=plan)
     assert not dist.is_initialized()
@@ -108,7 +130,8 @@ def _all_to_all(rec):
 
 @pytest.mark.parametrize("model, dense, experts, flops", [
     ("qwen3", QWEN3_DENSE, QWEN3_EXPERTS, QWEN3_FLOPS),
-    ("mixtral", MIXTRAL_DENSE, MIXTRAL_EXPERTS, MIXTRAL_FLOPS)])
+    ("mixtral", MIXTRAL_DENSE, MIXTRAL_EXPERTS, MIXTRAL_FLOPS),
+    ("gpt_oss", GPT_OSS_DENSE, GPT_OSS_EXPERTS, QWEN3_FLOPS)])     # its router: 8 x 64 too
 def test_expert_parallel_by_hand(request, model, dense, experts, flops):
     rec = audit(request.getfixturevalue(model), "ep=2")
     # each rank holds E/2 experts of every layer, whole; the dense weights FSDP-sharded over ep=2
@@ -136,11 +159,6 @@ def test_expert_parallel_with_fsdp(request, model, dense, experts):
     reduced = [c for c in rec.collectives if c["op"] == "reduce_scatter"
                and (c["module"] or "").endswith("mlp.experts")]
     assert reduced and {c["group_size"] for c in reduced} == {2}          # expert grads over dp
-
-
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    return _spec(tmp_path_factory, "qwen2moe", QWEN2)
 
 
 def test_qwen2_moe_shared_expert_and_dense_layer(qwen2):

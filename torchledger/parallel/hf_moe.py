@@ -1,6 +1,7 @@
 """Mixture-of-experts layers of Hugging Face decoders (transformers 5.x: Qwen3-MoE, Qwen2-MoE,
-Mixtral and others whose sparse block holds ``gate`` (a top-k router) and ``experts`` with fused
-3-D weights ``gate_up_proj`` (E, 2 f, d) and ``down_proj`` (E, d, f)) under the standard plan.
+Mixtral, GPT-OSS and others whose sparse block holds a top-k router (``gate`` or ``router``) and
+``experts`` with fused 3-D weights ``gate_up_proj`` (E, 2 f, d) and ``down_proj`` (E, d, f), or
+transposed, with or without biases) under the standard plan.
 
 The plan computes their experts with its own forward, registered in transformers'
 ``ExpertsInterface`` as ``torchledger_balanced`` and selected by the model's config (as context
@@ -20,7 +21,7 @@ N k d elements per rank, recorded through torch.distributed.
 """
 from __future__ import annotations
 
-__all__ = ["EXPERTS_IMPLEMENTATION", "is_sparse_block", "n_experts", "expert_width", "use_balanced_experts", "shard_experts"]
+__all__ = ["EXPERTS_IMPLEMENTATION", "is_sparse_block", "n_experts", "expert_width", "top_k", "use_balanced_experts", "shard_experts"]
 
 #: The name the plan's expert forward is registered under in transformers' ExpertsInterface.
 EXPERTS_IMPLEMENTATION = "torchledger_balanced"
@@ -28,9 +29,20 @@ EXPERTS_IMPLEMENTATION = "torchledger_balanced"
 _WEIGHTS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj_bias")
 
 
+def router(mlp):
+    """The sparse block's top-k router: ``gate`` (Mixtral, Qwen) or ``router`` (GPT-OSS)."""
+    gate = getattr(mlp, "gate", None)
+    return gate if getattr(gate, "top_k", None) is not None else getattr(mlp, "router", None)
+
+
+def top_k(mlp) -> int:
+    """k: the experts each token is routed to."""
+    return int(router(mlp).top_k)
+
+
 def is_sparse_block(mlp) -> bool:
     """``mlp`` is a transformers sparse MoE block: a top-k router and 3-D expert weights."""
-    experts, gate = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    experts, gate = getattr(mlp, "experts", None), router(mlp)
     up = getattr(experts, "gate_up_proj", None)
     if up is None:
         up = getattr(experts, "up_proj", None)

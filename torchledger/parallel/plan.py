@@ -34,7 +34,7 @@ Known limitations: the model is recognised by its structure (torchledger's ``Tra
 a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
 ``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
 parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
-(:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE:
+(:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE, GPT-OSS:
 :mod:`.hf_moe`, experts computed under balanced routing) without tp or cp.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .hf_moe import expert_width, is_sparse_block, n_experts, shard_experts, use_balanced_experts
+from .hf_moe import expert_width, is_sparse_block, n_experts, shard_experts, top_k, use_balanced_experts
 
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings"]
 
@@ -130,7 +130,7 @@ def find_decoder(model) -> Optional[Decoder]:
                    ("input_layernorm", "post_attention_layernorm"), True, "model.embed_tokens",
                    "model.norm", "lm_head", heads, kv,
                    mlp.gate_proj.out_features if dense else expert_width(mlp), sequence_parallel=False,
-                   experts=n_experts(sparse[0]) if sparse else 0, top_k=sparse[0].gate.top_k if sparse else 0)
+                   experts=n_experts(sparse[0]) if sparse else 0, top_k=top_k(sparse[0]) if sparse else 0)
 
 
 def _block_fqns(dec: Decoder, keep=None):
