@@ -202,6 +202,16 @@ def test_expert_gradients_reduce_over_replicas(qwen3, mesh, expert_ops):
     assert grads == expert_ops
 
 
+def test_fp32_experts_under_bf16_hold_no_bf16_copy(qwen3):
+    """ep alone: each rank's experts stay outside FSDP2 in fp32 and are cast for the matmuls;
+    the casts are made again in backward, not saved: the same activations as when FSDP2 manages
+    them (ep=2,dp=2), 98,304 B less than keeping each layer's bf16 copy (2 x 24,576 x 2 B)."""
+    alone = audit(qwen3, "ep=2", precision="bf16-mixed")
+    managed = audit(qwen3, "ep=2,dp=2", precision="bf16-mixed")
+    assert alone.totals["activation_bytes"] == managed.totals["activation_bytes"]
+    assert alone.totals["flops"]["total"] == QWEN3_FLOPS
+
+
 def test_full_checkpointing_dispatches_again_in_recompute(qwen3):
     rec = audit(qwen3, "ep=2", checkpointing="full", precision="bf16-mixed")
     # the recomputed forward dispatches and combines again: 6 per layer, bf16 rows (16,384 B)

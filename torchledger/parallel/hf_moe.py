@@ -21,6 +21,8 @@ N k d elements per rank, recorded through torch.distributed.
 """
 from __future__ import annotations
 
+import functools
+
 __all__ = ["EXPERTS_IMPLEMENTATION", "is_sparse_block", "n_experts", "expert_width", "top_k", "use_balanced_experts", "shard_experts"]
 
 #: The name the plan's expert forward is registered under in transformers' ExpertsInterface.
@@ -133,25 +135,51 @@ def _dispatched(self, buf):
 
 
 def _compute(self, x):
-    """(E_l, M, d) rows of each local expert -> (E_l, M, d): one bmm per projection, the weights
-    in the rows' dtype (parameters an FSDP2 mixed-precision policy does not manage stay fp32)."""
-    import torch
+    """(E_l, M, d) rows of each local expert -> (E_l, M, d): one bmm per projection."""
     gated = getattr(self, "has_gate", True)
-    up = _weight(self, "gate_up_proj" if gated else "up_proj", x.dtype)
-    h = torch.bmm(x, up)
+    h = _bmm(x, _weight(self, "gate_up_proj" if gated else "up_proj"))
     h = _bias(self, h, "gate_up_proj_bias" if gated else "up_proj_bias")
     h = _gate(self, h) if gated else self.act_fn(h)
-    y = _bias(self, torch.bmm(h, _weight(self, "down_proj", h.dtype)), "down_proj_bias")
+    y = _bias(self, _bmm(h, _weight(self, "down_proj")), "down_proj_bias")
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     return y
 
 
-def _weight(self, name, dtype):
+def _weight(self, name):
     """(E_l, in, out) for bmm: transformers stores (E, out, in) unless ``is_transposed``."""
     w = getattr(self, name)
-    w = w if getattr(self, "is_transposed", False) else w.transpose(1, 2)
-    return w.to(dtype)
+    return w if getattr(self, "is_transposed", False) else w.transpose(1, 2)
+
+
+def _bmm(x, w):
+    """x @ w in x's dtype. Weights an FSDP2 mixed-precision policy does not manage (each ep rank's
+    own experts without dp) stay fp32 under 16-bit activations: cast for the matmul, the cast
+    made again in backward rather than saved (as FSDP2 frees its 16-bit parameters after
+    forward and gathers them again), so no layer holds a 16-bit copy of its experts."""
+    import torch
+    if w.dtype == x.dtype or not torch.is_grad_enabled():
+        return torch.bmm(x, w.to(x.dtype))
+    return _cast_bmm().apply(x, w)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_bmm():
+    """The autograd function, made on first use (this module imports without torch)."""
+    import torch
+
+    class CastBmm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return torch.bmm(x, w.to(x.dtype))
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            wc = w.to(x.dtype)
+            return torch.bmm(grad, wc.transpose(1, 2)), torch.bmm(x.transpose(1, 2), grad).to(w.dtype)
+    return CastBmm
 
 
 def _gate(self, h):
