@@ -212,6 +212,19 @@ def test_fp32_experts_under_bf16_hold_no_bf16_copy(qwen3):
     assert alone.totals["flops"]["total"] == QWEN3_FLOPS
 
 
+def test_expert_parallel_with_context_parallel(qwen3):
+    rec = audit(qwen3, "ep=2,cp=2")
+    # dense over ep x cp = 4; each rank's 4 experts a layer sharded over cp=2 (cp ranks hold the
+    # same experts and route other tokens to them)
+    assert rec.totals["param_bytes"] == (QWEN3_DENSE // 4 + QWEN3_EXPERTS // 2 // 2) * 4
+    # each rank routes its T/2 = 16 positions x 2 sequences: 32 x 2 x 64 x 4 B
+    assert {c["bytes"] // c["count"] for c in _all_to_all(rec)} == {A2A_BYTES // 2}
+    grads = {(c["group_size"], c["bytes"] // c["count"]) for c in rec.collectives
+             if (c["module"] or "").endswith("mlp.experts") and c["op"] == "reduce_scatter"}
+    assert grads == {(2, 98_304)}                              # 24,576 fp32 gradients a layer
+    assert rec.totals["flops"]["total"] == QWEN3_FLOPS // 2    # half the queries, half the tokens
+
+
 def test_full_checkpointing_dispatches_again_in_recompute(qwen3):
     rec = audit(qwen3, "ep=2", checkpointing="full", precision="bf16-mixed")
     # the recomputed forward dispatches and combines again: 6 per layer, bf16 rows (16,384 B)

@@ -35,7 +35,8 @@ a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`
 ``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
 parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
 (:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE, GPT-OSS:
-:mod:`.hf_moe`, experts computed under balanced routing) without tp or cp.
+:mod:`.hf_moe`, experts computed under balanced routing), with cp (each rank's experts
+sharded over dp x cp) and without tp.
 """
 from __future__ import annotations
 
@@ -327,10 +328,9 @@ def _apply_ep(model, dec, blocks, mesh, layout, notes, pipelined=False) -> None:
         raise PlanError(f"--mesh {layout.text()}: ep={ep} shards experts, and the model has no "
                         f"mixture-of-experts layers (torchledger.models.moe.MoEConfig, or a Hugging Face "
                         f"sparse MoE block); drop ep")
-    for name in ("tp", "cp"):
-        if layout.size(name) > 1:
-            raise PlanError(f"--mesh {layout.text()}: ep with {name} is not simulated yet (the experts "
-                            f"would need their own {name} plan); drop one of them")
+    if layout.size("tp") > 1:
+        raise PlanError(f"--mesh {layout.text()}: ep with tp is not simulated yet (the experts "
+                        f"would need their own tp plan); drop one of them")
     ep_mesh = mesh["ep"]
     if sparse:
         for _, mlp in sparse:
@@ -474,16 +474,7 @@ def _dp_mesh(mesh, layout):
     rep = layout.size("dp_replicate") > 1
     names = mesh.mesh_dim_names or ()
     # ep and cp ranks hold the same dense weights and see other tokens: FSDP shards over them too
-    shard = [n for n in ("dp", "ep", "cp") if n in names and (layout.size(n) > 1)]
-    if len(shard) > 1:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        shard_name = "_".join(shard)
-        with unset_fake_temporarily():      # the flattened mesh's rank map is a real tensor
-            mesh[tuple(shard)]._flatten(shard_name)
-    elif shard:
-        shard_name = shard[0]
-    else:
-        shard_name = None
+    shard_name = _flat(mesh, [n for n in ("dp", "ep", "cp") if n in names and (layout.size(n) > 1)])
     if rep and shard_name:
         import warnings
         with warnings.catch_warnings():     # torch asks to keep the flattened mesh; it is sliced once
@@ -499,13 +490,30 @@ def _dp_mesh(mesh, layout):
     return None, None
 
 
+def _flat(mesh, shard):
+    """The name of the mesh dim over ``shard`` (flattened when several), or None."""
+    if len(shard) < 2:
+        return shard[0] if shard else None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    name = "_".join(shard)
+    if name not in (mesh.mesh_dim_names or ()):
+        with unset_fake_temporarily():      # the flattened mesh's rank map is a real tensor
+            mesh[tuple(shard)]._flatten(name)
+    return name
+
+
 def _experts_mesh(mesh, layout):
-    """(mesh, replicated) for each ep rank's own experts: the data-parallel dims but ep."""
-    dp, rep = layout.size("dp") > 1, layout.size("dp_replicate") > 1
-    if dp and rep:
-        return mesh["dp_replicate", "dp"], False
-    if dp:
-        return mesh["dp"], False
+    """(mesh, replicated) for each ep rank's own experts: the data-parallel dims but ep (dp and
+    cp: cp ranks hold the same experts and route other tokens to them)."""
+    import warnings
+    name = _flat(mesh, [n for n in ("dp", "cp") if layout.size(n) > 1])
+    rep = layout.size("dp_replicate") > 1
+    with warnings.catch_warnings():         # a flattened dim sliced once (see _dp_mesh)
+        warnings.simplefilter("ignore", UserWarning)
+        if name and rep:
+            return mesh["dp_replicate", name], False
+        if name:
+            return mesh[name], False
     return (mesh["dp_replicate"], True) if rep else (None, False)
 
 
