@@ -233,9 +233,40 @@ def test_full_checkpointing_dispatches_again_in_recompute(qwen3):
     assert {c["bytes"] // c["count"] for c in a2a} == {A2A_BYTES // 2}
 
 
-def test_tp_on_moe_layers_is_one_line(qwen3):
-    one_line_error(CliRunner().invoke(cli, ["audit", qwen3, "--mesh", "tp=2", "--steps", "1"]),
-                   "tp=2", "mixture-of-experts")
+# Under tp (no sequence parallelism on HF decoders) attention is split by heads; each tp rank
+# routes 32 of the 64 tokens to the experts (whole on every tp rank, FSDP-sharded over tp) and the
+# outputs are all-gathered: 32 x 64 x 4 B = 8,192 B a layer. Per rank, per layer: attention
+# 12,288 / 2 (q_norm, k_norm 32, norms 128, router 512 whole); embedding and head whole (no SP).
+QWEN3_TP_DENSE = 2 * (12_288 // 2 + 32 + 128 + 512) + 2 * 32_768 + 64                  # 79,232
+# FLOPs: attention projections, scores and experts halved; router and head whole
+QWEN3_TP_FLOPS = 3 * (2 * (1_572_864 // 2 + 524_288 // 2 + 65_536 + EXPERT_FLOPS // 2) + 4_194_304)
+
+
+@pytest.mark.parametrize("mesh, param_bytes, experts_grads", [
+    # experts (98,304) sharded over tp=2; their gradients reduce-scattered over tp: 196,608 B a layer
+    ("tp=2", (QWEN3_TP_DENSE + QWEN3_EXPERTS // 2) * 4, (2, 196_608)),
+    # 4 of 8 experts a rank, sharded over tp=2; the dense weights FSDP over ep=2
+    ("ep=2,tp=2", (QWEN3_TP_DENSE // 2 + QWEN3_EXPERTS // 2 // 2) * 4, (2, 98_304))])
+def test_tensor_parallel_splits_the_routed_tokens(qwen3, mesh, param_bytes, experts_grads):
+    rec = audit(qwen3, mesh)
+    assert rec.totals["param_bytes"] == param_bytes
+    assert rec.totals["flops"]["total"] == QWEN3_TP_FLOPS == 23_986_176
+    experts = [c for c in rec.collectives if (c["module"] or "").endswith("mlp.experts")]
+    gathered = {c["bytes"] // c["count"] for c in experts if c["op"] == "all_gather" and c["phase"] == "forward"}
+    assert 8_192 in gathered                                   # the outputs of the 32 routed tokens
+    assert {(c["group_size"], c["bytes"] // c["count"]) for c in experts
+            if c["op"] == "reduce_scatter"} == {experts_grads}
+    a2a = _all_to_all(rec)
+    assert {c["bytes"] // c["count"] for c in a2a} == ({A2A_BYTES // 2} if "ep" in mesh else set())
+
+
+def test_tensor_parallel_splits_the_shared_expert(qwen2):
+    rec = audit(qwen2, "tp=2")
+    # attention 12,416 / 2 a layer, layer 0's MLP 24,576 / 2, the shared expert 9,216 / 2 (column
+    # and row parallel), norms 256, router 512 and the shared expert's gate 64 whole, embedding and
+    # head 65,600 whole; the 8 routed experts (49,152) sharded over tp=2
+    dense = 12_416 + 256 + 24_576 // 2 + 512 + 9_216 // 2 + 64 + 65_600
+    assert rec.totals["param_bytes"] == (dense + QWEN2_EXPERTS // 2) * 4
 
 
 def test_experts_that_do_not_divide_by_ep_is_one_line(mixtral):

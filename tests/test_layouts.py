@@ -306,6 +306,12 @@ def test_expert_parallel_with_context_parallel(moe):
     assert {c["bytes"] // c["count"] for c in a2a} == {16_384}
 
 
+def test_tp_on_the_bundled_moe_is_one_line(moe):
+    # it failed in the step ("mixed torch.Tensor and DTensor ... check the inputs")
+    one_line_error(CliRunner().invoke(cli, ["audit", moe, "--mesh", "tp=2", "--steps", "1"]),
+                   "tp=2", "torchledger's MoE layers")
+
+
 def test_ep_on_a_dense_model_is_one_line(tiny):
     one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "ep=2", "--steps", "1"]),
                    "ep=2", "no mixture-of-experts layers")

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["EXPERTS_IMPLEMENTATION", "is_sparse_block", "n_experts", "expert_width", "top_k", "use_balanced_experts", "shard_experts"]
+__all__ = ["EXPERTS_IMPLEMENTATION", "is_sparse_block", "n_experts", "expert_width", "top_k",
+           "split_over_tp", "owns_experts", "use_balanced_experts", "shard_experts"]
 
 #: The name the plan's expert forward is registered under in transformers' ExpertsInterface.
 EXPERTS_IMPLEMENTATION = "torchledger_balanced"
@@ -96,9 +97,72 @@ def shard_experts(mlp, ep_mesh) -> int:
     return local
 
 
+def split_over_tp(mlp, tp_mesh) -> None:
+    """Under tensor parallelism (Megatron's expert TP = 1): each tp rank routes N / tp of the
+    block's N (replicated) tokens to its experts and the outputs are all-gathered over tp (in
+    backward: each rank's rows of the gradient, and the routed inputs' gradients all-gathered).
+    The experts are whole on every tp rank, which see other tokens: data-parallel over tp."""
+    mlp.experts._torchledger_tp = tp_mesh
+
+
+def owns_experts(mlp) -> bool:
+    """The plan keeps this block's experts apart from the dense weights (ep or tp split them)."""
+    experts = mlp.experts
+    return getattr(experts, "_torchledger_ep", None) is not None or getattr(experts, "_torchledger_tp", None) is not None
+
+
 def balanced_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """transformers' experts signature: (N, d) tokens, their (N, k) experts and weights -> (N, d).
-    Rows sorted by expert fill an (E, C, d) buffer, C = ceil(N k / E): balanced routing."""
+    """transformers' experts signature: (N, d) tokens, their (N, k) experts and weights -> (N, d);
+    under tp each rank takes its N / tp of them (when tp divides N) and all-gathers the outputs."""
+    tp = getattr(self, "_torchledger_tp", None)
+    N = hidden_states.shape[0]
+    if tp is None or N % tp.size():
+        return _balanced(self, hidden_states, top_k_index, top_k_weights)
+    scatter, gather = _tp_functions()
+    rows = N // tp.size()
+    start = tp.get_local_rank() * rows
+    out = _balanced(self, scatter.apply(hidden_states, tp, start, rows), top_k_index.narrow(0, start, rows),
+                    scatter.apply(top_k_weights, tp, start, rows))
+    return gather.apply(out, tp, start, rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _tp_functions():
+    """(scatter, gather) over a tp group along dim 0, Megatron's pair: scatter keeps this rank's
+    rows and all-gathers the gradient; gather all-gathers the rows and keeps this rank's rows of
+    the gradient."""
+    import torch
+    from torch.distributed import _functional_collectives as funcol
+
+    gather_fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor   # torch < 2.11
+
+    def all_gather(x, mesh):
+        return funcol.wait_tensor(gather_fn(x.contiguous(), 0, mesh))
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, mesh, start, rows):
+            ctx.mesh = mesh
+            return x.narrow(0, start, rows)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return all_gather(grad, ctx.mesh), None, None, None
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, mesh, start, rows):
+            ctx.start, ctx.rows = start, rows
+            return all_gather(x, mesh)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.narrow(0, ctx.start, ctx.rows), None, None, None
+    return Scatter, Gather
+
+
+def _balanced(self, hidden_states, top_k_index, top_k_weights):
+    """Rows sorted by expert fill an (E, C, d) buffer, C = ceil(N k / E): balanced routing."""
     import torch.nn.functional as F
     N, d = hidden_states.shape
     k = top_k_index.shape[-1]

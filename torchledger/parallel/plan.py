@@ -36,7 +36,8 @@ a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`
 parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
 (:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE, GPT-OSS:
 :mod:`.hf_moe`, experts computed under balanced routing), with cp (each rank's experts
-sharded over dp x cp) and without tp.
+sharded over dp x cp) and, on the Hugging Face ones, tp (each tp rank routes its share of the
+tokens; the experts data-parallel over tp).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .hf_moe import expert_width, is_sparse_block, n_experts, shard_experts, top_k, use_balanced_experts
+from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp, top_k,
+                     use_balanced_experts)
 
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings"]
 
@@ -177,7 +179,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
                      m: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
     n = tp_mesh.size()
     for _, block in blocks:
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, _block_tp_plan(plan, dec, getattr(block, m, None)))
         attn = getattr(block, a)
         if dec.family == "torchledger":      # its views use the head counts: each rank has its own
             attn.n_heads //= n
@@ -196,6 +198,22 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
     else:
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
                      f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
+
+
+def _block_tp_plan(plan, dec: Decoder, mlp) -> dict:
+    """The block's TP plan: a sparse MoE block has no MLP projections to split (its tokens are
+    split instead, :func:`_split_experts_over_tp`); its shared expert is split as an MLP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    if not is_sparse_block(mlp):
+        return plan
+    m = dec.mlp
+    out = {k: v for k, v in plan.items() if not k.startswith(f"{m}.")}
+    for name in ("shared_expert", "shared_experts"):
+        shared = getattr(mlp, name, None)
+        if shared is not None and all(hasattr(shared, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            out.update({f"{m}.{name}.gate_proj": ColwiseParallel(), f"{m}.{name}.up_proj": ColwiseParallel(),
+                        f"{m}.{name}.down_proj": RowwiseParallel()})
+    return out
 
 
 def _is_placeholder(module) -> bool:
@@ -284,13 +302,14 @@ def _sparse_blocks(dec, blocks) -> list:
             if is_sparse_block(getattr(b, dec.mlp, None))]
 
 
-def _check_moe(dec, layout) -> None:
+def _check_moe(dec, layout, model) -> None:
     """What the plan cannot do with a mixture-of-experts decoder: one line."""
+    if dec is not None and dec.family == "torchledger" and layout.size("tp") > 1 and _has_experts(model):
+        raise PlanError(f"--mesh {layout.text()}: tp on torchledger's MoE layers is not simulated yet "
+                        f"(their experts would need a tp plan); use ep and dp for them, or a Hugging "
+                        f"Face MoE decoder, whose tokens tp splits")
     if dec is None or not dec.experts:
         return
-    if layout.size("tp") > 1:
-        raise PlanError(f"--mesh {layout.text()}: tp on mixture-of-experts layers is not simulated yet "
-                        f"(the experts would need their own tp plan); use ep and dp for the experts")
     ep = layout.size("ep")
     if ep > 1 and dec.experts % ep:
         raise PlanError(f"--mesh {layout.text()}: the model's {dec.experts} experts do not divide by "
@@ -306,6 +325,31 @@ def _use_balanced(model, dec, blocks, notes) -> None:
                  f"batched matmul per projection over the {dec.experts} experts) under balanced routing, "
                  f"assumed: fake tensors cannot know the router's choices, so each expert takes "
                  f"ceil(tokens x {dec.top_k} / {dec.experts}) rows")
+
+
+def _own_experts(moe) -> bool:
+    """The plan shards this MLP's experts apart from the block's dense weights."""
+    if moe is None:
+        return False
+    return getattr(moe, "ep_mesh", None) is not None or (is_sparse_block(moe) and owns_experts(moe))
+
+
+def _split_experts_over_tp(dec, blocks, mesh, layout, notes) -> bool:
+    """Hugging Face MoE layers under tp: each tp rank routes its share of the tokens."""
+    sparse = _sparse_blocks(dec, blocks)
+    if not sparse:
+        return False
+    if layout.size("dp_replicate") > 1 and layout.size("dp") == 1:
+        raise PlanError(f"--mesh {layout.text()}: tp with dp_replicate alone on mixture-of-experts layers "
+                        f"is not simulated yet (the experts' gradients reduce over dp_replicate x tp); "
+                        f"add dp or use dp instead of dp_replicate")
+    tp = layout.size("tp")
+    for _, mlp in sparse:
+        split_over_tp(mlp, mesh["tp"])
+    notes.append(f"tp={tp} on the MoE layers (expert TP 1, as Megatron): each tp rank routes tokens/{tp} "
+                 f"of the block's tokens to the experts, the outputs all-gathered over tp; the experts "
+                 f"whole on every tp rank and data-parallel over tp (sharded over dp x cp x tp)")
+    return True
 
 
 def _has_experts(model) -> bool:
@@ -328,9 +372,6 @@ def _apply_ep(model, dec, blocks, mesh, layout, notes, pipelined=False) -> None:
         raise PlanError(f"--mesh {layout.text()}: ep={ep} shards experts, and the model has no "
                         f"mixture-of-experts layers (torchledger.models.moe.MoEConfig, or a Hugging Face "
                         f"sparse MoE block); drop ep")
-    if layout.size("tp") > 1:
-        raise PlanError(f"--mesh {layout.text()}: ep with tp is not simulated yet (the experts "
-                        f"would need their own tp plan); drop one of them")
     ep_mesh = mesh["ep"]
     if sparse:
         for _, mlp in sparse:
@@ -502,11 +543,12 @@ def _flat(mesh, shard):
     return name
 
 
-def _experts_mesh(mesh, layout):
-    """(mesh, replicated) for each ep rank's own experts: the data-parallel dims but ep (dp and
-    cp: cp ranks hold the same experts and route other tokens to them)."""
+def _experts_mesh(mesh, layout, tp_split=False):
+    """(mesh, replicated) for each rank's own experts: the data-parallel dims but ep (dp and cp:
+    cp ranks hold the same experts and route other tokens to them; tp too when its ranks split
+    the tokens)."""
     import warnings
-    name = _flat(mesh, [n for n in ("dp", "cp") if layout.size(n) > 1])
+    name = _flat(mesh, [n for n in ("dp", "cp") + ("tp",) * tp_split if layout.size(n) > 1])
     rep = layout.size("dp_replicate") > 1
     with warnings.catch_warnings():         # a flattened dim sliced once (see _dp_mesh)
         warnings.simplefilter("ignore", UserWarning)
@@ -540,7 +582,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                             f"Mixtral/Qwen2-MoE/Qwen3-MoE), not {type(model).__name__}; add AuditSpec(parallelize=fn), fn(model, mesh) applying "
                             f"your own plan and returning the model")
     else:
-        _check_moe(dec, layout)
+        _check_moe(dec, layout, model)
         _check_divides(layout, dec, seq_len)
     mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
     if layout.precision == "bf16":
@@ -549,6 +591,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     chosen = _block_fqns(dec, blocks) if dec is not None else []
     if dec is not None and tp > 1:
         _apply_tp(model, dec, mesh["tp"], chosen, notes)
+    tp_split = tp > 1 and _split_experts_over_tp(dec, chosen, mesh, layout, notes)
     if dec is not None and cp > 1:
         if dec.family == "hf":
             _hf_cp_attention(model, chosen, mesh["cp"])
@@ -569,15 +612,15 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         kw = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}
         if mixed is not None:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
-        ep = layout.size("ep") > 1
-        experts_mesh, replicated = _experts_mesh(mesh, layout) if ep else (None, False)
+        own = layout.size("ep") > 1 or tp_split
+        experts_mesh, replicated = _experts_mesh(mesh, layout, tp_split) if own else (None, False)
         local_experts = set()
         for _, block in chosen:
             moe = getattr(block, dec.mlp, None) if dec is not None else None
-            if ep and getattr(moe, "ep_mesh", None) is not None:
-                # each ep rank's own experts: sharded over dp only (their gradients reduce
-                # there; HSDP with dp_replicate); with no dp they stay whole on their rank,
-                # outside FSDP2, their gradients all-reduced over dp_replicate if any
+            if own and _own_experts(moe):
+                # each rank's own experts: sharded over dp (and cp, tp) only, their gradients
+                # reduced there (HSDP with dp_replicate); with none of them whole on their
+                # rank, outside FSDP2, their gradients all-reduced over dp_replicate if any
                 if experts_mesh is not None and not replicated:
                     fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
                 else:
@@ -591,6 +634,10 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                      f"({' x '.join(map(str, dp_mesh.shape))}): fully_shard per block and the root"
                      + ("" if dec is not None else " (the model is not a known decoder: the root is one unit)")
                      + ("; reshard_after_forward=False (pipelined)" if pipelined else ""))
+    elif tp_split and kind is None:                 # tp alone: the experts sharded over tp
+        from torch.distributed.fsdp import fully_shard
+        for _, mlp in _sparse_blocks(dec, chosen):
+            fully_shard(mlp.experts, mesh=_experts_mesh(mesh, layout, True)[0])
     elif kind == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
         kw = {"mesh": dp_mesh}
