@@ -18,6 +18,13 @@ step; its numerics are exact only when the routing is balanced.
 experts (the weights cut along the expert dim); the dispatch buffer goes to the experts' ranks by
 one ``all_to_all_single`` and the outputs come back by another (their backward: two more), each
 N k d elements per rank, recorded through torch.distributed.
+
+**Tensor parallelism** (Megatron's expert TP of 1): the block's tokens are the same on every tp
+rank (no sequence parallelism on Hugging Face decoders); each routes its N / tp of them and the
+outputs are all-gathered over tp. The experts are whole on every tp rank, data-parallel over it.
+
+Known limitations: routing is balanced by assumption (above); under tp a token count that tp
+does not divide is routed whole on every tp rank.
 """
 from __future__ import annotations
 
@@ -108,7 +115,7 @@ def split_over_tp(mlp, tp_mesh) -> None:
 def owns_experts(mlp) -> bool:
     """The plan keeps this block's experts apart from the dense weights (ep or tp split them)."""
     experts = mlp.experts
-    return getattr(experts, "_torchledger_ep", None) is not None or getattr(experts, "_torchledger_tp", None) is not None
+    return any(getattr(experts, name, None) is not None for name in ("_torchledger_ep", "_torchledger_tp"))
 
 
 def balanced_experts_forward(self, hidden_states, top_k_index, top_k_weights):

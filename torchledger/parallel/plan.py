@@ -45,8 +45,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp, top_k,
-                     use_balanced_experts)
+from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp,
+                     top_k, use_balanced_experts)
 
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings"]
 
@@ -355,7 +355,8 @@ def _split_experts_over_tp(dec, blocks, mesh, layout, notes) -> bool:
 def _has_experts(model) -> bool:
     """The model's config says it has experts (its other pipeline stages may hold them)."""
     cfg = getattr(model, "config", None)
-    return any((getattr(cfg, name, None) or 0) > 0 for name in ("num_experts", "num_local_experts", "n_experts"))
+    names = ("num_experts", "num_local_experts", "n_experts")
+    return any((getattr(cfg, name, None) or 0) > 0 for name in names)
 
 
 def _apply_ep(model, dec, blocks, mesh, layout, notes, pipelined=False) -> None:
@@ -579,8 +580,9 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
             what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
             raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
                             f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2 and "
-                            f"Mixtral/Qwen2-MoE/Qwen3-MoE), not {type(model).__name__}; add AuditSpec(parallelize=fn), fn(model, mesh) applying "
-                            f"your own plan and returning the model")
+                            f"Mixtral/Qwen2-MoE/Qwen3-MoE), not {type(model).__name__}; add "
+                            f"AuditSpec(parallelize=fn), fn(model, mesh) applying your own plan and "
+                            f"returning the model")
     else:
         _check_moe(dec, layout, model)
         _check_divides(layout, dec, seq_len)
