@@ -560,6 +560,31 @@ def _experts_mesh(mesh, layout, tp_split=False):
     return (mesh["dp_replicate"], True) if rep else (None, False)
 
 
+def _shard_own_experts(dec, blocks, mesh, layout, kw, tp_split) -> set:
+    """FSDP2 for the experts ep or tp split off (before their blocks'); the parameters it leaves
+    whole on their rank, for the blocks to ignore.
+
+    Each rank's own experts are sharded over dp (and cp, tp) only, their gradients reduced there
+    (HSDP with dp_replicate); with none of them they stay whole on their rank, outside FSDP2,
+    their gradients all-reduced over dp_replicate if any."""
+    from torch.distributed.fsdp import fully_shard
+    if dec is None or not (layout.size("ep") > 1 or tp_split):
+        return set()
+    experts_mesh, replicated = _experts_mesh(mesh, layout, tp_split)
+    local = set()
+    for _, block in blocks:
+        moe = getattr(block, dec.mlp, None)
+        if not _own_experts(moe):
+            continue
+        if experts_mesh is not None and not replicated:
+            fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
+            continue
+        local.update(moe.experts.parameters())
+        if replicated:
+            _replicate_experts(moe.experts, experts_mesh, kw.get("mp_policy"))
+    return local
+
+
 def _replicate_experts(experts, rep_mesh, mp_policy) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     replicate(experts, mesh=rep_mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {}))
@@ -614,23 +639,11 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         kw = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}
         if mixed is not None:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
-        own = layout.size("ep") > 1 or tp_split
-        experts_mesh, replicated = _experts_mesh(mesh, layout, tp_split) if own else (None, False)
-        local_experts = set()
+        local_experts = _shard_own_experts(dec, chosen, mesh, layout, kw, tp_split)
+        ignored = {"ignored_params": local_experts} if local_experts else {}
         for _, block in chosen:
-            moe = getattr(block, dec.mlp, None) if dec is not None else None
-            if own and _own_experts(moe):
-                # each rank's own experts: sharded over dp (and cp, tp) only, their gradients
-                # reduced there (HSDP with dp_replicate); with none of them whole on their
-                # rank, outside FSDP2, their gradients all-reduced over dp_replicate if any
-                if experts_mesh is not None and not replicated:
-                    fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
-                else:
-                    local_experts.update(moe.experts.parameters())
-                    if replicated:
-                        _replicate_experts(moe.experts, experts_mesh, kw.get("mp_policy"))
-            fully_shard(block, **kw, **({"ignored_params": local_experts} if local_experts else {}))
-        fully_shard(model, **kw, **({"ignored_params": local_experts} if local_experts else {}))
+            fully_shard(block, **kw, **ignored)
+        fully_shard(model, **kw, **ignored)
         n = dp_mesh.size()
         notes.append(f"{'HSDP' if kind == 'hsdp' else 'FSDP2'} over {n} ranks "
                      f"({' x '.join(map(str, dp_mesh.shape))}): fully_shard per block and the root"
