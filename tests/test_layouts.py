@@ -288,6 +288,30 @@ def test_expert_parallel_with_fsdp_shards_experts_over_dp(moe):
     assert experts and {c["group_size"] for c in experts} == {2}
 
 
+def test_expert_parallel_without_dp_in_mixed_precision(moe):
+    """ep alone under bf16-mixed: the experts stay outside FSDP2 (fp32) while the block gets
+    bf16 activations; they compute in bf16 (the step failed, blaming the inputs)."""
+    rec = audit(moe, "ep=4", precision="bf16-mixed")
+    a2a = [c for c in rec.collectives if c["op"] == "all_to_all"]
+    assert {c["bytes"] // c["count"] for c in a2a} == {32_768 // 2}      # bf16 dispatch buffer
+    assert rec.totals["param_bytes"] == (99_136 // 4 + 12_288) * 4       # fp32 experts kept
+
+
+def test_expert_parallel_with_context_parallel(moe):
+    rec = audit(moe, "ep=2,cp=2")
+    # dense over ep x cp = 4 (24,784); 2 of 4 experts a layer sharded over cp=2 (12,288)
+    assert rec.totals["param_bytes"] == (99_136 // 4 + 24_576 // 2) * 4
+    # 32 tokens a rank: capacity ceil(32 x 2 / 4) = 16, dispatch buffer 4 x 16 x 64 x 4 B
+    a2a = [c for c in rec.collectives if c["op"] == "all_to_all"]
+    assert {c["bytes"] // c["count"] for c in a2a} == {16_384}
+
+
+def test_tp_on_the_bundled_moe_is_one_line(moe):
+    # it failed in the step ("mixed torch.Tensor and DTensor ... check the inputs")
+    one_line_error(CliRunner().invoke(cli, ["audit", moe, "--mesh", "tp=2", "--steps", "1"]),
+                   "tp=2", "torchledger's MoE layers")
+
+
 def test_ep_on_a_dense_model_is_one_line(tiny):
     one_line_error(CliRunner().invoke(cli, ["audit", tiny, "--mesh", "ep=2", "--steps", "1"]),
                    "ep=2", "no mixture-of-experts layers")

@@ -600,7 +600,9 @@ def _device_hint(e: Exception, device: str) -> str:
         return (f"; torch's grouped_mm (mixture-of-experts layers) checks for bf16 inputs on {device} "
                 f"tensors (only its CPU kernel takes float32): build the model in bf16 "
                 f"(torch.set_default_dtype(torch.bfloat16) at the top of audit_spec(), or "
-                f"dtype=torch.bfloat16 in its constructor), or use --device cpu")
+                f"dtype=torch.bfloat16 in its constructor), or use --device cpu; a Hugging Face MoE "
+                f"decoder (Mixtral, Qwen2/3-MoE) also runs under the standard plan (--precision fp32 "
+                f"or --mesh), which computes its experts with batched matmuls under balanced routing")
     if device == "fake" and "Couldn't swap" in text and _memory_format_call(e):
         return ("; fake tensors cannot change a model's memory format in place "
                 "(model.to(memory_format=...)): leave the model as built and pass channels_last "

@@ -60,7 +60,10 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(w, std=0.02)
 
     def forward(self, x):                                      # (E_local, M, d)
-        return torch.bmm(F.silu(torch.bmm(x, self.w_gate)) * torch.bmm(x, self.w_up), self.w_down)
+        # the weights in the rows' dtype: under expert parallelism without dp they stay outside
+        # FSDP2 (fp32) while its mixed-precision policy hands the block 16-bit activations
+        w_gate, w_up, w_down = (w.to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        return torch.bmm(F.silu(torch.bmm(x, w_gate)) * torch.bmm(x, w_up), w_down)
 
 
 class MoE(nn.Module):

@@ -34,7 +34,10 @@ Known limitations: the model is recognised by its structure (torchledger's ``Tra
 a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
 ``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
 parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
-(:mod:`torchledger.models.moe`) without tp or cp.
+(:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE, GPT-OSS:
+:mod:`.hf_moe`, experts computed under balanced routing), with cp (each rank's experts
+sharded over dp x cp) and, on the Hugging Face ones, tp (each tp rank routes its share of the
+tokens; the experts data-parallel over tp).
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp,
+                     top_k, use_balanced_experts)
 from .layout import PARAMS_16
 
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings",
@@ -86,6 +91,9 @@ class Decoder:
     d_ff: int
     sequence_parallel: bool
     """TP shards the sequence between blocks too (torchtitan's SP)."""
+    experts: int = 0
+    """E of its mixture-of-experts layers (a Hugging Face sparse block); 0: none."""
+    top_k: int = 0
 
     def module(self, model, fqn: str):
         return model.get_submodule(fqn) if fqn else model
@@ -114,16 +122,20 @@ def find_decoder(model) -> Optional[Decoder]:
         return None
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return None
-    if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+    dense = all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+    if not (dense or is_sparse_block(mlp)):
         return None
     if not (hasattr(inner, "embed_tokens") and hasattr(inner, "norm")):
         return None
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None) or attn.q_proj.out_features // attn.head_dim
     kv = getattr(cfg, "num_key_value_heads", None) or heads
+    sparse = [b.mlp for b in layers if is_sparse_block(getattr(b, "mlp", None))]
     return Decoder("hf", layers, "model.layers", "self_attn", "mlp",
                    ("input_layernorm", "post_attention_layernorm"), True, "model.embed_tokens",
-                   "model.norm", "lm_head", heads, kv, mlp.gate_proj.out_features, sequence_parallel=False)
+                   "model.norm", "lm_head", heads, kv,
+                   mlp.gate_proj.out_features if dense else expert_width(mlp), sequence_parallel=False,
+                   experts=n_experts(sparse[0]) if sparse else 0, top_k=top_k(sparse[0]) if sparse else 0)
 
 
 def _block_fqns(dec: Decoder, keep=None):
@@ -169,7 +181,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
                      m: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
     n = tp_mesh.size()
     for _, block in blocks:
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, _block_tp_plan(plan, dec, getattr(block, m, None)))
         attn = getattr(block, a)
         if dec.family == "torchledger":      # its views use the head counts: each rank has its own
             attn.n_heads //= n
@@ -188,6 +200,22 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
     else:
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
                      f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
+
+
+def _block_tp_plan(plan, dec: Decoder, mlp) -> dict:
+    """The block's TP plan: a sparse MoE block has no MLP projections to split (its tokens are
+    split instead, :func:`_split_experts_over_tp`); its shared expert is split as an MLP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    if not is_sparse_block(mlp):
+        return plan
+    m = dec.mlp
+    out = {k: v for k, v in plan.items() if not k.startswith(f"{m}.")}
+    for name in ("shared_expert", "shared_experts"):
+        shared = getattr(mlp, name, None)
+        if shared is not None and all(hasattr(shared, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            out.update({f"{m}.{name}.gate_proj": ColwiseParallel(), f"{m}.{name}.up_proj": ColwiseParallel(),
+                        f"{m}.{name}.down_proj": RowwiseParallel()})
+    return out
 
 
 def _is_placeholder(module) -> bool:
@@ -264,21 +292,103 @@ def cp_inputs(inputs, cp: int, rank: int, seq_len: int):
 
 
 # -- expert parallelism ------------------------------------------------------------------------
-def _apply_ep(dec, blocks, mesh, layout, notes) -> None:
+def _sparse_blocks(dec, blocks) -> list:
+    """(fqn, sparse block) of the Hugging Face mixture-of-experts layers among ``blocks``."""
+    if dec is None or dec.family != "hf":
+        return []
+    return [(f"{fqn}.{dec.mlp}", getattr(b, dec.mlp)) for fqn, b in blocks
+            if is_sparse_block(getattr(b, dec.mlp, None))]
+
+
+def _check_moe(dec, layout, model) -> None:
+    """What the plan cannot do with a mixture-of-experts decoder: one line."""
+    if dec is not None and dec.family == "torchledger" and layout.size("tp") > 1 and _has_experts(model):
+        raise PlanError(f"--mesh {layout.text()}: tp on torchledger's MoE layers is not simulated yet "
+                        f"(their experts would need a tp plan); use ep and dp for them, or a Hugging "
+                        f"Face MoE decoder, whose tokens tp splits")
+    if dec is None or not dec.experts:
+        return
+    ep = layout.size("ep")
+    if ep > 1 and dec.experts % ep:
+        raise PlanError(f"--mesh {layout.text()}: the model's {dec.experts} experts do not divide by "
+                        f"ep={ep}; choose an ep that divides {dec.experts}")
+
+
+def _use_balanced(model, dec, blocks, notes) -> None:
+    sparse = _sparse_blocks(dec, blocks)
+    if not sparse:
+        return
+    use_balanced_experts(model, sparse)
+    notes.append(f"experts: {len(sparse)} mixture-of-experts layers computed by the plan's forward (one "
+                 f"batched matmul per projection over the {dec.experts} experts) under balanced routing, "
+                 f"assumed: fake tensors cannot know the router's choices, so each expert takes "
+                 f"ceil(tokens x {dec.top_k} / {dec.experts}) rows")
+
+
+def _own_experts(moe) -> bool:
+    """The plan shards this MLP's experts apart from the block's dense weights."""
+    if moe is None:
+        return False
+    return getattr(moe, "ep_mesh", None) is not None or (is_sparse_block(moe) and owns_experts(moe))
+
+
+def _split_experts_over_tp(dec, blocks, mesh, layout, notes) -> bool:
+    """Hugging Face MoE layers under tp: each tp rank routes its share of the tokens."""
+    sparse = _sparse_blocks(dec, blocks)
+    if not sparse:
+        return False
+    if layout.size("dp_replicate") > 1 and layout.size("dp") == 1:
+        raise PlanError(f"--mesh {layout.text()}: tp with dp_replicate alone on mixture-of-experts layers "
+                        f"is not simulated yet (the experts' gradients reduce over dp_replicate x tp); "
+                        f"add dp or use dp instead of dp_replicate")
+    tp = layout.size("tp")
+    for _, mlp in sparse:
+        split_over_tp(mlp, mesh["tp"])
+    notes.append(f"tp={tp} on the MoE layers (expert TP 1, as Megatron): each tp rank routes tokens/{tp} "
+                 f"of the block's tokens to the experts, the outputs all-gathered over tp; the experts "
+                 f"whole on every tp rank and data-parallel over tp (sharded over dp x cp x tp)")
+    return True
+
+
+def _has_experts(model) -> bool:
+    """The model's config says it has experts (its other pipeline stages may hold them)."""
+    cfg = getattr(model, "config", None)
+    names = ("num_experts", "num_local_experts", "n_experts")
+    return any((getattr(cfg, name, None) or 0) > 0 for name in names)
+
+
+def _apply_ep(model, dec, blocks, mesh, layout, notes, pipelined=False) -> None:
     """Each ep rank keeps E / ep of every MoE layer's experts; tokens reach them by all-to-all."""
     ep = layout.size("ep")
+    sparse = _sparse_blocks(dec, blocks)
     moes = [getattr(b, dec.mlp) for _, b in blocks] if dec is not None else []
     moes = [m for m in moes if hasattr(m, "experts") and hasattr(m, "n_experts")]
-    if not moes:
+    if not moes and not sparse and pipelined and _has_experts(model):
+        notes.append(f"ep={ep}: this stage holds no mixture-of-experts layers; its weights are "
+                     f"data-parallel over ep")
+        return
+    if not moes and not sparse:
         raise PlanError(f"--mesh {layout.text()}: ep={ep} shards experts, and the model has no "
-                        f"mixture-of-experts layers (torchledger.models.moe.MoEConfig); drop ep")
-    for name in ("tp", "cp"):
-        if layout.size(name) > 1:
-            raise PlanError(f"--mesh {layout.text()}: ep with {name} is not simulated yet (the experts "
-                            f"would need their own {name} plan); drop one of them")
-    import torch
+                        f"mixture-of-experts layers (torchledger.models.moe.MoEConfig, or a Hugging Face "
+                        f"sparse MoE block); drop ep")
     ep_mesh = mesh["ep"]
-    r = ep_mesh.get_local_rank()
+    if sparse:
+        for _, mlp in sparse:
+            local = shard_experts(mlp, ep_mesh)
+            mlp.ep_mesh = ep_mesh
+        notes.append(f"ep={ep}: each rank holds {local} of {dec.experts} experts per MoE layer; tokens "
+                     f"dispatched and combined by all-to-all over the ep group (balanced: each rank "
+                     f"receives tokens x {dec.top_k} / {ep} rows)")
+        return
+    _shard_moe(moes, ep_mesh, layout)
+    notes.append(f"ep={ep}: each rank holds {moes[0].n_experts // ep} of {moes[0].n_experts} experts per "
+                 f"MoE layer; tokens dispatched and combined by all-to-all")
+
+
+def _shard_moe(moes, ep_mesh, layout) -> None:
+    """torchledger's MoE layers (:mod:`torchledger.models.moe`): this rank's E / ep experts."""
+    import torch
+    ep, r = ep_mesh.size(), ep_mesh.get_local_rank()
     for moe in moes:
         if moe.n_experts % ep:
             raise PlanError(f"--mesh {layout.text()}: the model's {moe.n_experts} experts do not divide by "
@@ -288,8 +398,6 @@ def _apply_ep(dec, blocks, mesh, layout, notes) -> None:
             w = getattr(moe.experts, name)
             setattr(moe.experts, name, torch.nn.Parameter(w.detach()[r * local:(r + 1) * local].clone()))
         moe.ep_mesh = ep_mesh
-    notes.append(f"ep={ep}: each rank holds {moes[0].n_experts // ep} of {moes[0].n_experts} experts per "
-                 f"MoE layer; tokens dispatched and combined by all-to-all")
 
 
 # -- checkpointing -----------------------------------------------------------------------------
@@ -473,26 +581,78 @@ def _dp_mesh(mesh, layout):
     rep = layout.size("dp_replicate") > 1
     names = mesh.mesh_dim_names or ()
     # ep and cp ranks hold the same dense weights and see other tokens: FSDP shards over them too
-    shard = [n for n in ("dp", "ep", "cp") if n in names and (layout.size(n) > 1)]
-    if len(shard) > 1:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        shard_name = "_".join(shard)
-        with unset_fake_temporarily():      # the flattened mesh's rank map is a real tensor
-            mesh[tuple(shard)]._flatten(shard_name)
-    elif shard:
-        shard_name = shard[0]
-    else:
-        shard_name = None
+    shard_name = _flat(mesh, [n for n in ("dp", "ep", "cp") if n in names and (layout.size(n) > 1)])
     if rep and shard_name:
         import warnings
         with warnings.catch_warnings():     # torch asks to keep the flattened mesh; it is sliced once
             warnings.simplefilter("ignore", UserWarning)
             return mesh["dp_replicate", shard_name], "hsdp"
     if shard_name:
-        return mesh[shard_name], "fsdp"
+        import warnings
+        with warnings.catch_warnings():     # the same: a flattened dim (dp x ep, dp x cp) sliced once
+            warnings.simplefilter("ignore", UserWarning)
+            return mesh[shard_name], "fsdp"
     if rep:
         return mesh["dp_replicate"], "ddp"
     return None, None
+
+
+def _flat(mesh, shard):
+    """The name of the mesh dim over ``shard`` (flattened when several), or None."""
+    if len(shard) < 2:
+        return shard[0] if shard else None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    name = "_".join(shard)
+    if name not in (mesh.mesh_dim_names or ()):
+        with unset_fake_temporarily():      # the flattened mesh's rank map is a real tensor
+            mesh[tuple(shard)]._flatten(name)
+    return name
+
+
+def _experts_mesh(mesh, layout, tp_split=False):
+    """(mesh, replicated) for each rank's own experts: the data-parallel dims but ep (dp and cp:
+    cp ranks hold the same experts and route other tokens to them; tp too when its ranks split
+    the tokens)."""
+    import warnings
+    name = _flat(mesh, [n for n in ("dp", "cp") + ("tp",) * tp_split if layout.size(n) > 1])
+    rep = layout.size("dp_replicate") > 1
+    with warnings.catch_warnings():         # a flattened dim sliced once (see _dp_mesh)
+        warnings.simplefilter("ignore", UserWarning)
+        if name and rep:
+            return mesh["dp_replicate", name], False
+        if name:
+            return mesh[name], False
+    return (mesh["dp_replicate"], True) if rep else (None, False)
+
+
+def _shard_own_experts(dec, blocks, mesh, layout, kw, tp_split) -> set:
+    """FSDP2 for the experts ep or tp split off (before their blocks'); the parameters it leaves
+    whole on their rank, for the blocks to ignore.
+
+    Each rank's own experts are sharded over dp (and cp, tp) only, their gradients reduced there
+    (HSDP with dp_replicate); with none of them they stay whole on their rank, outside FSDP2,
+    their gradients all-reduced over dp_replicate if any."""
+    from torch.distributed.fsdp import fully_shard
+    if dec is None or not (layout.size("ep") > 1 or tp_split):
+        return set()
+    experts_mesh, replicated = _experts_mesh(mesh, layout, tp_split)
+    local = set()
+    for _, block in blocks:
+        moe = getattr(block, dec.mlp, None)
+        if not _own_experts(moe):
+            continue
+        if experts_mesh is not None and not replicated:
+            fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
+            continue
+        local.update(moe.experts.parameters())
+        if replicated:
+            _replicate_experts(moe.experts, experts_mesh, kw.get("mp_policy"))
+    return local
+
+
+def _replicate_experts(experts, rep_mesh, mp_policy) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    replicate(experts, mesh=rep_mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {}))
 
 
 def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipelined=False):
@@ -509,10 +669,12 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         if needs or layout.checkpointing != "none":
             what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
             raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
-                            f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2), not "
-                            f"{type(model).__name__}; add AuditSpec(parallelize=fn), fn(model, mesh) applying "
-                            f"your own plan and returning the model")
+                            f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2 and "
+                            f"Mixtral/Qwen2-MoE/Qwen3-MoE), not {type(model).__name__}; add "
+                            f"AuditSpec(parallelize=fn), fn(model, mesh) applying your own plan and "
+                            f"returning the model")
     else:
+        _check_moe(dec, layout, model)
         _check_divides(layout, dec, seq_len)
     mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
     if layout.precision == "bf16":
@@ -527,6 +689,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     chosen = _block_fqns(dec, blocks) if dec is not None else []
     if dec is not None and tp > 1:
         _apply_tp(model, dec, mesh["tp"], chosen, notes)
+    tp_split = tp > 1 and _split_experts_over_tp(dec, chosen, mesh, layout, notes)
     if dec is not None and cp > 1:
         if dec.family == "hf":
             _hf_cp_attention(model, chosen, mesh["cp"])
@@ -536,8 +699,9 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                 getattr(block, dec.attn).sdpa = sdpa
         notes.append(f"cp={cp}: each rank holds T/{cp} of the sequence; attention all-gathers K and V "
                      f"over the cp group (reduce-scatters their gradients in backward)")
+    _use_balanced(model, dec, chosen, notes)
     if layout.size("ep") > 1:
-        _apply_ep(dec, chosen, mesh, layout, notes)
+        _apply_ep(model, dec, chosen, mesh, layout, notes, pipelined)
     if dec is not None and layout.checkpointing == "selective-attention":
         _checkpoint_attention(model, dec, chosen, notes)
     elif dec is not None:
@@ -548,25 +712,20 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         kw = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}
         if mixed is not None:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
-        ep = layout.size("ep") > 1
-        experts_mesh = mesh["dp"] if ep and layout.size("dp") > 1 else None
-        local_experts = set()
+        local_experts = _shard_own_experts(dec, chosen, mesh, layout, kw, tp_split)
+        ignored = {"ignored_params": local_experts} if local_experts else {}
         for _, block in chosen:
-            moe = getattr(block, dec.mlp, None) if dec is not None else None
-            if ep and getattr(moe, "ep_mesh", None) is not None:
-                # each ep rank's own experts: sharded over dp only (their gradients reduce
-                # there); with no dp they stay whole on their rank, outside FSDP2
-                if experts_mesh is not None:
-                    fully_shard(moe.experts, **dict(kw, mesh=experts_mesh))
-                else:
-                    local_experts.update(moe.experts.parameters())
-            fully_shard(block, **kw, **({"ignored_params": local_experts} if local_experts else {}))
-        fully_shard(model, **kw, **({"ignored_params": local_experts} if local_experts else {}))
+            fully_shard(block, **kw, **ignored)
+        fully_shard(model, **kw, **ignored)
         n = dp_mesh.size()
         notes.append(f"{'HSDP' if kind == 'hsdp' else 'FSDP2'} over {n} ranks "
                      f"({' x '.join(map(str, dp_mesh.shape))}): fully_shard per block and the root"
                      + ("" if dec is not None else " (the model is not a known decoder: the root is one unit)")
                      + ("; reshard_after_forward=False (pipelined)" if pipelined else ""))
+    elif tp_split and kind is None:                 # tp alone: the experts sharded over tp
+        from torch.distributed.fsdp import fully_shard
+        for _, mlp in _sparse_blocks(dec, chosen):
+            fully_shard(mlp.experts, mesh=_experts_mesh(mesh, layout, True)[0])
     elif kind == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
         kw = {"mesh": dp_mesh}
