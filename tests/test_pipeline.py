@@ -306,7 +306,8 @@ def test_the_step_is_priced_on_the_slowest_stage(tmp_path):
     path.write_text(textwrap.dedent(HEADY))
     out = tmp_path / "a.json"
     res = CliRunner().invoke(cli, ["audit", str(path), "--mesh", "pp=2", "--micro-batches", "8", "--gpu", "h100",
-                                   "--precision", "bf16-mixed", "--format", "json", "--output", str(out)])
+                                   "--precision", "bf16-mixed", "--kernels", "te", "--format", "json",
+                                   "--output", str(out)])
     assert res.exit_code in (0, 1), res.output
     d = json.loads(out.read_text())
     pipe, p = d["totals"]["pipeline"], d["predictions"]["step_time"]
@@ -315,5 +316,7 @@ def test_the_step_is_priced_on_the_slowest_stage(tmp_path):
     assert secs[1] > secs[0] > 0
     assert p["seconds"] == pytest.approx(secs[1])
     assert "slowest's, rank 1" in p["assumptions"][-1] and "bounding (highest-memory) rank 0" in p["assumptions"][-1]
+    # the slowest stage is priced as the audit asked (its own record carries --kernels)
+    assert any(a.startswith("kernels te") for a in p["assumptions"])
     # tokens per GPU: the step's 8 x 4 x 256 tokens over pp = 2 GPUs
     assert p["tokens_per_s_per_gpu"] == pytest.approx(8 * 4 * 256 / 2 / p["seconds"])
