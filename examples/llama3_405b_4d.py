@@ -1,5 +1,8 @@
-"""Llama-3.1-405B as Meta trained it: TP 8 x CP 2 x PP 9 x FSDP 4 = 576 ranks, interleaved
-1F1B with 7 virtual stages, bf16 mixed precision; one micro-batch is 1 x 8,192 tokens.
+"""Llama-3.1-405B on a 4-D layout of the kind Meta trained it with, scaled down: TP 8 x CP 2 x
+PP 9 x FSDP 4 = 576 ranks, interleaved 1F1B with 7 virtual stages, bf16 mixed precision; one
+micro-batch is 1 x 8,192 tokens. (The Llama 3 paper's Table 4 ran its 8K-sequence stage at TP 8,
+CP 1, PP 16, DP 128 on 16,384 GPUs, and the long-context stage at CP 16; PP 9 here divides the
+126 blocks into 63 equal chunks.)
 
     torchledger audit examples/llama3_405b_4d.py --mesh dp=4,cp=2,tp=8,pp=9 \\
         --virtual-stages 7 --micro-batches 18 --precision bf16-mixed --gpu h100
