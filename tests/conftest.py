@@ -147,3 +147,14 @@ def _freeze_what_earlier_modules_left():
     lazily imported modules): a file's gc.collect() calls then scan that file's objects only."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def restore_registry():
+    """The GPU registry (and the hardware file's loaded state) as it was before the test."""
+    from torchledger.formulas import hardware
+    saved = dict(hardware._REGISTRY)
+    yield
+    hardware._REGISTRY.clear()
+    hardware._REGISTRY.update(saved)
+    hardware._ENV_LOADED = None

@@ -185,15 +185,6 @@ def test_calibrate_output_onto_an_existing_file_keeps_the_rows_other_fields(tmp_
     assert row["efficiency"]["matmul_peak_fraction"] == pytest.approx(0.6, rel=1e-4)   # refitted
 
 
-@pytest.fixture
-def restore_registry():
-    saved = dict(hardware._REGISTRY)
-    yield
-    hardware._REGISTRY.clear()
-    hardware._REGISTRY.update(saved)
-    hardware._ENV_LOADED = None
-
-
 def test_calibrate_into_the_hardware_file_in_use_keeps_its_unfitted_efficiency(tmp_path, monkeypatch,
                                                                                  restore_registry):
     # The documented loop: TORCHLEDGER_HARDWARE names the file calibrate writes. Its H100 row

@@ -20,15 +20,6 @@ from torchledger.formulas import steptime as st
 from torchledger.formulas.hardware import get_gpu
 
 
-@pytest.fixture
-def restore_registry():
-    saved = dict(hardware._REGISTRY)
-    yield
-    hardware._REGISTRY.clear()
-    hardware._REGISTRY.update(saved)
-    hardware._ENV_LOADED = None
-
-
 def _single(gpu, **kw) -> dict:
     """The part's efficiency row for one kernel: no sustained-training derate."""
     return dict(st.efficiency(gpu), sustained_fraction=1.0, **kw)

@@ -4,10 +4,10 @@ interleaved at pp=2 x v=2 with FSDP2 over dp=2) checked against hand arithmetic:
 FLOPs per stage, per-stage peaks, FSDP2's collectives once per step."""
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 
+from _pipeline_models import TINY4, write_model
 from torchledger.formulas.pipeline import bubble_fraction, chunk_sizes, in_flight, rank_chunks
 
 # -- closed forms ------------------------------------------------------------------------------
@@ -50,25 +50,13 @@ dist = pytest.importorskip("torch.distributed")
 # llama-tiny, 4 blocks, 4 KV heads, batch 2 x 32 (one micro-batch), fp32. A block's forward:
 # 2 x 64 tokens x 50,176 matmul weights = 6,422,528 + attention 4 x 2 x 4 x 32 x 32 x 16 =
 # 524,288: 6,946,816 FLOPs. An activation sent between stages: 2 x 32 x 64 x 4 B = 16,384 B.
-TINY4 = """
-    import torch, torchledger
-    from torchledger.models import build_model, get_config
-
-    def audit_spec():
-        cfg = get_config("llama-tiny").replace(n_kv_heads=4, n_layers=4)
-        model = build_model(cfg)
-        idx = torch.randint(0, cfg.vocab_size, (2, 32))
-        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
-"""
 BLOCK_FWD = 6_946_816
 ACT = 2 * 32 * 64 * 4
 
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
-    p = tmp_path_factory.mktemp("pp") / "tiny4.py"
-    p.write_text(textwrap.dedent(TINY4))
-    return str(p)
+    return write_model(tmp_path_factory.mktemp("pp"))
 
 
 @pytest.fixture(scope="module")
@@ -302,10 +290,9 @@ def test_the_step_is_priced_on_the_slowest_stage(tmp_path):
     import json
     from click.testing import CliRunner
     from torchledger.cli import cli
-    path = tmp_path / "heady.py"
-    path.write_text(textwrap.dedent(HEADY))
+    path = write_model(tmp_path, HEADY, "heady.py")
     out = tmp_path / "a.json"
-    res = CliRunner().invoke(cli, ["audit", str(path), "--mesh", "pp=2", "--micro-batches", "8", "--gpu", "h100",
+    res = CliRunner().invoke(cli, ["audit", path, "--mesh", "pp=2", "--micro-batches", "8", "--gpu", "h100",
                                    "--precision", "bf16-mixed", "--kernels", "te", "--format", "json",
                                    "--output", str(out)])
     assert res.exit_code in (0, 1), res.output

@@ -3,17 +3,15 @@ without data parallelism the plan's autocast must reach the stage runner's chunk
 dropped: every matmul traced and priced in fp32), with it FSDP2/DDP's MixedPrecisionPolicy."""
 import pytest
 
-from test_pipeline_precision import MESHES, TINY4, check_pipeline_precision  # noqa: F401
+from _pipeline_models import write_model
+from test_pipeline_precision import MESHES, check_pipeline_precision
 
 pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
-    import textwrap
-    p = tmp_path_factory.mktemp("ppmixed") / "tiny4.py"
-    p.write_text(textwrap.dedent(TINY4))
-    return str(p)
+    return write_model(tmp_path_factory.mktemp("ppmixed"))
 
 
 @pytest.mark.slow

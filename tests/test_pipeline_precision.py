@@ -3,27 +3,18 @@ dtype (it used to replace the autocast-wrapped forward and trace fp32 matmuls un
 ``--precision bf16-mixed`` without dp), and what one stage sends is what the next receives.
 
 TL-PREC-001 (matmuls in fp32 under a 16-bit plan) checked on hand-made records."""
-import textwrap
-
 import pytest
+
+from _pipeline_models import write_model
 
 from torchledger.analyzers.precision import check_precision, matmul_flops_by_dtype
 from torchledger.record import StepRecord
 
 torch = pytest.importorskip("torch")
 
-# llama-tiny, 4 blocks, batch 2 x 32 tokens, d = 64: an activation between stages holds
-# 2 x 32 x 64 = 4,096 elements; under tp (sequence parallel) or cp a rank's is T/2: 2,048.
-TINY4 = """
-    import torch, torchledger
-    from torchledger.models import build_model, get_config
-
-    def audit_spec():
-        cfg = get_config("llama-tiny").replace(n_kv_heads=4, n_layers=4)
-        model = build_model(cfg)
-        idx = torch.randint(0, cfg.vocab_size, (2, 32))
-        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
-"""
+# llama-tiny, 4 blocks, batch 2 x 32 tokens, d = 64 (tests/_pipeline_models.py): an activation
+# between stages holds 2 x 32 x 64 = 4,096 elements; under tp (sequence parallel) or cp a
+# rank's is T/2: 2,048.
 M = 4
 COMPUTE = {"fp32": "fp32", "bf16": "bf16", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 # (mesh, virtual stages, elements of one activation, data parallel wraps the model)
@@ -43,9 +34,7 @@ def _stream_bytes(precision: str, data_parallel: bool) -> int:
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
-    p = tmp_path_factory.mktemp("ppprec") / "tiny4.py"
-    p.write_text(textwrap.dedent(TINY4))
-    return str(p)
+    return write_model(tmp_path_factory.mktemp("ppprec"))
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import textwrap
 
 import pytest
 
+from _pipeline_models import write_model
 from torchledger.formulas.pipeline import bubble_fraction, in_flight, schedule_problem
 from torchledger.formulas.schedules import rank_actions
 
@@ -167,16 +167,6 @@ def test_refusals_are_pytorchs():
     assert schedule_problem(4, 2, 3, "interleaved") is None
 
 
-TINY4 = """
-    import torch, torchledger
-    from torchledger.models import build_model, get_config
-
-    def audit_spec():
-        cfg = get_config("llama-tiny").replace(n_kv_heads=4, n_layers=4)
-        model = build_model(cfg)
-        idx = torch.randint(0, cfg.vocab_size, (2, 32))
-        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
-"""
 
 
 def test_1f1b_with_fewer_micro_batches_than_stages_is_one_line(tmp_path):
@@ -184,8 +174,7 @@ def test_1f1b_with_fewer_micro_batches_than_stages_is_one_line(tmp_path):
     from click.testing import CliRunner
     from torchledger.cli import cli
     from test_audit_cli import one_line_error
-    path = tmp_path / "tiny4.py"
-    path.write_text(textwrap.dedent(TINY4))
+    path = write_model(tmp_path)
     result = CliRunner().invoke(cli, ["audit", str(path), "--mesh", "pp=4", "--micro-batches", "2"])
     one_line_error(result, "Schedule1F1B refuses fewer micro-batches than stages (2 < 4)", "--schedule gpipe")
 
@@ -197,8 +186,7 @@ def test_a_pipeline_audit_holds_what_pytorchs_schedule_holds(tmp_path, schedule,
     p; the closed form said [5, 3]), zero-bubble at m = 4 (F minus W; it said [5, 3])."""
     pytest.importorskip("torch.distributed")
     from torchledger.audit import run_audit
-    path = tmp_path / "tiny4.py"
-    path.write_text(textwrap.dedent(TINY4))
+    path = write_model(tmp_path)
     rec = run_audit(str(path), mesh="pp=2", plan={"micro_batches": m, "virtual_stages": 2,
                                                    "schedule": schedule}).record
     pipe = rec.totals["pipeline"]

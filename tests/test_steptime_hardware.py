@@ -8,15 +8,6 @@ from torchledger.formulas import hardware
 from torchledger.formulas.hardware import get_gpu
 
 
-@pytest.fixture
-def restore_registry():
-    saved = dict(hardware._REGISTRY)
-    yield
-    hardware._REGISTRY.clear()
-    hardware._REGISTRY.update(saved)
-    hardware._ENV_LOADED = None
-
-
 @pytest.mark.parametrize("name, bf16_tf, bw_tb, mem_gb", [
     ("H100 SXM", 989.5, 3.35, 80),     # 1,979 is the sparse figure: never used
     ("H100 PCIe", 756, 2.0, 80),
