@@ -124,7 +124,7 @@ def test_accumulation_runs_micro_steps_and_one_sync():
     hardware._ensure_loaded()
     part = hardware.register_gpu("Round-test", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
                                  nvlink="100GB/s", nic="10GB/s",
-                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0})
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0, "overlap_slowdown": 0.0})
     rec = _record()
     # a DDP all-reduce of 700 MB in backward over 8 ranks in one node: 8.4 + 14 x 3.4 = 56 us
     # + 2*7/8 x 0.7e9 / 100e9 = 12.25 ms; issued after the backward's first half (1 bucket:
@@ -329,7 +329,7 @@ def test_a_composed_pipeline_stage_is_m_micro_steps():
     hardware._ensure_loaded()
     part = hardware.register_gpu("Round-pp", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
                                  nvlink="100GB/s", nic="10GB/s",
-                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0})
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0, "overlap_slowdown": 0.0})
     rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
     rec.totals.update(tokens=4000)    # the step's: 4 micro-batches of 1,000
     rec.totals["flops"] = {"forward": 4 * 10 ** 11, "backward": 8 * 10 ** 11, "optimizer": 0,
@@ -365,7 +365,7 @@ def test_a_composed_stage_reduces_every_micro_step_rows_under_its_backward():
     hardware._ensure_loaded()
     part = hardware.register_gpu("Round-pp2", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
                                  nvlink="100GB/s", nic="10GB/s",
-                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0})
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0, "overlap_slowdown": 0.0})
     rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
     rec.totals["pipeline"] = {"stages": 2, "micro_batches": 4, "schedule": "zero-bubble", "per_stage": []}
     gathers = [{"op": "all_gather", "phase": "forward", "module": b, "count": 1, "bytes": 10, "algo_bytes": 80,
