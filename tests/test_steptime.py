@@ -403,3 +403,72 @@ def test_tokens_per_s_per_gpu_is_global_tokens_over_the_world():
     # cp=2: the rank's tokens are already T/cp of each sequence: dp=4, cp=2 is 1,000 per GPU
     rec.totals["parallel_dims"] = {"dp": 4, "cp": 2}
     assert predict_step_time(rec, "h100")["tokens_per_s_per_gpu"] == pytest.approx(1000 / p["seconds"])
+
+
+# -- issue 33 item 4: accumulation, pipelines and MFU in the step time ------------------------------
+
+def _round_part(name):
+    from torchledger.formulas import hardware
+    hardware._ensure_loaded()
+    return hardware.register_gpu(name, "80GB", "1TB/s", {"bf16": "100T", "fp32": "50T"}, sm_count=100,
+                                 nvlink="100GB/s", nic="10GB/s",
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0,
+                                             "overlap_slowdown": 0.0, "sustained_fraction": 1.0})
+
+
+def test_tp_collectives_are_paid_once_per_micro_batch_under_accumulation():
+    from torchledger.analyzers.steptime import collective_row_seconds, predict_step_time
+    part = _round_part("Round-tp-acc")
+    rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
+    rec.totals["tensor_parallel"] = 2
+    tp = {"op": "all_gather", "phase": "forward", "module": "b0", "count": 1, "bytes": 10 ** 8,
+          "algo_bytes": 2 * 10 ** 8, "group_size": 2, "group_span": 2}
+    rec.collectives = [tp]
+    g = collective_row_seconds(tp, part, st.efficiency(part))[0]
+    # 4 micro-batches: 4 x (6 ms of compute + the exposed TP gather), not 4 x 6 ms + one gather
+    p = predict_step_time(rec, part, {"micro_batches": 4})
+    assert p["seconds"] == pytest.approx(4 * (6e-3 + g))
+    assert p["comm_seconds"] == pytest.approx(4 * g)
+
+
+def test_by_kind_adds_up_with_micro_batches_and_an_optimizer():
+    from torchledger.analyzers.steptime import predict_step_time
+    part = _round_part("Round-kinds")
+    rec = _record()
+    # the optimizer: 3 GB of foreach traffic once per step (3 ms), not once per micro-batch
+    rec.ops.append({"op": "aten._foreach_add_.List", "phase": "optimizer", "module": None, "kind": "elementwise",
+                    "count": 1, "flops": 0, "bytes_read": 2 * 10 ** 9, "bytes_written": 10 ** 9})
+    p = predict_step_time(rec, part, {"micro_batches": 4})
+    # 4 x 6 ms of passes + 3 ms of optimizer = 27 ms
+    assert p["seconds"] == pytest.approx(27e-3)
+    assert p["by_phase"]["optimizer"] == pytest.approx(3e-3)
+    assert sum(p["by_kind"].values()) == pytest.approx(p["seconds"])
+
+
+@pytest.mark.parametrize("schedule, fraction", [("zero-bubble", 0.05), ("gpipe", 0.1875)])
+def test_the_records_own_bubble_fraction_is_used(schedule, fraction):
+    from torchledger.analyzers.steptime import predict_step_time
+    part = _round_part("Round-bubble")
+    rec = _record()
+    # p = 4, v = 2, m = 8: the closed form (p-1)/(v m) = 0.1875; the record's schedule says otherwise
+    # for zero-bubble (0.05 here, whatever the schedule simulation gave) and the same for GPipe
+    rec.totals["pipeline"] = {"stages": 4, "virtual_stages": 2, "micro_batches": 8, "schedule": schedule,
+                              "bubble_fraction": fraction}
+    p = predict_step_time(rec, part, {"micro_batches": 8})
+    # the bubble is the fraction x the step's forward and backward: 8 x 6 ms
+    assert p["bubble_seconds"] == pytest.approx(fraction * 8 * 6e-3)
+
+
+def test_mfu_is_against_the_peak_of_the_dtype_the_matmuls_ran_in():
+    from torchledger.analyzers.steptime import predict_step_time
+    part = _round_part("Round-mfu")
+    rec = _record()
+    rec.meta["dtype"] = "float32"                  # fp32 weights, bf16 autocast matmuls
+    flops = 4 * 2 * 8192 ** 3
+    rec.ops.append({"op": "aten.mm.default", "phase": "forward", "module": "b0", "kind": "matmul", "count": 4,
+                    "flops": flops, "shapes": [{"mnk": [1, 8192, 8192, 8192], "dtype": "bf16", "count": 4,
+                                                "flops": flops}]})
+    rec.totals["flops"] = {"forward": flops, "backward": 0, "optimizer": 0, "total": flops, "other": 0}
+    p = predict_step_time(rec, part)
+    # against the bf16 column (100 TFLOP/s), not the fp32 one (50)
+    assert p["mfu"] == pytest.approx(flops / p["seconds"] / 100e12)
