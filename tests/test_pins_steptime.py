@@ -147,14 +147,28 @@ def test_tree_all_reduce_moves_the_buffer_twice_512_h100s():
 
 
 def test_ring_all_reduce_over_8_h100s_the_modules_hand_check():
-    # one node, ring/Simple: latency 8.4 + 2 x 7 x 3.4 = 56 us; bus bytes 2 x 7/8 x 1 GB =
-    # 1.75 GB at 0.8 x 450 GB/s (NVLink 4, one direction) = 4.8611 ms; 4.9171 ms
+    # one node, ring/Simple (NVLS off): latency 8.4 + 2 x 7 x 3.4 = 56 us; bus bytes 2 x 7/8 x
+    # 1 GB = 1.75 GB at 0.8 x 450 GB/s (NVLink 4, one direction) = 4.8611 ms; 4.9171 ms
     h100 = get_gpu("h100")
     assert h100.nvlink_bytes_per_s == 450e9
-    t, algo = st.collective_seconds("all_reduce", 1e9, 8, 8, h100)
+    t, algo = st.collective_seconds("all_reduce", 1e9, 8, 8, h100, dict(st.efficiency(h100), nvls_fraction=0))
     assert algo == "ring/Simple"
     assert t == pytest.approx(56e-6 + 1.75e9 / 360e9, rel=1e-9)
     assert t == pytest.approx(4.917e-3, rel=1e-4)
+
+
+def test_nvls_all_reduce_in_one_h100_node():
+    # NVLink SHARP: 25 us + 1.75 GB of bus bytes at 480 GB/s (480/450 of NVLink 4's 450) =
+    # 3.6458 ms + 0.025 = 3.6708 ms, faster than the ring's 4.917: NCCL's choice, and the model's
+    h100 = get_gpu("h100")
+    t, algo = st.collective_seconds("all_reduce", 1e9, 8, 8, h100)
+    assert algo == "nvls/Simple"
+    assert t == pytest.approx(25e-6 + 1.75e9 / 480e9, rel=1e-9)
+    # across nodes (16 ranks, 2 nodes) no NVLS: ring or tree; A100's NVSwitch has no SHARP
+    assert not st.collective_seconds("all_reduce", 1e9, 16, 16, h100)[1].startswith("nvls")
+    assert st.collective_seconds("all_reduce", 1e9, 8, 8, get_gpu("a100"))[1] == "ring/Simple"
+    # a small one stays on the ring's LL protocol (NVLS's 25 us latency)
+    assert st.collective_seconds("all_reduce", 4096, 8, 8, h100)[1] == "ring/LL"
 
 
 def test_the_communication_stream_is_a_queue():

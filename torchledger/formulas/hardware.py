@@ -141,7 +141,7 @@ _BUILTIN = [
     # the DVFS range (P ~ f^3), so (500 / 700)^(1/3) = 0.894 of the 700 W part's sustained rate
     # (the H100 SXM row's matmul and attention fractions x 0.894).
     _spec("H100 96GB 500W", 96, 2.46, 67, 494.7, 989.5, 989.5, 1979, ["h100-96gb-500w", "h100-96gb"], 132, 450,
-          50, efficiency={"matmul_peak_fraction": round(0.8435 * 0.894, 4),
+          50, efficiency={"matmul_peak_fraction": round(0.8435 * 0.894, 4), "nvls_fraction": round(480 / 450, 4),
                       "attention": {"flash": [round(0.38 * 0.894, 4), round(0.30 * 0.894, 4)],
                                     "cudnn": [round(0.60 * 0.894, 4), round(0.45 * 0.894, 4)],
                                     "efficient": [round(0.20 * 0.894, 4), round(0.16 * 0.894, 4)]}},

@@ -208,6 +208,7 @@ EFFICIENCY_FIELDS = {
     "allow_tf32": _flag,
     "sustained_fraction": _fraction,
     "overlap_slowdown": lambda v, w: _real(v, w, 0.0, 1.0, low_open=False, example="0.1"),
+    "nvls_fraction": lambda v, w: _real(v, w, 0.0, 4.0, low_open=False, example="1.067"),
 }
 
 

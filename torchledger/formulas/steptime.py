@@ -48,7 +48,8 @@ source; ``torchledger calibrate`` refits the kernel ones from measured records.
 Known limitations:
   - no clock throttling under sustained load beyond ``matmul_peak_fraction``; no L2 reuse
     across kernels; no stream-K (cuBLAS on Hopper) beyond the split-K candidates;
-  - SHARP / NVLS in-network reductions, PXN and multi-rail topologies are not modelled;
+  - NVLS only for a one-node all-reduce (not NVLS tree across nodes, nor IB SHARP); PXN and
+    multi-rail topologies are not modelled;
   - the launch floor is per kernel: a step that CUDA graphs capture pays less.
 """
 from __future__ import annotations
@@ -106,6 +107,12 @@ DEFAULT_EFFICIENCY = {
     # A100/H100: all-reduce busbw ~230/~360-370 GB/s of 300/450 GB/s NVLink; IB ~90%).
     "nvlink_fraction": 0.80,
     "network_fraction": 0.90,
+    # NVLink SHARP (NVLS): on NVSwitch systems with in-switch reduction (H100, H200, B200;
+    # not A100's NVSwitch) NCCL >= 2.17 runs a one-node all-reduce in the switch: each GPU
+    # sends and receives its buffer once. Its bus bandwidth as a fraction of the part's NVLink
+    # one-way figure (nccl-tests on DGX H100: ~480 GB/s busbw against a ring's ~360: 480/450 =
+    # 1.067); latency NCCL's tuning.cc NVLS figure, 25 us. 0: no NVLS on the part.
+    "nvls_fraction": 0.0,
     # fp32 matmuls on tensor cores (TF32)? PyTorch's default is no
     # (torch.backends.cuda.matmul.allow_tf32 = False): fp32 matmuls at the fp32 peak.
     "allow_tf32": False,
@@ -143,9 +150,9 @@ PART_EFFICIENCY = {
     # PyTorch SDPA runs FlashAttention-2's kernels (not FA3): ~350-400 TF/s forward of
     # 989 (FA3 paper, Shah et al. 2024, Fig. 5 FA2 baselines), backward ~300; cuDNN 9's
     # Hopper kernels ~550-650 forward (FA3 paper's cuDNN baseline; cuDNN release notes).
-    "H100 SXM": {"matmul_peak_fraction": 0.8435,
+    "H100 SXM": {"matmul_peak_fraction": 0.8435, "nvls_fraction": 480 / 450,
                  "attention": {"flash": [0.38, 0.30], "cudnn": [0.60, 0.45], "efficient": [0.20, 0.16]}},
-    "H200 SXM": {"matmul_peak_fraction": 0.80,
+    "H200 SXM": {"matmul_peak_fraction": 0.80, "nvls_fraction": 480 / 450,
                  "attention": {"flash": [0.40, 0.32], "cudnn": [0.62, 0.47], "efficient": [0.20, 0.16]}},
     "H100 PCIe": {"matmul_peak_fraction": 0.75,
                   "attention": {"flash": [0.40, 0.32], "cudnn": [0.60, 0.45], "efficient": [0.20, 0.16]}},
@@ -158,7 +165,7 @@ PART_EFFICIENCY = {
     # Ada (L4, L40S): power-capped parts; cuBLAS ~0.6-0.7 of the boost-clock peak.
     "L4": {"matmul_peak_fraction": 0.60},
     "L40S": {"matmul_peak_fraction": 0.70},
-    "B200 SXM": {"matmul_peak_fraction": 0.75,
+    "B200 SXM": {"matmul_peak_fraction": 0.75, "nvls_fraction": 480 / 450,
                  "attention": {"flash": [0.35, 0.28], "cudnn": [0.60, 0.45], "efficient": [0.2, 0.15]}},
 }
 
@@ -173,6 +180,8 @@ _HW_LAT = {"nvlink": {"tree": {"LL": 0.52, "Simple": 28.0}, "ring": {"LL": 0.47,
 # all-reduce (tuning.cc), 1/3 otherwise; tree bandwidth is 0.9 x the ring's (tuning.cc), LL
 # tree 1/3.8 of that.
 _LL_FACTOR = 0.25
+# tuning.cc: NVLS's hardware latency on NVLink, Simple protocol (its only one), microseconds.
+_NVLS_LAT = 25.0
 
 
 def efficiency(gpu) -> dict:
@@ -332,13 +341,17 @@ def collective_seconds(op: str, nbytes: float, group_size: int, span: Optional[i
     r, nodes = group_layout(n, span, gpn)
     bw, link = bus_bandwidth(n, span, gpu, eff)
     intra = "nvlink" if link == "nvlink" or (nodes > 1 and (gpu.nvlink_bytes_per_s or 0) > 64e9) else "pci"
+    if op == "all_reduce" and nodes == 1 and float(eff.get("nvls_fraction") or 0) > 0 and link == "nvlink":
+        nvls = _NVLS_LAT * 1e-6 + nbytes * 2.0 * (n - 1) / n / (gpu.nvlink_bytes_per_s * float(eff["nvls_fraction"]))
+    else:
+        nvls = math.inf
     if op == "all_reduce":
         steps, inter, factor = 2 * (n - 1), 2 * (nodes - 1), 2.0 * (n - 1) / n
     elif op in ("all_gather", "reduce_scatter", "all_to_all"):
         steps, inter, factor = n - 1, nodes - 1, (n - 1) / n
     else:               # broadcast, send, recv: the buffer once over the link
         steps, inter, factor = (n if op == "broadcast" else 1), (nodes if nodes > 1 else 0), 1.0
-    best = (math.inf, "ring")
+    best = (nvls, "nvls/Simple")
     for proto in ("LL", "Simple"):
         lat = _BASE_LAT["ring"][proto] + (steps - inter) * _HW_LAT[intra]["ring"][proto] \
             + inter * _HW_LAT["net"]["ring"][proto]
