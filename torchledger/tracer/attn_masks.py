@@ -26,7 +26,8 @@ recognises it from where it ran instead. An explicit mask is taken for the causa
   ``is_causal = True`` (an encoder-decoder's decoder self-attention).
 
 The state is ``(basis, mask bytes)``: ``basis`` names the evidence (None: an explicit mask not
-taken for the causal one), the bytes are the mask tensor's storage. Known limitations: a
+taken for the causal one), the bytes are the storage of the mask the kernel got (for the CPU
+flash kernel SDPA's float copy of the boolean mask: one per call, kept for backward). Known limitations: a
 causal LM traced on fake tensors with real padding (a batch of uneven sequences) is priced
 as if unpadded; a prefix-LM or image-token mask (Gemma 3's bidirectional image blocks) in a
 model whose attention says ``is_causal`` is taken for causal.

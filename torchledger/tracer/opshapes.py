@@ -19,9 +19,9 @@ everything lives in the mode's :class:`ShapeLog`:
 
 Rows of ``record.ops`` gain ``shapes: [{"mnk"|"attn": [...], "dtype", "causal"?, "count",
 "flops"}]`` and ``fused_bytes``/``fused_kernels`` (records stay torchledger/1: new keys only).
-An attention call given an explicit mask adds ``"mask": true`` and ``"mask_bytes"`` (the mask
-tensor's storage, shared by the calls that take it), and ``"mask_causal"`` (the evidence, a few
-words) when :mod:`.attn_masks` takes the mask for the causal one a GPU run would not build
+An attention call given an explicit mask adds ``"mask": true`` and ``"mask_bytes"`` (the storage
+of the mask the kernel got: SDPA's CPU kernel gets a float copy of a boolean mask, made per
+call and kept for backward), and ``"mask_causal"`` (the evidence, a few words) when :mod:`.attn_masks` takes the mask for the causal one a GPU run would not build
 (``"causal"`` stays what the traced kernel was told: its ``is_causal``).
 
 Known limitations: a fused chain's external inputs beyond its first op (a residual added
