@@ -21,8 +21,9 @@ Rows of ``record.ops`` gain ``shapes: [{"mnk"|"attn": [...], "dtype", "causal"?,
 "flops"}]`` and ``fused_bytes``/``fused_kernels`` (records stay torchledger/1: new keys only).
 An attention call given an explicit mask adds ``"mask": true`` and ``"mask_bytes"`` (the storage
 of the mask the kernel got: SDPA's CPU kernel gets a float copy of a boolean mask, made per
-call and kept for backward), and ``"mask_causal"`` (the evidence, a few words) when :mod:`.attn_masks` takes the mask for the causal one a GPU run would not build
-(``"causal"`` stays what the traced kernel was told: its ``is_causal``).
+call and kept for backward), and ``"mask_causal"`` (the evidence, a few words) when
+:mod:`.attn_masks` takes the mask for the causal one a GPU run would not build (``"causal"``
+stays what the traced kernel was told: its ``is_causal``).
 
 Known limitations: a fused chain's external inputs beyond its first op (a residual added
 mid-chain) are not counted; shapes of DTensor operands are this rank's local shards.
@@ -111,15 +112,16 @@ def _attn_sig(func, args, causal, mask=None):
     else:                                                                 # (b, h, s, d)
         b, hq, s_q, d = sq
         s_k, dv = sk[2], sv[3]
-    return ("attn", (b, hq, s_q, s_k, d, dv), _DTYPES.get(q.dtype, "fp32"), bool(causal), mask)
+    sig = ("attn", (b, hq, s_q, s_k, d, dv), _DTYPES.get(q.dtype, "fp32"), bool(causal))
+    return sig if mask is None else sig + (mask,)
 
 
 def note_mask(log, fid, func, args, fc, mask) -> None:
     """Called by ``dispatch`` for each fused attention op (never for others) before
     ``note_op``: the signature ``note_op`` finds in its cache for this call is made to carry
-    ``mask``, the call's :func:`~.attn_masks.mask_state` (None: no explicit mask). The cache key
-    is ``note_op``'s own, which holds no mask (it is a keyword argument of the CPU kernel):
-    so the matmuls' hot path pays nothing for it."""
+    ``mask``, the call's :meth:`~.attn_masks.MaskFacts.state` (None: no explicit mask; the
+    signature is then the plain one). The cache key is ``note_op``'s own, which holds no mask
+    (it is a keyword argument of the CPU kernel): so the matmuls' hot path pays nothing."""
     ckey = (fid, tuple(_shape(a) if isinstance(a, _Tensor) else None for a in args[:4]),
             fc.flops_causal < fc.flops)
     mkey = (ckey, mask)
@@ -207,7 +209,7 @@ def attach_shapes(mode, scope, ops: list, op_name=None) -> None:
         entry = {sig[0]: sig[1], "dtype": sig[2], "count": count, "flops": int(flops)}
         if sig[0] == "attn":
             entry["causal"] = sig[3]
-            if sig[4] is not None:          # an explicit mask (attn_masks.mask_state)
+            if len(sig) > 4:                # an explicit mask (attn_masks.MaskFacts.state)
                 entry["mask"] = True
                 entry["mask_bytes"] = sig[4][1]
                 if sig[4][0]:
