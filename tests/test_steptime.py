@@ -149,6 +149,30 @@ def test_compiled_fuses_chains():
     assert op_seconds(row, PART, EFF, compiled=True)["seconds"] == pytest.approx(2e-3)
 
 
+def test_causal_kernel_runs_slower_per_flop_by_hand():
+    """attention_causal_fraction: a causal kernel executes half the pairs at 0.87 of the
+    dense kernel's rate per FLOP (FA3 paper Fig. 5, FlashAttention-2 at 4k: 319/368)."""
+    # b 1, 32 heads, S 8192, d = dv = 128, bf16, forward, flash [0.65, 0.55] on PART (100 TF/s):
+    #   dense FLOPs 2 x 32 x 8192^2 x 256 = 1.09951e12 at 0.65 x 8192 / 8448 = 0.63030 of
+    #   100 TF/s -> 17.4442 ms; causal: half of them, 5.49756e11, at 0.63030 x 0.87 = 0.54836
+    #   -> 10.0254 ms = 0.5747 of dense (0.5 without the factor)
+    assert EFF["attention_causal_fraction"] == 0.87
+    dense = st.attention_seconds(1, 32, 8192, 8192, 128, 128, False, False, "bf16", PART, eff=EFF)
+    causal = st.attention_seconds(1, 32, 8192, 8192, 128, 128, True, False, "bf16", PART, eff=EFF)
+    assert dense == pytest.approx(17.4442e-3, rel=1e-5)
+    assert causal == pytest.approx(10.0254e-3, rel=1e-5)
+    assert causal / dense == pytest.approx(0.5 / 0.87, rel=1e-12)
+    # the backward the same: 2.5 x the FLOPs at 0.55 x 0.96970 (x 0.87 when causal)
+    bd = st.attention_seconds(1, 32, 8192, 8192, 128, 128, False, True, "bf16", PART, eff=EFF)
+    bc = st.attention_seconds(1, 32, 8192, 8192, 128, 128, True, True, "bf16", PART, eff=EFF)
+    assert bd == pytest.approx(2.5 * 1.09951e12 / (100e12 * 0.55 * 8192 / 8448), rel=1e-5)
+    assert bc / bd == pytest.approx(0.5 / 0.87, rel=1e-12)
+    # a part's row may set it: 1.0 is the dense kernel's rate, exactly half the time
+    one = st.attention_seconds(1, 32, 8192, 8192, 128, 128, True, False, "bf16", PART,
+                               eff=dict(EFF, attention_causal_fraction=1.0))
+    assert one == pytest.approx(dense / 2, rel=1e-12)
+
+
 def test_context_parallel_attention_is_priced_as_a_balanced_causal_ring():
     """A cp rank's T/cp queries over the all-gathered T keys ran under a shifted mask (every
     pair computed); on the GPU the ring is load-balanced causal: half the pairs."""

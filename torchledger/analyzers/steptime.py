@@ -48,8 +48,8 @@ import re
 from ..formulas import steptime as st
 from .fit import first_step_state
 
-__all__ = ["predict_step_time", "attach_step_time", "op_seconds", "collective_row_seconds", "compare_step_time",
-           "step_time_skipped"]
+__all__ = ["predict_step_time", "attach_step_time", "op_seconds", "causal_mask_assumptions", "collective_row_seconds",
+           "compare_step_time", "step_time_skipped"]
 
 _PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 #: Ops with which an optimizer makes its state on its first step (AdamW: exp_avg and
@@ -111,6 +111,10 @@ def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled:
     kind is ``matmul``, ``attention``, ``memory_bound`` or ``free``; ``launch`` is the part of
     the seconds that is launch floor above the kernels' own time.
 
+    Attention with an explicit mask the tracer took for the causal one (``mask_causal``: a
+    causal LM traced on fake tensors, where transformers builds the mask it skips on a GPU
+    with an all-ones padding mask, calling SDPA with ``is_causal=True``) is priced causal.
+
     ``cp``: the context-parallel degree of the step. A rank's T/cp queries over the
     all-gathered T keys (``sq x cp == sk``) ran under the kernel's causal flag (the standard
     plan's attention; records made before it used a shifted mask, a masked kernel computing
@@ -137,7 +141,7 @@ def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled:
             elif "attn" in s:
                 b, h, sq, sk, d, dv = s["attn"]
                 backward = "backward" in name
-                causal = bool(s.get("causal")) or (cp > 1 and sq * cp == sk)
+                causal = bool(s.get("causal") or s.get("mask_causal")) or (cp > 1 and sq * cp == sk)
                 t = st.attention_seconds(b, h, sq, sk, d, dv, causal, backward, dt, gpu, eff=eff)
                 raw = t
             else:
@@ -177,6 +181,26 @@ def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled:
     raw = st.memory_seconds(nbytes, gpu, eff, floor=False)
     t = max(raw, kernels * launch)
     return {"seconds": t, "kind": "memory_bound", "launch": t - raw}
+
+
+def causal_mask_assumptions(ops) -> list:
+    """The assumptions line for attention whose explicit mask :func:`op_seconds` priced
+    causal (``mask_causal`` in a shape), with the bytes of those masks the forward calls took
+    (kept for backward by the CPU kernel, and counted so in the traced memory); else []."""
+    why, nbytes = set(), 0
+    for row in ops or ():
+        for s in row.get("shapes") or ():
+            if s.get("mask_causal"):
+                why.add(str(s["mask_causal"]))
+                if row.get("phase") == "forward":
+                    nbytes += int(s.get("mask_bytes") or 0) * int(s.get("count") or 0)
+    if not why:
+        return []
+    from ..units import fmt_bytes
+    return [f"the explicit mask of a causal LM ({'; '.join(sorted(why))}) priced causal, as transformers runs "
+            f"SDPA on a GPU with an all-ones padding mask (is_causal=True, no mask); fake tensors hold no "
+            f"values: a padded batch would run the mask, dense. The traced memory counts up to "
+            f"{fmt_bytes(nbytes)} of those masks, which that run would not build"]
 
 
 def collective_row_seconds(row: dict, gpu, eff: dict) -> tuple:
@@ -486,6 +510,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         assumptions.append(f"context parallel {cp}: each rank's T/{cp} queries over the all-gathered keys as a "
                            f"load-balanced causal ring (half the pairs, as PyTorch's context_parallel and "
                            f"Transformer Engine run it)")
+    assumptions += causal_mask_assumptions(rec.ops)
     out = {
         "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
         "tokens_per_s_per_gpu": tok_rate, "mfu": mfu, "hfu": hfu,

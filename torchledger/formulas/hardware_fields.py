@@ -205,6 +205,7 @@ EFFICIENCY_FIELDS = {
     "attention_kernel": _kernel,
     "attention": _attention,
     "attention_seq_half": lambda v, w: _real(v, w, 0.0, 1e9, low_open=False, example="256"),
+    "attention_causal_fraction": _fraction,
     "allow_tf32": _flag,
     "sustained_fraction": _fraction,
     "overlap_slowdown": lambda v, w: _real(v, w, 0.0, 1.0, low_open=False, example="0.1"),

@@ -27,8 +27,10 @@ The step-time model of ``audit --gpu NAME`` (issue 23). Each function takes shap
 * **Attention** (:func:`attention_seconds`): FLOPs the kernel executes (causal: half the
   dense score matrix, the masked blocks are skipped; backward: 2.5 x forward, the fused
   kernels recompute Q K^T) at the kernel's own fraction of peak (``attention`` table: flash,
-  cuDNN, memory-efficient), scaled down for short sequences (``S / (S + attention_seq_half)``)
-  and head dims below 128; the math path is priced as its matmuls and softmax instead.
+  cuDNN, memory-efficient), scaled down for short sequences (``S / (S + attention_seq_half)``),
+  head dims below 128 and causal kernels (``attention_causal_fraction``: the FA papers'
+  causal kernels run ~13% slower per executed FLOP); the math path is priced as its matmuls
+  and softmax instead.
 
 * **Memory-bound** ops (:func:`memory_seconds`): bytes read + written over
   ``memory_fraction`` of the HBM bandwidth, never under the launch floor.
@@ -103,6 +105,15 @@ DEFAULT_EFFICIENCY = {
     # Sequence length at which attention reaches half its long-sequence fraction (the
     # FA2 paper's curves rise from ~0.5 at 512 to the plateau by 4-8k): efficiency x S/(S+s0).
     "attention_seq_half": 256,
+    # A causal kernel's rate per executed FLOP over the dense kernel's at the same shape: the
+    # diagonal blocks run masked and the blocks per query row are uneven. FA3 paper (Shah et
+    # al. 2024) Fig. 5, H100 forward, head dim 128, causal over non-causal TFLOP/s (both
+    # counting the FLOPs each executes): FlashAttention-2 (the kernel PyTorch's SDPA runs)
+    # 191/309 = 0.62 at 512, 260/350 = 0.74 at 1k, 298/362 = 0.82 at 2k, 319/368 = 0.87 at
+    # 4k, 333/370 = 0.90 at 8k, 335/370 = 0.91 at 16k; cuDNN 0.85 and FA3 0.91 at 4k. One
+    # constant, FA2's figure at 4k, the middle of the 2k-8k that training runs use (8k-16k
+    # lose ~10%, 1k 26%; not modelled by length), for every kernel, forward and backward.
+    "attention_causal_fraction": 0.87,
     # NCCL-tests bus bandwidth reached as a fraction of the link peak (nccl-tests on DGX
     # A100/H100: all-reduce busbw ~230/~360-370 GB/s of 300/450 GB/s NVLink; IB ~90%).
     "nvlink_fraction": 0.80,
@@ -273,13 +284,16 @@ def attention_seconds(b: int, hq: int, sq: int, sk: int, d: int, dv: int, causal
     Executed FLOPs: 2 x b x hq x sq x sk x (d + dv), halved when causal (the kernels skip the
     masked blocks), x 2.5 for the backward (four score-sized matmuls plus the recomputed
     Q K^T). Rate: the kernel's fraction of peak x S / (S + attention_seq_half) x (d/128)^0.3
-    for head dims under 128 (FA2 paper: d=64 runs ~15-20% slower than d=128)."""
+    for head dims under 128 (FA2 paper: d=64 runs ~15-20% slower than d=128), x
+    ``attention_causal_fraction`` when causal (masked diagonal blocks, uneven rows)."""
     eff = eff or efficiency(gpu)
     kernel = kernel or eff["attention_kernel"]
     fwd, bwd = eff["attention"].get(kernel, eff["attention"]["flash"])
     flops = 2.0 * b * hq * sq * sk * (d + dv) * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
     s = min(sq, sk) if sq > 1 else sk
     frac = (bwd if backward else fwd) * s / (s + float(eff["attention_seq_half"]))
+    if causal:
+        frac *= float(eff.get("attention_causal_fraction", 1.0))
     frac = max(frac * min(1.0, d / 128.0) ** 0.3 * float(eff.get("sustained_fraction", 1.0)), 1e-6)
     compute = flops / (_peak(gpu, dtype, eff) * frac)
     elt = DTYPE_BYTES.get(dtype, 2)

@@ -23,7 +23,8 @@ from .collectives import COLLECTIVES, FSDP_COPY_OUT, IGNORED, InnerCollectives, 
 from .flops import FlopCount, grads_needed, handler_of, is_free, is_pointwise
 from .memory import PLAIN, TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
-from .opshapes import ShapeLog, close_chain, note_op   # the step-time model's per-op facts
+from .opshapes import ShapeLog, close_chain, note_mask, note_op   # the step-time model's per-op facts
+from .attn_masks import MaskFacts
 
 __all__ = ["LedgerMode", "PHASES"]
 
@@ -177,6 +178,7 @@ class LedgerMode(TorchDispatchMode):
         self._casts: dict = {}       # lifetime of a dtype cast's output -> (copy key, source dtype)
         self.sdpa_depth = 0          # > 0 inside F.scaled_dot_product_attention (see attention_hook)
         self.sdpa_causal = False
+        self.masks = MaskFacts()     # explicit attention masks: causal or not (attn_masks.py)
         self.attn_ranges: list = []  # (first seq nr, end seq nr, causal) of SDPA calls
         self._attn_starts: list = []
         self._math_attention: dict = {}
@@ -376,6 +378,9 @@ class LedgerMode(TorchDispatchMode):
             if kind == "attention":
                 name = func.kernel_name if type(func) is MathAttention else func._schema.name.split("::")[-1]
                 self.attention_kernels[name] = self.attention_kernels.get(name, 0) + 1
+                if type(func) is not MathAttention:     # its explicit mask, if any (attn_masks.py)
+                    note_mask(self.shape_log, fid, func, args, fc,
+                              self.masks.state(func, args, kwargs or {}, self.scope.module(mod), self.scope.module(0)))
             elif phase == FORWARD:
                 if self._note_matmul_params(args):
                     self.param_matmul_flops += fc.flops
@@ -843,14 +848,17 @@ def attention_hook(mode, life, ours) -> None:
         if not ours():
             return original(*args, **kwargs)
         causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
-        outer = (mode.sdpa_depth, mode.sdpa_causal)
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        masks = mode.masks
+        outer = (mode.sdpa_depth, mode.sdpa_causal, masks.bool_call)
         mode.sdpa_depth += 1
         mode.sdpa_causal = causal
+        masks.bool_call = getattr(mask, "dtype", None) is torch.bool    # attn_masks.MaskFacts
         start = _get_sequence_nr()
         try:
             return original(*args, **kwargs)
         finally:
-            mode.sdpa_depth, mode.sdpa_causal = outer
+            mode.sdpa_depth, mode.sdpa_causal, masks.bool_call = outer
             end = _get_sequence_nr()
             if end > start:
                 mode.attn_ranges.append((start, end, causal))

@@ -175,5 +175,9 @@ class ModuleScope:
         i = self._index.get(id(module))
         return i if i is not None and self._refs[i]() is module else NO_MODULE
 
+    def module(self, i: int):
+        """Module ``i`` (0 is the model), None when it no longer exists or ``i`` is none."""
+        return self._refs[i]() if 0 <= i < len(self._refs) else None
+
     def name(self, i: int) -> str:
         return self.names[i] if i >= 0 else "(no module)"

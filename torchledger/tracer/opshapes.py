@@ -19,6 +19,11 @@ everything lives in the mode's :class:`ShapeLog`:
 
 Rows of ``record.ops`` gain ``shapes: [{"mnk"|"attn": [...], "dtype", "causal"?, "count",
 "flops"}]`` and ``fused_bytes``/``fused_kernels`` (records stay torchledger/1: new keys only).
+An attention call given an explicit mask adds ``"mask": true`` and ``"mask_bytes"`` (the storage
+of the mask the kernel got: SDPA's CPU kernel gets a float copy of a boolean mask, made per
+call and kept for backward), and ``"mask_causal"`` (the evidence, a few words) when
+:mod:`.attn_masks` takes the mask for the causal one a GPU run would not build (``"causal"``
+stays what the traced kernel was told: its ``is_causal``).
 
 Known limitations: a fused chain's external inputs beyond its first op (a residual added
 mid-chain) are not counted; shapes of DTensor operands are this rank's local shards.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ShapeLog", "note_op", "close_chain", "attach_shapes"]
+__all__ = ["ShapeLog", "note_op", "note_mask", "close_chain", "attach_shapes"]
 
 _Tensor = torch.Tensor
 _aten = torch.ops.aten
@@ -45,11 +50,12 @@ _CONV = {_aten.convolution.default}
 class ShapeLog:
     """What one traced step gathers for the step-time model (see the module doc)."""
 
-    __slots__ = ("sigs", "cache", "fuse", "chain")
+    __slots__ = ("sigs", "cache", "fuse", "chain", "masked")
 
     def __init__(self):
         self.sigs: dict = {}    # (phase, mod, fid, signature) -> [count, flops]
         self.cache: dict = {}   # (fid, operand shapes, dtype) -> signature or None
+        self.masked: dict = {}  # (that key, mask state) -> an attention op's signature (note_mask)
         self.fuse: dict = {}    # (phase, mod, fid) -> [fused bytes, chains started]
         self.chain = None       # [phase, key of the last op, its bytes written] of the open chain
 
@@ -91,7 +97,7 @@ def _conv_sig(args):
             _DTYPES.get(x.dtype, "fp32"))
 
 
-def _attn_sig(func, args, causal):
+def _attn_sig(func, args, causal, mask=None):
     name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else ""
     if "attention" not in name:
         return None
@@ -106,7 +112,27 @@ def _attn_sig(func, args, causal):
     else:                                                                 # (b, h, s, d)
         b, hq, s_q, d = sq
         s_k, dv = sk[2], sv[3]
-    return ("attn", (b, hq, s_q, s_k, d, dv), _DTYPES.get(q.dtype, "fp32"), bool(causal))
+    sig = ("attn", (b, hq, s_q, s_k, d, dv), _DTYPES.get(q.dtype, "fp32"), bool(causal))
+    return sig if mask is None else sig + (mask,)
+
+
+def note_mask(log, fid, func, args, fc, mask) -> None:
+    """Called by ``dispatch`` for each fused attention op (never for others) before
+    ``note_op``: the signature ``note_op`` finds in its cache for this call is made to carry
+    ``mask``, the call's :meth:`~.attn_masks.MaskFacts.state` (None: no explicit mask; the
+    signature is then the plain one). The cache key is ``note_op``'s own, which holds no mask
+    (it is a keyword argument of the CPU kernel): so the matmuls' hot path pays nothing."""
+    ckey = (fid, tuple(_shape(a) if isinstance(a, _Tensor) else None for a in args[:4]),
+            fc.flops_causal < fc.flops)
+    mkey = (ckey, mask)
+    sig = log.masked.get(mkey, False)
+    if sig is False:
+        try:
+            sig = _attn_sig(func, args, ckey[2], mask)
+        except Exception:       # an op with an unexpected layout: priced from its row
+            sig = None
+        log.masked[mkey] = sig
+    log.cache[ckey] = sig
 
 
 def note_op(log, fid, func, args, phase, mod, fc) -> None:
@@ -183,6 +209,11 @@ def attach_shapes(mode, scope, ops: list, op_name=None) -> None:
         entry = {sig[0]: sig[1], "dtype": sig[2], "count": count, "flops": int(flops)}
         if sig[0] == "attn":
             entry["causal"] = sig[3]
+            if len(sig) > 4:                # an explicit mask (attn_masks.MaskFacts.state)
+                entry["mask"] = True
+                entry["mask_bytes"] = sig[4][1]
+                if sig[4][0]:
+                    entry["mask_causal"] = sig[4][0]
         row.setdefault("shapes", []).append(entry)
     for (phase, mod, fid), (nbytes, kernels) in log.fuse.items():
         row = row_of(phase, mod, fid)
