@@ -14,6 +14,7 @@ from torchledger.analyzers.steptime import causal_mask_assumptions, op_seconds
 from torchledger.cli import cli
 from torchledger.formulas import steptime as st
 from torchledger.formulas.hardware import get_gpu
+from torchledger.formulas.steptime import DEFAULT_EFFICIENCY
 from torchledger.tracer.attn_masks import MaskFacts, causal_lm
 
 LLAMA = '''
@@ -45,14 +46,17 @@ def audit_spec():
 '''
 
 # H100 SXM, fp32 (no autocast): 67 TF/s; flash [0.38 fwd, 0.30 bwd] x 2048 / (2048 + 256) x the
-# 0.79 sustained fraction; b 1, 4 heads, S 2048, d = dv = 128 (head dim 512 / 4), one layer.
+# sustained fraction s (fitted: read from the defaults); b 1, 4 heads, S 2048, d = dv = 128 (head
+# dim 512 / 4), one layer. At s = 0.79:
 #   causal forward FLOPs 2 x 1 x 4 x 2048^2 x 256 / 2 = 2^32 = 4,294,967,296 at
 #     67e12 x 0.38 x 0.88889 x 0.79 x 0.87 (causal kernel) = 15.554 TF/s -> 0.27613 ms
 #   causal backward 2.5 x 2^32 at 67e12 x 0.30 x 0.88889 x 0.79 x 0.87 = 12.280 TF/s -> 0.87440 ms
-CAUSAL_S = 0.27613e-3 + 0.87440e-3           # 1.15053 ms
 #   dense (what the traced step ran): 2 x 2^32 forward at 67e12 x 0.38 x 0.88889 x 0.79 =
 #     17.879 TF/s -> 0.48046 ms; backward 2.5 x 2^33 at 14.115 TF/s -> 1.52146 ms
-DENSE_S = 0.48046e-3 + 1.52146e-3             # 2.00192 ms
+SUSTAINED = DEFAULT_EFFICIENCY["sustained_fraction"]
+_FWD, _BWD = 67e12 * 0.38 * 2048 / 2304 * SUSTAINED, 67e12 * 0.30 * 2048 / 2304 * SUSTAINED
+CAUSAL_S = 2 ** 32 / (_FWD * 0.87) + 2.5 * 2 ** 32 / (_BWD * 0.87)      # 1.15053 ms at s = 0.79
+DENSE_S = 2 ** 33 / _FWD + 2.5 * 2 ** 33 / _BWD                          # 2.00192 ms at s = 0.79
 
 
 def _audit(tmp_path, name, source):
