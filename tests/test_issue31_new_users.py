@@ -189,3 +189,45 @@ def test_attention_model_keeps_its_references(audit):
     rec = audit("gemma2")
     assert "mixer" not in rec.meta["config"]
     assert "flops_6nd_attention" in predictions(rec)
+
+
+# --- item 2: D from a tensor that is not a token-id sequence --------------------------------------
+
+def _ns():
+    ns: dict = {}
+    exec(MODELS, ns)
+    return ns
+
+
+def test_unet_counts_samples_and_warns(audit):
+    from torchledger.record import counts_samples
+    rec = audit("unet")
+    t = rec.totals
+    assert t["tokens"] == 2 and counts_samples(t), t["tokens_source"]    # was 16: rows of encoder_hidden_states
+    said = [w for w in rec.warnings if "tokens per step (D) = 2 samples" in w]
+    assert len(said) == 1 and "inputs['encoder_hidden_states'] [2, 8, 32] beside it is not counted" in said[0]
+    assert "AuditSpec(tokens=..., seq_len=...)" in said[0]
+
+
+@pytest.mark.parametrize("entry", ["dlrm", "dlrm2d"])
+def test_recommender_counts_samples_and_warns(audit, entry):
+    from torchledger.record import counts_samples
+    rec = audit(entry)
+    t = rec.totals
+    assert t["tokens"] == 8 and counts_samples(t), t["tokens_source"]    # dlrm2d was 40: numel of sparse ids
+    said = [w for w in rec.warnings if "nn.EmbeddingBag tables" in w]
+    assert len(said) == 1 and "AuditSpec(tokens=..., seq_len=...)" in said[0], rec.warnings
+    assert not [r for r in comparisons(rec) if r["quantity"] == "training FLOPs vs 6ND"]
+
+
+def test_infer_tokens_rule():
+    from torchledger.spec import infer_tokens, tokens_warning
+    ns = _ns()
+    unet = ns["unet"]().inputs
+    assert infer_tokens(unet).tokens == 2 and tokens_warning(unet) is not None
+    spec = ns["dlrm2d"]()
+    assert infer_tokens(spec.inputs).tokens == 40                # no model: 2-D ids are token ids
+    assert infer_tokens(spec.inputs, spec.model).tokens == 8     # EmbeddingBag lookups: samples
+    # token ids, images alone and float rows alone stay as they were, with no warning
+    for inputs in ({"input_ids": torch.randint(0, 9, (2, 8))}, torch.randn(4, 3, 8, 8), torch.randn(4, 16)):
+        assert tokens_warning(inputs) is None
