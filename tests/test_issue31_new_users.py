@@ -231,3 +231,39 @@ def test_infer_tokens_rule():
     # token ids, images alone and float rows alone stay as they were, with no warning
     for inputs in ({"input_ids": torch.randint(0, 9, (2, 8))}, torch.randn(4, 3, 8, 8), torch.randn(4, 16)):
         assert tokens_warning(inputs) is None
+
+
+# --- item 3: trace() and Ledger infer T as the audit does -------------------------------------------
+
+def _gemma_step(ns, **kw):
+    torch.manual_seed(0)
+    spec = ns["gemma2"]()
+    model, inputs = spec.model, spec.inputs
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchledger.trace(model, opt, tokens=64, **kw) as t:
+        model(**inputs).loss.backward(); opt.step(); opt.zero_grad()
+    return t
+
+
+def test_trace_infers_seq_len_like_audit(audit):
+    ns = _ns()
+    audited = audit("gemma2")
+    traced = _gemma_step(ns)                 # no seq_len: read off input_ids [2, 32]
+    assert traced.record.meta["seq_len"] == audited.meta["audit"]["seq_len"] == 32
+    assert traced.record.meta["seq_len_source"] == "last dim of inputs['input_ids'] [2, 32]"
+    assert not [f for f in traced.findings() if f.rule == "TL-CMP-001"]
+    assert not _rules(audited, "TL-CMP-001")
+    assert (predictions(traced.record)["flops_6nd_attention"] == predictions(audited)["flops_6nd_attention"])
+    given = _gemma_step(ns, seq_len=16)      # a given seq_len wins
+    assert given.record.meta["seq_len"] == 16 and "seq_len_source" not in given.record.meta
+
+
+def test_ledger_infers_seq_len():
+    ns = _ns()
+    spec = ns["gemma2"]()
+    model, inputs = spec.model, spec.inputs
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = torchledger.Ledger(model, optimizer=opt)
+    with ledger.step(tokens=64):
+        model(**inputs).loss.backward(); opt.step(); opt.zero_grad()
+    assert ledger.records[-1].meta["seq_len"] == 32
