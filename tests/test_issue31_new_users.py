@@ -267,3 +267,34 @@ def test_ledger_infers_seq_len():
     with ledger.step(tokens=64):
         model(**inputs).loss.backward(); opt.step(); opt.zero_grad()
     assert ledger.records[-1].meta["seq_len"] == 32
+
+
+# --- items 4 and 5: --gpu predictions say what they price; hints know what is applied -------------
+
+def _cli_audit(tmp_path, *args):
+    import json
+    import os
+    from click.testing import CliRunner
+    from torchledger.cli import cli
+    from torchledger.record import StepRecord
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gpt2_tiny.py")
+    out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+    res = CliRunner().invoke(cli, ["audit", tiny, "--steps", "1", "--world-size", "8", "--gpu", "h100", *args,
+                                   "--format", "json", "--output", str(out)])
+    assert res.exit_code in (0, 1), res.output
+    rec = StepRecord.from_dict(json.loads(out.read_text()))
+    res = CliRunner().invoke(cli, ["report", str(out)])
+    assert res.exit_code == 0, res.output
+    return rec, res.output
+
+
+def test_gpu_prediction_header_says_precision_kernels_layout(tmp_path):
+    _, fp32 = _cli_audit(tmp_path)
+    lines = fp32.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("predicted step time on H100 SXM"))
+    assert lines[at + 1] == "  as: precision fp32, kernels eager, layout dp 8 (8 GPUs)"
+    assert lines[at + 2] == ("  fp32 training (fp32 weights, no --precision), at the fp32 peak: for mixed "
+                             "precision ask --precision bf16-mixed")
+    _, mixed = _cli_audit(tmp_path, "--precision", "bf16-mixed")
+    assert "  as: precision bf16-mixed, kernels eager, layout dp 8 (8 GPUs)" in mixed.splitlines()
+    assert "fp32 training" not in mixed
