@@ -298,3 +298,27 @@ def test_gpu_prediction_header_says_precision_kernels_layout(tmp_path):
     _, mixed = _cli_audit(tmp_path, "--precision", "bf16-mixed")
     assert "  as: precision bf16-mixed, kernels eager, layout dp 8 (8 GPUs)" in mixed.splitlines()
     assert "fp32 training" not in mixed
+
+
+def test_mem002_hint_knows_mixed_precision_is_applied(tmp_path):
+    from torchledger.analyzers.fit import check_gpu_fit
+    hints = {}
+    for name, args in (("fp32", ()), ("bf16-mixed", ("--precision", "bf16-mixed"))):
+        rec, _ = _cli_audit(tmp_path, *args)
+        rec.totals["peak_bytes"] = 10 ** 12             # 1 TB: no H100 holds it
+        (f,) = check_gpu_fit([rec], {"gpu": "h100"})
+        assert f.severity == "error"
+        hints[name] = f.hint
+    assert "use mixed precision" in hints["fp32"] and "already applied" not in hints["fp32"]
+    assert "use mixed precision" not in hints["bf16-mixed"]
+    assert "mixed precision (--precision bf16-mixed) already applied" in hints["bf16-mixed"]
+
+
+def test_net001_says_micro_batch_bytes_beside_step_time(tmp_path):
+    _, report = _cli_audit(tmp_path, "--micro-batches", "8")
+    (msg,) = [line for line in report.splitlines() if "TL-NET-001" in line]
+    assert "of bus bytes per micro-batch (the traced one of the step's 8)" in msg
+    assert "the step's collectives take" in msg and "(one micro-batch: all_gather" in msg
+    _, one = _cli_audit(tmp_path)
+    (msg,) = [line for line in one.splitlines() if "TL-NET-001" in line]
+    assert "of bus bytes per step on each of 8 ranks' links take" in msg
