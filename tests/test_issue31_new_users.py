@@ -215,6 +215,7 @@ def test_recommender_counts_samples_and_warns(audit, entry):
     rec = audit(entry)
     t = rec.totals
     assert t["tokens"] == 8 and counts_samples(t), t["tokens_source"]    # dlrm2d was 40: numel of sparse ids
+    assert not rec.meta.get("seq_len") and not rec.meta["audit"]["seq_len"]    # no T from the bags either
     said = [w for w in rec.warnings if "nn.EmbeddingBag tables" in w]
     assert len(said) == 1 and "AuditSpec(tokens=..., seq_len=...)" in said[0], rec.warnings
     assert not [r for r in comparisons(rec) if r["quantity"] == "training FLOPs vs 6ND"]

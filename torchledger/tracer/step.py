@@ -371,7 +371,7 @@ class StepTracer:
             return
         try:
             from ..spec import infer_tokens
-            count = infer_tokens(kwargs if not args else (*args, kwargs) if kwargs else args)
+            count = infer_tokens(kwargs if not args else (*args, kwargs) if kwargs else args, model)
             where = count.source.replace("numel of ", "last dim of ", 1)
             self.seq_len_read = (count.seq_len, where) if count.seq_len else (None, None)
         except Exception as e:
