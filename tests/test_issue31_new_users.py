@@ -294,8 +294,7 @@ def test_gpu_prediction_header_says_precision_kernels_layout(tmp_path):
     lines = fp32.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("predicted step time on H100 SXM"))
     assert lines[at + 1] == "  as: precision fp32, kernels eager, layout dp 8 (8 GPUs)"
-    assert lines[at + 2] == ("  fp32 training (fp32 weights, no --precision), at the fp32 peak: for mixed "
-                             "precision ask --precision bf16-mixed")
+    assert lines[at + 2] == "  fp32 training, priced at the fp32 peak: for mixed precision ask --precision bf16-mixed"
     _, mixed = _cli_audit(tmp_path, "--precision", "bf16-mixed")
     assert "  as: precision bf16-mixed, kernels eager, layout dp 8 (8 GPUs)" in mixed.splitlines()
     assert "fp32 training" not in mixed

@@ -226,8 +226,8 @@ def _doubt(best, found, bags):
     """:func:`tokens_warning` for the tensor that won (``best``): None when D is token ids,
     a plain batch of images or the rows of float features."""
     rank, (tokens, _, source) = best[0][0], best[1]
-    if bags:
-        ids = ", ".join(p for p, _, t in found if not (t.is_floating_point() or t.is_complex()) and t.dim())
+    ids = ", ".join(p for p, _, t in found if not (t.is_floating_point() or t.is_complex()) and t.dim())
+    if bags and ids:
         return (f"tokens per step (D) = {tokens:,} samples ({source}): the integer inputs ({ids}) index "
                 f"nn.EmbeddingBag tables, bags of ids per sample, not token sequences; {_PASS}")
     if rank == 2:

@@ -26,7 +26,7 @@ def _precision(record) -> tuple:
     applied it, else autocast seen in the step, else the weights' dtype."""
     meta = record.meta or {}
     applied = (meta.get("audit") or {}).get("precision")
-    if applied:
+    if applied:                         # the layout's default is fp32: asked for or not
         return applied, applied == "fp32"
     auto = meta.get("autocast") or {}
     if auto.get("dtype"):
@@ -41,10 +41,13 @@ def setup_line(record, p) -> str:
     kernels = audit.get("kernels") or ("compiled" if p.get("compiled") else "eager")
     dims = (record.totals or {}).get("parallel_dims")
     world = audit.get("world_size") or (record.totals or {}).get("world_size") or 1
+    mesh = [int(n) for n in audit.get("mesh") or [] if isinstance(n, int)]
     if isinstance(dims, dict) and any(int(v or 1) > 1 for v in dims.values()):
         layout = " x ".join(f"{k} {v}" for k, v in dims.items() if int(v or 1) > 1) + f" ({world} GPUs)"
+    elif len(mesh) > 1:                 # the spec's own plan over a mesh
+        layout = "mesh " + " x ".join(map(str, mesh)) + f" ({world} GPUs)"
     else:
-        layout = f"{world} GPU{'s' if world != 1 else ''}" + (" (data parallel)" if world > 1 else "")
+        layout = f"{world} GPU{'s' if world != 1 else ''}"
     return f"as: precision {_precision(record)[0]}, kernels {kernels}, layout {layout}"
 
 
@@ -65,8 +68,7 @@ def step_time_lines(record) -> list:
             head += f" (HFU {fmt_mfu(p['hfu'])})"
     lines = [head, "  " + setup_line(record, p)]
     if _precision(record)[1]:
-        lines.append("  fp32 training (fp32 weights, no --precision), at the fp32 peak: for mixed precision "
-                     "ask --precision bf16-mixed")
+        lines.append("  fp32 training, priced at the fp32 peak: for mixed precision ask --precision bf16-mixed")
     phases = p.get("by_phase") or {}
     comm = p.get("comm_seconds") or 0
     text = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in phases.items() if v)
