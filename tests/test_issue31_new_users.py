@@ -322,3 +322,7 @@ def test_net001_says_micro_batch_bytes_beside_step_time(tmp_path):
     _, one = _cli_audit(tmp_path)
     (msg,) = [line for line in one.splitlines() if "TL-NET-001" in line]
     assert "of bus bytes per step on each of 8 ranks' links take" in msg
+    # --link-bandwidth: bytes and compute both the traced micro-batch's, and it says so
+    _, link = _cli_audit(tmp_path, "--micro-batches", "8", "--link-bandwidth", "100GB/s")
+    (msg,) = [line for line in link.splitlines() if "TL-NET-001" in line]
+    assert "of bus bytes per micro-batch (the traced one of the step's 8) on each of 8 ranks' links (" in msg
