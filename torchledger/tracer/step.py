@@ -136,6 +136,7 @@ class StepTracer:
         self._reset(model)
         self.scope.install(undo)
         undo(model.register_forward_hook(self._model_output).remove)
+        self.seq_len_read = None
         if self.seq_len is None:
             undo(model.register_forward_pre_hook(self._model_input, with_kwargs=True).remove)
         life.saved_tensors_hooks(self._pack_hook, _unpack)
