@@ -248,8 +248,10 @@ def comparisons(record, p=None) -> list:
         other = f - p["flops_6nd"] - attn
         rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
                          f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
-                         f"D = {t['tokens']:,} {_unit(t)}; " + (_mixer_text(record) if attention_free(record) else
-                         f"attention adds {_pct(attn, p['flops_6nd'])} of 6ND") + _other(other, p["flops_6nd"], record)))
+                         f"D = {t['tokens']:,} {_unit(t)}; "
+                         + (_mixer_text(record) if attention_free(record) else
+                            f"attention adds {_pct(attn, p['flops_6nd'])} of 6ND")
+                         + _other(other, p["flops_6nd"], record)))
     elif base != "6nd":
         rows.append(_weights_row(record, p, base))
     if "flops_6nd_attention" in p:
