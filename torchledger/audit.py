@@ -17,7 +17,7 @@ import types
 from typing import Optional
 
 from .record import TOKENS_FROM_SPEC
-from .spec import AuditError, _call, infer_tokens, pick_loss
+from .spec import AuditError, _call, infer_tokens, pick_loss, tokens_warning
 
 __all__ = ["AuditRun", "load_entry", "run_audit", "DEVICES", "stdout_to_stderr"]
 
@@ -355,9 +355,10 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
             inputs = _cp_part(inputs, spec, layout, world)
         elif layout is not None and spec.parallelize is None:      # --checkpointing/--precision alone
             model, plan_notes = _standard_plan(model, None, layout, path)
-        count = infer_tokens(inputs)
+        count = infer_tokens(inputs, model)
         tokens = spec.tokens or count.tokens
         source = TOKENS_FROM_SPEC if spec.tokens else count.source
+        guessed = None if spec.tokens else tokens_warning(inputs, model)
         seq = spec.seq_len or count.seq_len
         try:
             from .parallel.plan import make_optimizer
@@ -403,6 +404,8 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
         r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
                            "steps": steps, "seq_len": seq, "spec_line": spec_line,
                            "loss": loss_source[0] if loss_source else None}
+        if guessed and guessed not in r.warnings:
+            r.warnings.append(guessed)
         if layout is not None:
             r.meta["audit"].update(precision=layout.precision, kernels=layout.kernels)
         if plan_notes:

@@ -99,8 +99,9 @@ def trace(model, optimizer=None, tokens=None, *, seq_len=None, peak_flops=None,
     """Trace one training step of ``model``; use as ``with trace(model, opt, tokens=N) as t``.
 
     ``tokens`` (tokens per step, for 6ND) and ``seq_len`` (for the attention term) are
-    optional. ``peak_flops`` (FLOP/s) enables MFU. ``tokens_source`` says how ``tokens`` was
-    obtained, for reports (``totals.tokens_source``; default "given"). ``mesh`` (a
+    optional; without ``seq_len`` T is read off the model's first call as ``audit`` reads its
+    inputs (the last dim of 2-D integer token ids, ``meta.seq_len_source``). ``peak_flops``
+    (FLOP/s) enables MFU. ``tokens_source`` says how ``tokens`` was obtained, for reports (``totals.tokens_source``; default "given"). ``mesh`` (a
     ``DeviceMesh`` or a shape) names the run's mesh in ``totals.mesh``; without it the mesh
     of the model's DTensor parameters, else ``[world_size]`` under torch.distributed.
     """

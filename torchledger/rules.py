@@ -36,7 +36,7 @@ _LINT_DOCS = "docs/lint-rules.md#"
 
 RULES = {
     'TL-CMP-001': Rule('warning', 'Step FLOPs differ from the 6ND + attention prediction',
-                  "The traced step's matmul FLOPs differ from the closed form (6ND plus the attention term; per weight x rows where weights do not all see D tokens; forward plus the gradients made with frozen weights) by more than the tolerance.",
+                  "The traced step's matmul FLOPs differ from the closed form (6ND plus the attention term; per weight x rows where weights do not all see D tokens; forward plus the gradients made with frozen weights) by more than the tolerance. Not raised for an attention-free (state-space) model: no closed form for its scan.",
                   _README),
     'TL-CMP-002': Rule('warning', 'Static memory differs from the optimizer x precision prediction',
                   'Parameters, gradients, optimizer state and master weights measured in the step differ from the optimizer x precision bytes-per-parameter prediction by more than the tolerance.',
@@ -105,7 +105,7 @@ RULES = {
                   'On fake/meta tensors, an op whose fake kernel returns an empty buffer where the real one keeps a workspace for backward (oneDNN/cuDNN/MIOpen RNNs): activation and peak bytes are low.',
                   _README),
     'TL-TRACE-001': Rule('warning', 'Part of the step could not be traced',
-                  'The tracer could not record part of the step (an op or hook failed); the record covers the rest.',
+                  'The tracer could not record part of the step (an op or hook failed); the record covers the rest. Also a warning the record carries: tokens per step (D) guessed from a tensor that is not a token-id sequence (a recommender\'s ids, float rows beside an image).',
                   _README),
     'TL-COMM-001': Rule('info', "Communication per step against the closed form",
                   "A distributed step: the bytes this rank sent in collectives against the DDP (one all-reduce of the gradients) or FSDP/ZeRO-3 (all-gather of parameters in forward and backward, reduce-scatter of gradients) closed form, with the gap explained (padding, parameters kept gathered, buckets).",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..record import Finding, counts_samples
 from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
 from .compare_layout import korthikanti_layer, layout_static, layout_text, sequence_parallel
+from .compare_shape import ATTENTION_FREE, attention_free
 from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
 from ..formulas.flops import encoder_decoder_attention_flops
 from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_memory
@@ -24,7 +25,7 @@ DEFAULT_TOLERANCE = 0.05
 
 def _config(record):
     cfg = record.meta.get("config")
-    if not cfg or cfg.get("kind") != "transformer" or cfg.get("partial"):
+    if not cfg or cfg.get("kind") != "transformer" or cfg.get("partial") or attention_free(record):
         return None
     try:
         from ..models.config import TransformerConfig
@@ -254,8 +255,10 @@ def comparisons(record, p=None) -> list:
         other = f - p["flops_6nd"] - attn
         rows.append(_row("training FLOPs vs 6ND", f, p["flops_6nd"],
                          f"N = {t['matmul_params']:,} matmul params (LM head included, lookups not), "
-                         f"D = {t['tokens']:,} {_unit(t)}; attention adds {_pct(attn, p['flops_6nd'])} of 6ND"
-                         + _other(other, p["flops_6nd"])))
+                         f"D = {t['tokens']:,} {_unit(t)}; "
+                         + (_mixer_text(record) if attention_free(record) else
+                            f"attention adds {_pct(attn, p['flops_6nd'])} of 6ND")
+                         + _other(other, p["flops_6nd"], record)))
     elif base != "6nd":
         rows.append(_weights_row(record, p, base))
     if "flops_6nd_attention" in p:
@@ -364,6 +367,7 @@ def check_comparisons(records, options=None) -> list:
     t = rec.totals
     base = _base(t, p)
     name, weights = _BASES[base], _base_value(p, base)
+    # an attention-free model (no shape): no closed form for its scan, nothing to judge it by
     if weights is not None and _shape(rec) is not None and t["flops"]["total"]:
         if "flops_6nd_attention" in p:
             explained, what = p["flops_6nd_attention"], name.split(" vs ")[1] + " + 12LTd attention"
@@ -465,9 +469,11 @@ def _weights_row(record, p, base) -> dict:
                 f"it multiplied, 6 x sum(weight x rows) = {p['flops_6nd_per_weight']:,}"
                 + (f" less {skipped:,} of input gradients nothing needed (the first layer's, of "
                    f"inputs without grad)" if skipped > 0 else "") + (f"; {six}" if six else ""))
+    if attention_free(record):
+        text += "; " + _mixer_text(record)
     if "flops_6nd_attention" in p or not attn:   # the 12LTd row predicts attention; none here
         return _row(name, f, ref, text + (f"; attention adds {_pct(attn, ref)}" if attn else "")
-                    + _other(f - ref - attn, ref))
+                    + _other(f - ref - attn, ref, record))
     # no closed form for attention here (no config, or D counts samples): as measured
     return _row(name + " + attention", f, ref + attn, text + f"; attention as measured, {attn:,}"
                 + _other(f - ref - attn, ref))
@@ -478,7 +484,13 @@ def _row(quantity, measured, predicted, explanation) -> dict:
             "ratio": measured / predicted if predicted else None, "explanation": explanation}
 
 
-def _other(other: int, base: int) -> str:
+def _mixer_text(record) -> str:
+    return f"a {attention_free(record)} model, {ATTENTION_FREE}"
+
+
+def _other(other: int, base: int, record=None) -> str:
+    if other > 0 and record is not None and attention_free(record):
+        return f"; the scan's matmul work (not parameter-bound) {_pct(other, base)}"
     if other > 0:
         return f", other matmul work (not parameter-bound) {_pct(other, base)}"
     if other < 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-__all__ = ["Shape", "Lengths", "shape", "enc_dec_lengths", "seq_len"]
+__all__ = ["Shape", "Lengths", "shape", "enc_dec_lengths", "seq_len", "attention_free", "ATTENTION_FREE"]
 
 
 class Shape(NamedTuple):
@@ -25,13 +25,27 @@ class Shape(NamedTuple):
     (multi-head latent attention); 0: take 2 x d_attn."""
 
 
+#: What the attention predictions assume and an attention-free model (``meta.config.mixer``,
+#: from :mod:`torchledger.tracer.shape`) does not have; the FLOPs row says it.
+ATTENTION_FREE = ("no attention: 12LTd (attention's Q K^T and x V), 12Ld^2 (4d^2 of attention and "
+                  "a 4d GELU MLP per layer) and Korthikanti's activations (GPT's layer) assume "
+                  "attention blocks: not compared, and TL-CMP-001 has no reference to judge this step by")
+
+
+def attention_free(record):
+    """The sequence mixer of a model without attention (``"state-space"``), else None."""
+    cfg = record.meta.get("config")
+    return cfg.get("mixer") if isinstance(cfg, dict) else None
+
+
 def shape(record):
     """(L, d, V, d_attn, n_enc, n_dec) of a recognised transformer, exact config or found from
     its modules; d_attn = heads x head dim, the width the attention term runs at (d unless the
     config sets a head_dim apart, as Gemma and T5 can); n_enc / n_dec only for encoder-decoder
-    stacks (``tracer.shape``), where L = n_enc + n_dec."""
+    stacks (``tracer.shape``), where L = n_enc + n_dec. None for an attention-free model
+    (:func:`attention_free`): its blocks are not a transformer's."""
     cfg = record.meta.get("config")
-    if not cfg or cfg.get("kind") != "transformer":
+    if not cfg or cfg.get("kind") != "transformer" or attention_free(record):
         return None
     try:
         d = int(cfg["d_model"])

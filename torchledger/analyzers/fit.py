@@ -60,16 +60,15 @@ def check_gpu_fit(records, options=None) -> list:
             + first)
     static = sum(rec.totals.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
     world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
-    where_not, fixes = "on one GPU", "shard them (ZeRO/FSDP), "
+    where_not = "on one GPU"
     if world > 1:       # a distributed step: the peak is one rank's, each rank has its own GPU
         what = f"each rank's peak (rank {rec.totals.get('rank') or 0}'s), " + what[len("its peak, "):]
-        where_not, fixes = f"at world size {world}", "shard over more ranks, "
+        where_not = f"at world size {world}"
     if peak > memory:
         return [Finding("TL-MEM-002", "error", f"the step does not fit {where_not}: {what}", measured=measured,
                         expected=memory,
                         hint=f"parameters, gradients and optimizer state alone are {fmt_bytes(static)}; "
-                             f"{fixes}use mixed precision or a smaller optimizer state, "
-                             f"checkpoint activations or shrink the batch")]
+                             + _fixes(rec, world))]
     if peak > (1 - HEADROOM) * memory:
         return [Finding("TL-MEM-002", "warning",
                         f"the step fits with less than {HEADROOM:.0%} to spare: {what}; the CUDA "
@@ -78,6 +77,43 @@ def check_gpu_fit(records, options=None) -> list:
                         hint="leave headroom: a smaller batch or activation checkpointing")]
     fits = f"the step fits at world size {world}" if world > 1 else "the step fits"
     return [Finding("TL-MEM-002", "info", f"{fits}: {what}", measured=measured, expected=memory)]
+
+
+#: What the step computes in when it is already 16-bit (or less): ``--precision`` as applied,
+#: autocast seen in the step, or 16-bit weights.
+_LOW = ("bf16", "fp16", "fp8", "bfloat16", "float16")
+
+
+def _applied_precision(rec):
+    """The reduced precision the step already runs in (``bf16-mixed``, ``autocast bfloat16``,
+    ``bfloat16 weights``), or None for an fp32 step."""
+    meta = rec.meta or {}
+    applied = str((meta.get("audit") or {}).get("precision") or "")
+    if applied.startswith(_LOW):
+        return f"--precision {applied}"
+    auto = str((meta.get("autocast") or {}).get("dtype") or "")
+    if auto in _LOW:
+        return f"autocast {auto}"
+    dtype = str(meta.get("dtype") or "").replace("torch.", "")
+    return f"{dtype} weights" if dtype in _LOW else None
+
+
+def _fixes(rec, world: int) -> str:
+    """The ways to fit that the step does not apply yet, and those it does."""
+    fixes = ["shard over more ranks" if world > 1 else "shard them (ZeRO/FSDP)"]
+    applied = []
+    precision = _applied_precision(rec)
+    if precision:
+        applied.append(f"mixed precision ({precision})")
+        fixes.append("a smaller optimizer state")
+    else:
+        fixes.append("use mixed precision or a smaller optimizer state")
+    if ((rec.totals.get("flops") or {}).get("recompute") or 0) > 0:
+        applied.append("activation checkpointing")
+        fixes.append("shrink the batch")
+    else:
+        fixes.append("checkpoint activations or shrink the batch")
+    return ", ".join(fixes) + (f" ({' and '.join(applied)} already applied)" if applied else "")
 
 
 def first_step_state(rec) -> int:

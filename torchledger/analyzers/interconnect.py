@@ -132,10 +132,17 @@ def check_comm_time(records, options=None) -> list:
             bw, which = parts[0][1], f"{gpu.name} {parts[0][2]}"
     t_comm = comm_seconds(total, bw)
     split = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in phases.items() if v)
-    what = (f"{fmt_bytes(total)} of {kind} per step on each of {world} ranks' links "
+    what = (f"{fmt_bytes(total)} of {kind} {_per(rec)} on each of {world} ranks' links "
             f"({split or 'no phase split'}) take {_secs(t_comm)} at {_rate(bw)} ({which}; NCCL-tests bus "
             f"bandwidth, a lower bound)")
     return _against_compute(rec, opts, gpu, what, t_comm)
+
+
+def _per(rec) -> str:
+    """What the record's bytes (and FLOPs) cover: the step, or under ``--micro-batches M`` the
+    traced micro-batch of the step's M (compute beside it is that micro-batch's too)."""
+    micro = int(rec.totals.get("micro_batches") or 1)
+    return "per step" if micro <= 1 else f"per micro-batch (the traced one of the step's {micro})"
 
 
 def _by_link(rec, link, world) -> list:
@@ -161,7 +168,7 @@ def _verdict(rec, opts, gpu, world, total, kind, phases, parts) -> list:
     t_comm = sum(comm_seconds(b, bw) for b, bw, _ in parts)
     split = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in phases.items() if v)
     links = "; ".join(f"{fmt_bytes(b)} at {_rate(bw)} ({gpu.name} {which})" for b, bw, which in parts)
-    what = (f"{fmt_bytes(total)} of {kind} per step on each of {world} ranks' links "
+    what = (f"{fmt_bytes(total)} of {kind} {_per(rec)} on each of {world} ranks' links "
             f"({split or 'no phase split'}) take {_secs(t_comm)}: {links} (NCCL-tests bus bandwidth, "
             f"a lower bound)")
     return _against_compute(rec, opts, gpu, what, t_comm)

@@ -719,11 +719,15 @@ def comm_finding(rec, pred: dict, bus_total: float, kind: str) -> list:
     for c in rows:
         by_op[c.get("op")] = by_op.get(c.get("op"), 0.0) + c["predicted_seconds"]
     split = ", ".join(f"{op} {_ms(s)}" for op, s in sorted(by_op.items(), key=lambda kv: -kv[1]))
-    world = rec.totals.get("world_size") or 1
-    text = (f"{fmt_bytes(bus_total)} of {kind} per step on each of {world} ranks' links take {_ms(comm)} on "
-            f"{pred.get('gpu')} ({split or 'no rows'}; NCCL ring/tree on each group's link, groups that run at "
-            f"once sharing a node's NICs); {_ms(exposed)} of it is exposed after overlap with "
-            f"{_ms(compute)} of compute")
+    world, micro = rec.totals.get("world_size") or 1, int(pred.get("micro_batches") or 1)
+    # with micro-batches the record's bytes and rows are one micro-batch's, the times the step's
+    per = ("per step on each of {} ranks' links take" if micro == 1 else
+           f"per micro-batch (the traced one of the step's {micro}) on each of {{}} ranks' links; the "
+           f"step's collectives take").format(world)
+    text = (f"{fmt_bytes(bus_total)} of {kind} {per} {_ms(comm)} on {pred.get('gpu')} "
+            f"({'' if micro == 1 else 'one micro-batch: '}{split or 'no rows'}; NCCL ring/tree on each group's "
+            f"link, groups that run at once sharing a node's NICs); {_ms(exposed)} of it is exposed after "
+            f"overlap with {_ms(compute)} of compute")
     if comm > compute > 0:
         return [Finding("TL-NET-001", "warning", text + " (communication-bound even with full overlap)",
                         measured=comm, expected=compute,

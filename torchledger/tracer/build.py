@@ -265,6 +265,8 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         rec.warnings.append("the step raised an exception: this record covers the ops before it")
     if tracer.seq_len:
         rec.meta["seq_len"] = tracer.seq_len
+    elif (getattr(tracer, "seq_len_read", None) or (None,))[0]:   # read off the model's first call
+        rec.meta["seq_len"], rec.meta["seq_len_source"] = tracer.seq_len_read
     from .retention import retention
     try:
         retention(tracer, model, rec)

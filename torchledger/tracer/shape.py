@@ -19,6 +19,7 @@ the config does not describe.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 __all__ = ["model_config"]
 
@@ -92,6 +93,7 @@ def _from_attrs(cfg, model):
                    n_layers=stacks[0] + stacks[1])
         out.update(_stack_probes(model))
     out.update(_experts(model, cfg))
+    out.update(_mixer(model, cfg))
     return out
 
 
@@ -198,6 +200,32 @@ def _learned_positions(cfg, model, vocab) -> int:
     return 0
 
 
+#: Config attributes of a state-space model's state (Mamba, Mamba-2, Falcon-Mamba; mamba_ssm's
+#: ``d_state``) and names of its modules and parameters (``Mamba2Mixer``, ``A_log``).
+_SSM_CONFIG = ("state_size", "ssm_state_size", "d_state")
+_SSM_NAMES = re.compile(r"mamba|ssm|selective|scan", re.I)
+_ATTENTION_NAMES = re.compile(r"attn|attention|mha", re.I)
+
+
+def _mixer(model, cfg=None) -> dict:
+    """``{"mixer": "state-space"}`` when the blocks mix positions with a state-space scan and no
+    attention: the config names a state size (``state_size``, ``d_state``), or a module's class
+    (``Mamba2Mixer``, ``SSMBlock``) or a parameter (``A_log``) says so, and no module's name or
+    class names attention. Empty otherwise (attention, or a hybrid of both: the attention
+    predictions then stand). The predictions built on attention (12LTd, 12Ld^2's 4d^2 per
+    layer, Korthikanti's activations) do not apply to such a model."""
+    if model is None:
+        return {}
+    import torch.nn as nn
+    ssm = cfg is not None and any(isinstance(getattr(cfg, n, None), int) for n in _SSM_CONFIG)
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, nn.MultiheadAttention) or _ATTENTION_NAMES.search(f"{name.rsplit('.', 1)[-1]} {kind}"):
+            return {}
+        ssm = ssm or bool(_SSM_NAMES.search(kind)) or hasattr(module, "A_log")
+    return {"mixer": "state-space"} if ssm else {}
+
+
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "heads")
 
 
@@ -232,6 +260,7 @@ def _from_modules(model):
             break
     out = {"kind": "transformer", "source": "modules", "partial": True,
            "vocab_size": V, "d_model": d, "n_layers": len(blocks), "n_heads": heads}
+    out.update(_mixer(model))
     stacks = _encoder_decoder_layers(model)     # nn.Transformer: encoder.layers, decoder.layers
     if stacks is not None:
         out.update(encoder_decoder=True, n_encoder_layers=stacks[0], n_decoder_layers=stacks[1],

@@ -85,6 +85,9 @@ class StepTracer:
         """How ``tokens`` was obtained, for ``totals.tokens_source``; default "given" when
         ``tokens`` is given (the audit names the input it counted)."""
         self.seq_len = seq_len
+        self.seq_len_read = None
+        """Without ``seq_len``: ``(T, where)`` read off the model's first call as the audit reads
+        its inputs (``spec.infer_tokens``: the last dim of 2-D integer token ids), else None."""
         self.clock = clock
         self.peak_flops = peak_flops
         self.step_index = step_index
@@ -133,6 +136,9 @@ class StepTracer:
         self._reset(model)
         self.scope.install(undo)
         undo(model.register_forward_hook(self._model_output).remove)
+        self.seq_len_read = None
+        if self.seq_len is None:
+            undo(model.register_forward_pre_hook(self._model_input, with_kwargs=True).remove)
         life.saved_tensors_hooks(self._pack_hook, _unpack)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
@@ -359,6 +365,18 @@ class StepTracer:
             return t
         finally:
             mode.quiet -= 1
+
+    def _model_input(self, model, args, kwargs):
+        """T off the model's first call, by the audit's rule (one inference of T for both)."""
+        if self.seq_len_read is not None or not self._ours():
+            return
+        try:
+            from ..spec import infer_tokens
+            count = infer_tokens(kwargs if not args else (*args, kwargs) if kwargs else args, model)
+            where = count.source.replace("numel of ", "last dim of ", 1)
+            self.seq_len_read = (count.seq_len, where) if count.seq_len else (None, None)
+        except Exception as e:
+            self._warn(f"model input hook: {type(e).__name__}: {e}")
 
     def _model_output(self, model, args, output):
         """A key/value cache returned by a training forward (see ``outputs``)."""
