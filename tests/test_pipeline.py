@@ -307,3 +307,39 @@ def test_the_step_is_priced_on_the_slowest_stage(tmp_path):
     assert any(a.startswith("kernels te") for a in p["assumptions"])
     # tokens per GPU: the step's 8 x 4 x 256 tokens over pp = 2 GPUs
     assert p["tokens_per_s_per_gpu"] == pytest.approx(8 * 4 * 256 / 2 / p["seconds"])
+
+
+# -- issue 33 item 5: the composition with v > 1, modules over m, m = 1 ------------------------------
+
+@pytest.mark.slow
+def test_an_extra_chunk_micro_batch_holds_one_chunks_activations(interleaved):
+    # v = 2: a rank's 2 blocks are 2 chunks of 1 block; an extra chunk-micro-batch in flight
+    # holds one block's activations (half the rank's), not the rank's two
+    bound = _stage(interleaved, interleaved.totals["pipeline"]["bounding_rank"])
+    rows = {m["name"]: m for m in interleaved.modules}
+    blocks = [rows[n]["activation_bytes"] for n in rows if n.count(".") == 1 and n.startswith("blocks.")]
+    assert len(blocks) == 2
+    assert bound["chunk_activation_bytes"] == sum(blocks) // 2
+
+
+@pytest.mark.slow
+def test_composed_module_flops_are_the_m_micro_steps(one_f_one_b):
+    # rank 0's blocks.0 row: 4 micro-batches x 6,946,816 forward FLOPs
+    rows = {m["name"]: m for m in one_f_one_b.modules}
+    assert rows["blocks.0"]["flops_forward"] == 4 * BLOCK_FWD
+    assert rows["blocks.0"]["flops_backward"] == 2 * 4 * BLOCK_FWD
+
+
+@pytest.mark.slow
+def test_one_micro_batch_still_reduces_and_steps(tiny4):
+    """--micro-batches 1 (GPipe: 1F1B refuses m < p): the one micro-step is the first and the
+    last, so FSDP2 gathers and reduce-scatters every unit and the optimizer steps."""
+    from torchledger.audit import run_audit
+    rec = run_audit(tiny4, mesh="dp=2,pp=2", plan={"micro_batches": 1, "schedule": "gpipe"}).record
+    assert rec.totals["pipeline"]["bounding_rank"] == 1
+    rs = [c for c in rec.collectives if c["op"] == "reduce_scatter"]
+    # rank 1's units: blocks 2 and 3 (50,304 fp32 parameters each) and the root (the head
+    # 32,768 + the final norm 64): 3 calls of the unsharded gradients, 2 x 201,216 + 131,328 B
+    assert sum(c["count"] for c in rs) == 3
+    assert sorted(c["bytes"] for c in rs) == [131_328, 201_216, 201_216]
+    assert any(o["phase"] == "optimizer" for o in rec.ops)
