@@ -32,12 +32,15 @@ In torchtitan's order (``parallelize_llama``), per transformer block:
 
 Known limitations: the model is recognised by its structure (torchledger's ``Transformer``;
 a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
-``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
-parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
-(:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE, GPT-OSS:
-:mod:`.hf_moe`, experts computed under balanced routing), with cp (each rank's experts
-sharded over dp x cp) and, on the Hugging Face ones, tp (each tp rank routes its share of the
-tokens; the experts data-parallel over tp).
+``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2; or DeepSeek-V2/V3's multi-head latent
+attention, ``self_attn.{q_proj | q_a_proj, q_b_proj}, kv_a_proj_with_mqa, kv_b_proj, o_proj``);
+any other model gets data parallelism only (FSDP2 on the root as one unit); ``ep`` applies to
+torchledger's MoE decoders (:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders
+(Mixtral, Qwen2/3-MoE, GPT-OSS, DeepSeek-V2/V3: :mod:`.hf_moe`, routed experts computed under
+balanced routing; shared experts and dense first layers stay dense weights, FSDP over dp x ep),
+with cp (each rank's experts sharded over dp x cp) and, on the Hugging Face ones, tp (each tp
+rank routes its share of the tokens; the experts data-parallel over tp), except on latent
+attention (DeepSeek), where tp is refused in one line.
 """
 from __future__ import annotations
 
@@ -94,6 +97,9 @@ class Decoder:
     experts: int = 0
     """E of its mixture-of-experts layers (a Hugging Face sparse block); 0: none."""
     top_k: int = 0
+    attention: str = "mha"
+    """``mha`` (q/k/v/o projections, grouped or not) or ``mla`` (DeepSeek's multi-head latent
+    attention: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)."""
 
     def module(self, model, fqn: str):
         return model.get_submodule(fqn) if fqn else model
@@ -120,7 +126,8 @@ def find_decoder(model) -> Optional[Decoder]:
     attn, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
     if attn is None or mlp is None:
         return None
-    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    kind = _attention_kind(attn)
+    if kind is None:
         return None
     dense = all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
     if not (dense or is_sparse_block(mlp)):
@@ -135,7 +142,23 @@ def find_decoder(model) -> Optional[Decoder]:
                    ("input_layernorm", "post_attention_layernorm"), True, "model.embed_tokens",
                    "model.norm", "lm_head", heads, kv,
                    mlp.gate_proj.out_features if dense else expert_width(mlp), sequence_parallel=False,
-                   experts=n_experts(sparse[0]) if sparse else 0, top_k=top_k(sparse[0]) if sparse else 0)
+                   experts=n_experts(sparse[0]) if sparse else 0, top_k=top_k(sparse[0]) if sparse else 0,
+                   attention=kind)
+
+
+#: DeepSeek-V2/V3's multi-head latent attention: the projections every layer has (its query is
+#: ``q_proj`` without ``q_lora_rank``, else ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``).
+MLA_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def _attention_kind(attn) -> Optional[str]:
+    """``mha`` (q/k/v/o projections), ``mla`` (DeepSeek's latent attention) or None."""
+    if all(getattr(attn, p, None) is not None for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "mha"
+    query = getattr(attn, "q_proj", None) is not None or getattr(attn, "q_b_proj", None) is not None
+    if query and all(getattr(attn, p, None) is not None for p in MLA_PROJECTIONS):
+        return "mla"
+    return None
 
 
 def _block_fqns(dec: Decoder, keep=None):
@@ -314,6 +337,16 @@ def _check_moe(dec, layout, model) -> None:
                         f"ep={ep}; choose an ep that divides {dec.experts}")
 
 
+def _check_attention(dec, layout, model) -> None:
+    """What the plan cannot do with the decoder's attention: one line."""
+    tp = layout.size("tp")
+    if dec.attention == "mla" and tp > 1:
+        raise PlanError(f"--mesh {layout.text()}: tp on {type(model).__name__}'s multi-head latent attention "
+                        f"is not simulated yet (the plan splits q/k/v/o heads; MLA's latent projections "
+                        f"q_a_proj and kv_a_proj_with_mqa stay whole and their gradients would need an "
+                        f"all-reduce over tp); drop tp={tp} and use dp, ep, pp or cp")
+
+
 def _use_balanced(model, dec, blocks, notes) -> None:
     sparse = _sparse_blocks(dec, blocks)
     if not sparse:
@@ -471,6 +504,19 @@ def _apply_checkpointing(blocks, mode: str, notes) -> None:
             checkpoint(block)
             done += 1
     notes.append(f"checkpointing {mode}: {done} of {len(blocks)} blocks recompute their forward in backward")
+
+
+def _no_cache_in_recompute(model, dec, mode: str, notes) -> None:
+    """A Hugging Face decoder whose blocks are checkpointed builds no key/value cache, as
+    transformers' own gradient checkpointing sets ``use_cache=False``: a block recomputed in
+    backward would append its keys (DeepSeek's latents) to the cache a second time and recompute
+    other shapes than it saved."""
+    cfg = getattr(model, "config", None)
+    if mode == "none" or dec.family != "hf" or not getattr(cfg, "use_cache", False):
+        return
+    cfg.use_cache = False
+    notes.append(f"checkpointing {mode}: use_cache=False (no key/value cache built in the training forward, "
+                 f"as transformers' gradient checkpointing sets it)")
 
 
 def _checkpoint_attention(model, dec, blocks, notes) -> None:
@@ -670,11 +716,12 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
             what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
             raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
                             f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2 and "
-                            f"Mixtral/Qwen2-MoE/Qwen3-MoE), not {type(model).__name__}; add "
+                            f"Mixtral/Qwen2-MoE/Qwen3-MoE/GPT-OSS/DeepSeek-V2/V3), not {type(model).__name__}; add "
                             f"AuditSpec(parallelize=fn), fn(model, mesh) applying your own plan and "
                             f"returning the model")
     else:
         _check_moe(dec, layout, model)
+        _check_attention(dec, layout, model)
         _check_divides(layout, dec, seq_len)
     mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
     if layout.precision == "bf16":
@@ -705,6 +752,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     if dec is not None and layout.checkpointing == "selective-attention":
         _checkpoint_attention(model, dec, chosen, notes)
     elif dec is not None:
+        _no_cache_in_recompute(model, dec, layout.checkpointing, notes)
         _apply_checkpointing(chosen, layout.checkpointing, notes)
     dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
     if kind in ("fsdp", "hsdp"):
