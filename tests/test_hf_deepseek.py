@@ -179,3 +179,27 @@ def test_cli_expert_parallel_prices_a_step(dsv3, tmp_path):
     # 2 of the 8 routed experts a rank: 98,304 / 4 params
     assert rec["totals"]["params"] == DENSE + EXPERTS // 4
     assert {c["bytes"] // c["count"] for c in rec["collectives"] if c["op"] == "all_to_all"} == {A2A_BYTES // 2}
+
+
+# DeepSeek-V2 small, its query one projection (q_lora_rank None: q_proj 64 x 4 x 24 = 6,144) and
+# greedy top-2: attention 6,144 + 1,536 + 16 + 1,792 + 3,072 = 12,560, norms 128 a layer; the rest
+# as DSV3 above. Projections 2 x 64 x 12,544 = 1,605,632 FLOPs a layer forward.
+DSV2 = ("DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, "
+        "num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, n_routed_experts=8, "
+        "num_experts_per_tok=2, n_shared_experts=1, topk_method='greedy', q_lora_rank=None, kv_lora_rank=16, "
+        "qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=128, "
+        "tie_word_embeddings=False)")
+
+
+def test_deepseek_v2_by_hand(tmp_path):
+    if not hasattr(transformers, "DeepseekV2Config"):
+        pytest.skip("transformers without DeepSeek-V2")
+    p = tmp_path / "dsv2.py"
+    p.write_text(textwrap.dedent(SPEC.format(config=DSV2)))
+    rec = audit(str(p), "ep=2").record
+    dense = DENSE + 3 * (12_688 - LAYER)                                     # 141,552
+    assert rec.totals["params"] == dense + EXPERTS // 2
+    assert rec.totals["param_bytes"] == (dense // 2 + EXPERTS // 2) * 4
+    assert sum(c["count"] for c in _all_to_all(rec)) == 2 * 4
+    attn = 2 * 64 * 12_544 + 589_824
+    assert rec.totals["flops"]["total"] == 3 * (3 * attn + 3_145_728 + 2 * MOE_FLOPS + HEAD_FLOPS)
