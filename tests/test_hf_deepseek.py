@@ -1,6 +1,6 @@
 """DeepSeek-V3 (transformers 5.x ``DeepseekV3ForCausalLM``: multi-head latent attention, a shared
 expert, dense first layers) under the standard plan (issue 29, item 7), checked by hand on a small
-config built from its config alone at ``--mesh ep=2``, ``dp=2,ep=2``, ``pp=2`` and ``cp=2``."""
+config built from its config alone at ``--mesh ep=2``, ``dp=2,ep=2``, ``pp=2``, ``cp=2`` and ``tp=2``."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,6 @@ from click.testing import CliRunner  # noqa: E402
 from torchledger.audit import run_audit  # noqa: E402
 from torchledger.cli import cli  # noqa: E402
 from torchledger.parallel.plan import find_decoder  # noqa: E402
-from test_audit_cli import one_line_error  # noqa: E402
 
 SPEC = """
     import torch, torchledger, transformers
@@ -164,9 +163,34 @@ def test_selective_checkpointing_runs(dsv3, mode):
     assert any(n.startswith(f"checkpointing {mode}") for n in rec.meta["audit"]["plan"])
 
 
-def test_tensor_parallel_on_latent_attention_is_one_line(dsv3):
-    one_line_error(CliRunner().invoke(cli, ["audit", dsv3, "--mesh", "tp=2", "--steps", "1"]),
-                   "tp=2", "latent attention", "drop tp=2")
+# Under tp=2 (no sequence parallelism on Hugging Face decoders) latent attention is split by heads:
+# q_b_proj and kv_b_proj column-parallel (1,152 and 896 a rank), o_proj row-parallel (1,536);
+# q_a_proj, kv_a_proj_with_mqa (1,536 each) and their norms (24, 16) whole: 6,696 + norms 128 a
+# layer. Layer 0's MLP 24,576 / 2, the shared experts 6,144 / 2, routers 512 whole, embedding, head
+# and final norm 65,600 whole; the routed experts whole on every tp rank, FSDP-sharded over tp.
+TP_DENSE = 3 * (6_696 + 128) + DENSE_MLP // 2 + 2 * (ROUTER + SHARED // 2) + EMBED + HEAD + 64      # 105,528
+# FLOPs: the split projections (1,152 + 896 + 1,536) and scores halved, q_a/kv_a (2 x 1,536) whole:
+# 2 x 64 x 6,656 + 589,824 / 2 a layer; MLP, shared experts and routed tokens halved, router and
+# head whole.
+TP_FLOPS = 3 * (3 * (2 * 64 * 6_656 + 589_824 // 2) + 3_145_728 // 2
+                + 2 * (65_536 + 786_432 // 2 + 1_572_864 // 2) + HEAD_FLOPS)        # 35,094,528
+
+
+@pytest.mark.parametrize("mesh, param_bytes", [
+    ("tp=2", (TP_DENSE + EXPERTS // 2) * 4),                     # 618,720 B
+    ("ep=2,tp=2", (TP_DENSE // 2 + EXPERTS // 2 // 2) * 4)])     # dense over ep; 4 experts over tp
+def test_tensor_parallel_splits_latent_attention_by_heads(dsv3, mesh, param_bytes):
+    rec = audit(dsv3, mesh).record
+    assert rec.totals["param_bytes"] == param_bytes
+    assert rec.totals["flops"]["total"] == TP_FLOPS == 35_094_528
+    attn = {(c["op"], c["phase"], c["module"].rsplit(".", 1)[-1], c["bytes"] // c["count"])
+            for c in rec.collectives if "layers.1.self_attn" in (c["module"] or "")}
+    # forward: o_proj's partial sums all-reduced, 64 tokens x 64 x 4 B; backward: the gradients of
+    # q_b_proj's input (64 x 24 x 4 B) and kv_b_proj's (64 x 16 x 4 B) all-reduced by
+    # ColwiseParallel, and the rotary key's (64 x 8 x 4 B), shared by the rank's heads only
+    assert attn == {("all_reduce", "forward", "self_attn", 16_384), ("all_reduce", "backward", "q_b_proj", 6_144),
+                    ("all_reduce", "backward", "kv_b_proj", 4_096), ("all_reduce", "backward", "self_attn", 2_048)}
+    assert any(n.startswith("tp=2: latent attention") for n in rec.meta["audit"]["plan"])
 
 
 def test_cli_expert_parallel_prices_a_step(dsv3, tmp_path):

@@ -39,8 +39,8 @@ torchledger's MoE decoders (:mod:`torchledger.models.moe`) and to Hugging Face M
 (Mixtral, Qwen2/3-MoE, GPT-OSS, DeepSeek-V2/V3: :mod:`.hf_moe`, routed experts computed under
 balanced routing; shared experts and dense first layers stay dense weights, FSDP over dp x ep),
 with cp (each rank's experts sharded over dp x cp) and, on the Hugging Face ones, tp (each tp
-rank routes its share of the tokens; the experts data-parallel over tp), except on latent
-attention (DeepSeek), where tp is refused in one line.
+rank routes its share of the tokens; the experts data-parallel over tp; latent attention split
+by heads as :mod:`.hf_mla` describes).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from typing import Optional
 
 from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp,
                      top_k, use_balanced_experts)
+from .hf_mla import is_latent_attention, latent_tp_plan, sum_rotary_key_grads
 from .layout import PARAMS_16
 
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings",
@@ -146,19 +147,11 @@ def find_decoder(model) -> Optional[Decoder]:
                    attention=kind)
 
 
-#: DeepSeek-V2/V3's multi-head latent attention: the projections every layer has (its query is
-#: ``q_proj`` without ``q_lora_rank``, else ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``).
-MLA_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-
-
 def _attention_kind(attn) -> Optional[str]:
     """``mha`` (q/k/v/o projections), ``mla`` (DeepSeek's latent attention) or None."""
     if all(getattr(attn, p, None) is not None for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "mha"
-    query = getattr(attn, "q_proj", None) is not None or getattr(attn, "q_b_proj", None) is not None
-    if query and all(getattr(attn, p, None) is not None for p in MLA_PROJECTIONS):
-        return "mla"
-    return None
+    return "mla" if is_latent_attention(attn) else None
 
 
 def _block_fqns(dec: Decoder, keep=None):
@@ -190,9 +183,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
                                                    parallelize_module)
     a, m = dec.attn, dec.mlp
     sp = dec.sequence_parallel
-    plan = {f"{a}.q_proj": ColwiseParallel(), f"{a}.k_proj": ColwiseParallel(),
-            f"{a}.v_proj": ColwiseParallel(),
-            f"{a}.o_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
+    plan = {**_attention_tp_plan(dec, blocks, sp),
             f"{m}.up_proj": ColwiseParallel(),
             f"{m}.down_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()}
     if dec.swiglu:
@@ -209,6 +200,8 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
         if dec.family == "torchledger":      # its views use the head counts: each rank has its own
             attn.n_heads //= n
             attn.n_kv_heads //= n
+        if dec.attention == "mla":
+            sum_rotary_key_grads(attn, tp_mesh)
     if sp:
         root = {}
         for fqn, style in ((dec.embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))),
@@ -220,9 +213,27 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
             parallelize_module(model, tp_mesh, root)
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block, "
                      f"sequence parallel (norms SequenceParallel; embedding, head sharded)")
+    elif dec.attention == "mla":
+        notes.append(f"tp={n}: latent attention's q (q_proj or q_b_proj) and kv_b_proj ColwiseParallel, o_proj "
+                     f"RowwiseParallel, q_a_proj and kv_a_proj_with_mqa whole on every rank (the rotary "
+                     f"key's gradient all-reduced over tp); gate/up ColwiseParallel, down RowwiseParallel "
+                     f"(no sequence parallelism: a Hugging Face decoder)")
     else:
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
                      f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
+
+
+def _attention_tp_plan(dec: Decoder, blocks, sp: bool) -> dict:
+    """The attention's entries of the block tp plan: q/k/v ColwiseParallel and o RowwiseParallel
+    (to Shard(1) under sequence parallelism), or latent attention's (:mod:`.hf_mla`)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    a = dec.attn
+    if dec.attention == "mla":
+        return latent_tp_plan(getattr(blocks[0][1], a), a) if blocks else {}
+    return {f"{a}.q_proj": ColwiseParallel(), f"{a}.k_proj": ColwiseParallel(),
+            f"{a}.v_proj": ColwiseParallel(),
+            f"{a}.o_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()}
 
 
 def _block_tp_plan(plan, dec: Decoder, mlp) -> dict:
@@ -335,16 +346,6 @@ def _check_moe(dec, layout, model) -> None:
     if ep > 1 and dec.experts % ep:
         raise PlanError(f"--mesh {layout.text()}: the model's {dec.experts} experts do not divide by "
                         f"ep={ep}; choose an ep that divides {dec.experts}")
-
-
-def _check_attention(dec, layout, model) -> None:
-    """What the plan cannot do with the decoder's attention: one line."""
-    tp = layout.size("tp")
-    if dec.attention == "mla" and tp > 1:
-        raise PlanError(f"--mesh {layout.text()}: tp on {type(model).__name__}'s multi-head latent attention "
-                        f"is not simulated yet (the plan splits q/k/v/o heads; MLA's latent projections "
-                        f"q_a_proj and kv_a_proj_with_mqa stay whole and their gradients would need an "
-                        f"all-reduce over tp); drop tp={tp} and use dp, ep, pp or cp")
 
 
 def _use_balanced(model, dec, blocks, notes) -> None:
@@ -721,7 +722,6 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                             f"returning the model")
     else:
         _check_moe(dec, layout, model)
-        _check_attention(dec, layout, model)
         _check_divides(layout, dec, seq_len)
     mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
     if layout.precision == "bf16":
