@@ -227,3 +227,16 @@ def test_deepseek_v2_by_hand(tmp_path):
     assert sum(c["count"] for c in _all_to_all(rec)) == 2 * 4
     attn = 2 * 64 * 12_544 + 589_824
     assert rec.totals["flops"]["total"] == 3 * (3 * attn + 3_145_728 + 2 * MOE_FLOPS + HEAD_FLOPS)
+
+
+@pytest.mark.parametrize("mesh, sq", [("ep=2", 32), ("cp=2", 16)])
+def test_latent_attention_runs_the_fused_kernel(dsv3, mesh, sq):
+    """q/k head dim 24 and v head dim 12: CPU's SDPA would take its math path (the 2 x 4 x 32 x 32
+    scores materialised and priced as memory-bound ops); the plan runs the memory-efficient
+    kernel a GPU runs, its signature with both head dims, causal by its flag."""
+    rec = audit(dsv3, mesh).record
+    rows = [o for o in rec.ops if o["module"] == "model.layers.0.self_attn" and o["kind"] == "attention"]
+    assert rows and all("efficient_attention" in o["op"] for o in rows)
+    shapes = {(tuple(s["attn"]), s.get("causal")) for o in rows for s in o.get("shapes", ())}
+    assert shapes == {((2, 4, sq, 32, 24, 12), True)}
+    assert not any("math path" in o["op"] for o in rec.ops)

@@ -50,7 +50,8 @@ from typing import Optional
 
 from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp,
                      top_k, use_balanced_experts)
-from .hf_mla import is_latent_attention, latent_tp_plan, sum_rotary_key_grads
+from .hf_mla import (fused_attention, is_latent_attention, latent_tp_plan, sum_rotary_key_grads,
+                     use_fused_latent_attention)
 from .layout import PARAMS_16
 
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings",
@@ -267,13 +268,12 @@ def _cp_attention(cp_mesh):
     half the pairs: a rank's work under PyTorch's load-balanced sharding (rank r holds chunks r
     and 2 cp - 1 - r of 2 cp, so every rank meets half of its T/cp x T pairs). Fake tensors hold
     no values: the flag's top-left alignment, not the rank's offset, changes no figure."""
-    import torch.nn.functional as F
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
     def sdpa(q, k, v, attn_mask=None, is_causal=False, **kw):
         k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp_mesh)
         v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp_mesh)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+        return fused_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
     return sdpa
 
 
@@ -346,6 +346,13 @@ def _check_moe(dec, layout, model) -> None:
     if ep > 1 and dec.experts % ep:
         raise PlanError(f"--mesh {layout.text()}: the model's {dec.experts} experts do not divide by "
                         f"ep={ep}; choose an ep that divides {dec.experts}")
+
+
+def _fused_latent_attention(model, notes) -> None:
+    if use_fused_latent_attention(model):
+        notes.append("latent attention: where q/k and v head dims differ, on fake tensors the memory-efficient "
+                     "kernel SDPA runs for them on a GPU, causal by its flag (CPU's SDPA would take its math "
+                     "path, scores materialised)")
 
 
 def _use_balanced(model, dec, blocks, notes) -> None:
@@ -747,6 +754,8 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         notes.append(f"cp={cp}: each rank holds T/{cp} of the sequence; attention all-gathers K and V "
                      f"over the cp group (reduce-scatters their gradients in backward)")
     _use_balanced(model, dec, chosen, notes)
+    if dec is not None and dec.attention == "mla" and cp == 1:
+        _fused_latent_attention(model, notes)
     if layout.size("ep") > 1:
         _apply_ep(model, dec, chosen, mesh, layout, notes, pipelined)
     if dec is not None and layout.checkpointing == "selective-attention":
