@@ -240,3 +240,45 @@ def test_latent_attention_runs_the_fused_kernel(dsv3, mesh, sq):
     shapes = {(tuple(s["attn"]), s.get("causal")) for o in rows for s in o.get("shapes", ())}
     assert shapes == {((2, 4, sq, 32, 24, 12), True)}
     assert not any("math path" in o["op"] for o in rec.ops)
+
+
+# DeepSeek-V3 at full width (its config's defaults: d 7,168, 128 heads, q_lora_rank 1,536,
+# kv_lora_rank 512, q/k head dim 128 + 64, v 128, dense MLP 18,432, 256 routed experts of 2,048,
+# top-8, one shared expert, vocabulary 129,280), 4 layers of which 3 dense, 4,096 tokens.
+DSV3_WIDE = ("DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=3, max_position_embeddings=4096, "
+             "tie_word_embeddings=False)")
+
+
+@pytest.mark.slow
+def test_full_width_layers_by_hand(tmp_path):
+    p = tmp_path / "dsv3_wide.py"
+    p.write_text(textwrap.dedent(SPEC.format(config=DSV3_WIDE).replace("(2, 32)", "(1, 4096)")
+                                 .replace("tokens=64, seq_len=32", "tokens=4096, seq_len=4096")))
+    out = tmp_path / "out.json"
+    result = CliRunner().invoke(cli, ["audit", str(p), "--world-size", "8", "--mesh", "ep=8", "--gpu", "h100",
+                                      "--checkpointing", "full", "--precision", "bf16-mixed", "--format", "json",
+                                      "--fail-on", "never", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    rec = json.loads(out.read_text())
+    # a layer's attention: q_a 7,168 x 1,536 = 11,010,048, q_b 1,536 x 128 x 192 = 37,748,736,
+    # kv_a 7,168 x 576 = 4,128,768, kv_b 512 x 128 x 256 = 16,777,216, o 128 x 128 x 7,168 =
+    # 117,440,512 (187,105,280), its norms 1,536 + 512 + 2 x 7,168: 187,121,664
+    attn = 187_105_280
+    dense = 4 * (attn + 2_048 + 14_336) + 3 * 3 * 7_168 * 18_432 + 256 * 7_168 + 3 * 7_168 * 2_048 \
+        + 2 * 129_280 * 7_168 + 7_168                                          # 3,836,812,288
+    routed = 256 * 3 * 7_168 * 2_048                                           # 11,274,289,152
+    assert rec["totals"]["params"] == dense + routed // 8                      # 32 experts a rank
+    assert rec["totals"]["param_bytes"] == (dense // 8 + routed // 8) * 4
+    # forward FLOPs, N = 4,096: projections 2 N x 187,105,280 and scores 2 x 128 x N^2 x (192 + 128)
+    # a layer; dense MLPs 2 N x 3 x 7,168 x 18,432; router, shared expert 2 N x (256 + 3 x 2,048) x
+    # 7,168; routed 2 x N x 8 x 7,168 x 2,048 x 3; head 2 N x 7,168 x 129,280
+    N = 4_096
+    fwd = 4 * (2 * N * attn + 2 * 128 * N * N * 320) + 3 * 2 * N * 3 * 7_168 * 18_432 \
+        + 2 * N * (256 + 3 * 2_048) * 7_168 + 2 * N * 8 * 7_168 * 2_048 * 3 + 2 * N * 7_168 * 129_280
+    assert rec["totals"]["flops"]["total"] == 3 * fwd == 96_668_976_414_720
+    # all-to-all: N x 8 rows of 7,168 in bf16 = 469,762,048 B; 6 (full checkpointing)
+    a2a = [c for c in rec["collectives"] if c["op"] == "all_to_all"]
+    assert {c["bytes"] // c["count"] for c in a2a} == {469_762_048} and sum(c["count"] for c in a2a) == 6
+    attn_shapes = {tuple(s["attn"]) for o in rec["ops"] if o["kind"] == "attention" for s in o.get("shapes", ())}
+    assert attn_shapes == {(1, 128, 4096, 4096, 192, 128)}
+    assert 0 < rec["predictions"]["step_time"]["seconds"] < 1.0               # 0.38 s; the math path 1.50 s
