@@ -282,3 +282,10 @@ def test_full_width_layers_by_hand(tmp_path):
     attn_shapes = {tuple(s["attn"]) for o in rec["ops"] if o["kind"] == "attention" for s in o.get("shapes", ())}
     assert attn_shapes == {(1, 128, 4096, 4096, 192, 128)}
     assert 0 < rec["predictions"]["step_time"]["seconds"] < 1.0               # 0.38 s; the math path 1.50 s
+
+
+def test_without_a_plan_the_error_names_deepseek(dsv3):
+    """transformers' grouped_mm takes only bf16 on fake tensors: the one line says the standard
+    plan runs DeepSeek's experts (--precision fp32 applies it)."""
+    result = CliRunner().invoke(cli, ["audit", dsv3, "--steps", "1"])
+    assert result.exit_code == 2 and "DeepSeek-V2/V3" in result.output, result.output
