@@ -289,3 +289,28 @@ def test_without_a_plan_the_error_names_deepseek(dsv3):
     plan runs DeepSeek's experts (--precision fp32 applies it)."""
     result = CliRunner().invoke(cli, ["audit", dsv3, "--steps", "1"])
     assert result.exit_code == 2 and "DeepSeek-V2/V3" in result.output, result.output
+
+
+@pytest.mark.slow
+def test_full_deepseek_v3_pipelined_with_expert_parallel(tmp_path):
+    """All 61 layers (3 dense), 2,048 ranks as DeepSeek-V3 trained (pp=16, ep=64, dp=2), 120
+    micro-batches of 4,096 tokens: each distinct stage traced (about 30 s)."""
+    p = tmp_path / "dsv3_full.py"
+    p.write_text(textwrap.dedent(SPEC.format(config="DeepseekV3Config(max_position_embeddings=4096, "
+                                                    "tie_word_embeddings=False)")
+                                 .replace("(2, 32)", "(1, 4096)").replace("tokens=64, seq_len=32",
+                                                                          "tokens=4096, seq_len=4096")))
+    out = tmp_path / "out.json"
+    result = CliRunner().invoke(cli, ["audit", str(p), "--world-size", "2048", "--mesh", "pp=16,dp=2,ep=64",
+                                      "--micro-batches", "120", "--gpu", "h100", "--precision", "bf16-mixed",
+                                      "--format", "json", "--fail-on", "never", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    rec = json.loads(out.read_text())
+    stages = rec["totals"]["pipeline"]["per_stage"]
+    # 61 blocks over 16 stages, 13 of 4 then 3 of 3; the 4 distinct stages traced: 0 (embedding,
+    # the 3 dense layers and one MoE), 1-12 (4 MoE layers), 13-14 (3), 15 (3 and the head)
+    assert [s["blocks"] for s in stages] == [4, 4, 3, 3] and rec["totals"]["pipeline"]["ranks_traced"] == 4
+    # the bounding stage (1): 4 MoE layers of attention 187,121,664, router 1,835,008, shared
+    # expert 44,040,192 and 4 of the 256 routed experts (256 x 44,040,192 / 64 = 176,160,768)
+    assert rec["totals"]["params"] == 4 * (187_121_664 + 1_835_008 + 44_040_192 + 176_160_768)
+    assert rec["predictions"]["step_time"]["seconds"] > 0
