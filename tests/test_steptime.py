@@ -496,3 +496,17 @@ def test_mfu_is_against_the_peak_of_the_dtype_the_matmuls_ran_in():
     p = predict_step_time(rec, part)
     # against the bf16 column (100 TFLOP/s), not the fp32 one (50)
     assert p["mfu"] == pytest.approx(flops / p["seconds"] / 100e12)
+
+
+def test_attention_with_value_head_dim_apart_by_hand():
+    """DeepSeek's latent attention: q/k head dim 192 (128 nope + 64 rope), v head dim 128;
+    both priced: FLOPs 2 x b x h x sq x sk x (d + dv), bytes Q, O, K and V at their own widths."""
+    # compute-bound: b 1, 128 heads, S 4096, bf16, forward, dense: 2 x 128 x 4096^2 x 320
+    #   = 1.37439e12 FLOPs at 0.65 x 4096 / 4352 of 100 TF/s (d >= 128: no small-head factor)
+    t = st.attention_seconds(1, 128, 4096, 4096, 192, 128, False, False, "bf16", PART, eff=EFF)
+    assert t == pytest.approx(2 * 128 * 4096 ** 2 * 320 / (100e12 * 0.65 * 4096 / 4352), rel=1e-12)
+    # memory-bound (one query over 4,096 keys): 2 B x 128 heads x (Q 192 + O 128 + K 4096 x 192
+    #   + V 4096 x 128) = 2 x 128 x 4097 x 320 = 335,626,240 B at 1 TB/s = 335.626 us (not the
+    #   402.7 us of K and V both at 192)
+    t = st.attention_seconds(1, 128, 1, 4096, 192, 128, False, False, "bf16", PART, eff=EFF)
+    assert t == pytest.approx(335_626_240 / 1e12, rel=1e-12)

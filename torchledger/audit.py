@@ -604,8 +604,9 @@ def _device_hint(e: Exception, device: str) -> str:
                 f"tensors (only its CPU kernel takes float32): build the model in bf16 "
                 f"(torch.set_default_dtype(torch.bfloat16) at the top of audit_spec(), or "
                 f"dtype=torch.bfloat16 in its constructor), or use --device cpu; a Hugging Face MoE "
-                f"decoder (Mixtral, Qwen2/3-MoE) also runs under the standard plan (--precision fp32 "
-                f"or --mesh), which computes its experts with batched matmuls under balanced routing")
+                f"decoder (Mixtral, Qwen2/3-MoE, GPT-OSS, DeepSeek-V2/V3) also runs under the standard "
+                f"plan (--precision fp32 or --mesh), which computes its experts with batched matmuls "
+                f"under balanced routing")
     if device == "fake" and "Couldn't swap" in text and _memory_format_call(e):
         return ("; fake tensors cannot change a model's memory format in place "
                 "(model.to(memory_format=...)): leave the model as built and pass channels_last "

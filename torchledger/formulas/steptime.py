@@ -280,9 +280,10 @@ def attention_seconds(b: int, hq: int, sq: int, sk: int, d: int, dv: int, causal
                       dtype: str, gpu, kernel: Optional[str] = None, eff: Optional[Mapping] = None) -> float:
     """Seconds of one fused attention call (flash, cuDNN or memory-efficient) forward or backward.
 
-    Executed FLOPs: 2 x b x hq x sq x sk x (d + dv), halved when causal (the kernels skip the
-    masked blocks), x 2.5 for the backward (four score-sized matmuls plus the recomputed
-    Q K^T). Rate: the kernel's fraction of peak x S / (S + attention_seq_half) x (d/128)^0.3
+    ``d``: the query/key head dim, ``dv``: the value head dim (they differ in DeepSeek's latent
+    attention: 192 and 128). Executed FLOPs: 2 x b x hq x sq x sk x (d + dv), halved when causal
+    (the kernels skip the masked blocks), x 2.5 for the backward (four score-sized matmuls plus
+    the recomputed Q K^T); bytes: Q (sq x d), O (sq x dv), K (sk x d) and V (sk x dv) per head. Rate: the kernel's fraction of peak x S / (S + attention_seq_half) x (d/128)^0.3
     for head dims under 128 (FA2 paper: d=64 runs ~15-20% slower than d=128), x
     ``attention_causal_fraction`` when causal (masked diagonal blocks, uneven rows)."""
     eff = eff or efficiency(gpu)
@@ -296,7 +297,7 @@ def attention_seconds(b: int, hq: int, sq: int, sk: int, d: int, dv: int, causal
     frac = max(frac * min(1.0, d / 128.0) ** 0.3 * float(eff.get("sustained_fraction", 1.0)), 1e-6)
     compute = flops / (_peak(gpu, dtype, eff) * frac)
     elt = DTYPE_BYTES.get(dtype, 2)
-    io = elt * b * (hq * sq * (d + dv) + 2 * hq * sk * d) * (2.5 if backward else 1.0)
+    io = elt * b * hq * (sq + sk) * (d + dv) * (2.5 if backward else 1.0)     # Q, O; K, V
     return max(compute, memory_seconds(io, gpu, eff, floor=False), float(eff["launch_s"]))
 
 

@@ -141,7 +141,8 @@ def _probe(fn, path, entry):
     dec = find_decoder(spec.model)
     if dec is None:
         raise _error(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
-                     f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2), not "
+                     f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2, "
+                     f"Mixtral/Qwen2-MoE/Qwen3-MoE/GPT-OSS/DeepSeek-V2/V3), not "
                      f"{type(spec.model).__name__}; drop pp from --mesh")
     seq = infer_tokens(spec.inputs)
     batch = (seq.tokens // seq.seq_len) if seq.tokens and seq.seq_len else 1

@@ -32,12 +32,15 @@ In torchtitan's order (``parallelize_llama``), per transformer block:
 
 Known limitations: the model is recognised by its structure (torchledger's ``Transformer``;
 a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
-``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2); any other model gets data
-parallelism only (FSDP2 on the root as one unit); ``ep`` applies to torchledger's MoE decoders
-(:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders (Mixtral, Qwen2/3-MoE, GPT-OSS:
-:mod:`.hf_moe`, experts computed under balanced routing), with cp (each rank's experts
-sharded over dp x cp) and, on the Hugging Face ones, tp (each tp rank routes its share of the
-tokens; the experts data-parallel over tp).
+``mlp.{gate,up,down}_proj``: Llama, Mistral, Qwen2; or DeepSeek-V2/V3's multi-head latent
+attention, ``self_attn.{q_proj | q_a_proj, q_b_proj}, kv_a_proj_with_mqa, kv_b_proj, o_proj``);
+any other model gets data parallelism only (FSDP2 on the root as one unit); ``ep`` applies to
+torchledger's MoE decoders (:mod:`torchledger.models.moe`) and to Hugging Face MoE decoders
+(Mixtral, Qwen2/3-MoE, GPT-OSS, DeepSeek-V2/V3: :mod:`.hf_moe`, routed experts computed under
+balanced routing; shared experts and dense first layers stay dense weights, FSDP over dp x ep),
+with cp (each rank's experts sharded over dp x cp) and, on the Hugging Face ones, tp (each tp
+rank routes its share of the tokens; the experts data-parallel over tp; latent attention split
+by heads as :mod:`.hf_mla` describes).
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ from typing import Optional
 
 from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp,
                      top_k, use_balanced_experts)
+from .hf_mla import (fused_attention, is_latent_attention, latent_tp_plan, sum_rotary_key_grads,
+                     use_fused_latent_attention)
 from .layout import PARAMS_16
 
 __all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings",
@@ -94,6 +99,9 @@ class Decoder:
     experts: int = 0
     """E of its mixture-of-experts layers (a Hugging Face sparse block); 0: none."""
     top_k: int = 0
+    attention: str = "mha"
+    """``mha`` (q/k/v/o projections, grouped or not) or ``mla`` (DeepSeek's multi-head latent
+    attention: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)."""
 
     def module(self, model, fqn: str):
         return model.get_submodule(fqn) if fqn else model
@@ -120,7 +128,8 @@ def find_decoder(model) -> Optional[Decoder]:
     attn, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
     if attn is None or mlp is None:
         return None
-    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    kind = _attention_kind(attn)
+    if kind is None:
         return None
     dense = all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
     if not (dense or is_sparse_block(mlp)):
@@ -135,7 +144,15 @@ def find_decoder(model) -> Optional[Decoder]:
                    ("input_layernorm", "post_attention_layernorm"), True, "model.embed_tokens",
                    "model.norm", "lm_head", heads, kv,
                    mlp.gate_proj.out_features if dense else expert_width(mlp), sequence_parallel=False,
-                   experts=n_experts(sparse[0]) if sparse else 0, top_k=top_k(sparse[0]) if sparse else 0)
+                   experts=n_experts(sparse[0]) if sparse else 0, top_k=top_k(sparse[0]) if sparse else 0,
+                   attention=kind)
+
+
+def _attention_kind(attn) -> Optional[str]:
+    """``mha`` (q/k/v/o projections), ``mla`` (DeepSeek's latent attention) or None."""
+    if all(getattr(attn, p, None) is not None for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "mha"
+    return "mla" if is_latent_attention(attn) else None
 
 
 def _block_fqns(dec: Decoder, keep=None):
@@ -167,9 +184,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
                                                    parallelize_module)
     a, m = dec.attn, dec.mlp
     sp = dec.sequence_parallel
-    plan = {f"{a}.q_proj": ColwiseParallel(), f"{a}.k_proj": ColwiseParallel(),
-            f"{a}.v_proj": ColwiseParallel(),
-            f"{a}.o_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
+    plan = {**_attention_tp_plan(dec, blocks, sp),
             f"{m}.up_proj": ColwiseParallel(),
             f"{m}.down_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()}
     if dec.swiglu:
@@ -186,6 +201,8 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
         if dec.family == "torchledger":      # its views use the head counts: each rank has its own
             attn.n_heads //= n
             attn.n_kv_heads //= n
+        if dec.attention == "mla":
+            sum_rotary_key_grads(attn, tp_mesh)
     if sp:
         root = {}
         for fqn, style in ((dec.embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))),
@@ -197,9 +214,27 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
             parallelize_module(model, tp_mesh, root)
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block, "
                      f"sequence parallel (norms SequenceParallel; embedding, head sharded)")
+    elif dec.attention == "mla":
+        notes.append(f"tp={n}: latent attention's q (q_proj or q_b_proj) and kv_b_proj ColwiseParallel, o_proj "
+                     f"RowwiseParallel, q_a_proj and kv_a_proj_with_mqa whole on every rank (the rotary "
+                     f"key's gradient all-reduced over tp); gate/up ColwiseParallel, down RowwiseParallel "
+                     f"(no sequence parallelism: a Hugging Face decoder)")
     else:
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
                      f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
+
+
+def _attention_tp_plan(dec: Decoder, blocks, sp: bool) -> dict:
+    """The attention's entries of the block tp plan: q/k/v ColwiseParallel and o RowwiseParallel
+    (to Shard(1) under sequence parallelism), or latent attention's (:mod:`.hf_mla`)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    a = dec.attn
+    if dec.attention == "mla":
+        return latent_tp_plan(getattr(blocks[0][1], a), a) if blocks else {}
+    return {f"{a}.q_proj": ColwiseParallel(), f"{a}.k_proj": ColwiseParallel(),
+            f"{a}.v_proj": ColwiseParallel(),
+            f"{a}.o_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()}
 
 
 def _block_tp_plan(plan, dec: Decoder, mlp) -> dict:
@@ -233,13 +268,12 @@ def _cp_attention(cp_mesh):
     half the pairs: a rank's work under PyTorch's load-balanced sharding (rank r holds chunks r
     and 2 cp - 1 - r of 2 cp, so every rank meets half of its T/cp x T pairs). Fake tensors hold
     no values: the flag's top-left alignment, not the rank's offset, changes no figure."""
-    import torch.nn.functional as F
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
     def sdpa(q, k, v, attn_mask=None, is_causal=False, **kw):
         k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp_mesh)
         v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp_mesh)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+        return fused_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
     return sdpa
 
 
@@ -312,6 +346,13 @@ def _check_moe(dec, layout, model) -> None:
     if ep > 1 and dec.experts % ep:
         raise PlanError(f"--mesh {layout.text()}: the model's {dec.experts} experts do not divide by "
                         f"ep={ep}; choose an ep that divides {dec.experts}")
+
+
+def _fused_latent_attention(model, notes) -> None:
+    if use_fused_latent_attention(model):
+        notes.append("latent attention: where q/k and v head dims differ, on fake tensors the memory-efficient "
+                     "kernel SDPA runs for them on a GPU, causal by its flag (CPU's SDPA would take its math "
+                     "path, scores materialised)")
 
 
 def _use_balanced(model, dec, blocks, notes) -> None:
@@ -471,6 +512,19 @@ def _apply_checkpointing(blocks, mode: str, notes) -> None:
             checkpoint(block)
             done += 1
     notes.append(f"checkpointing {mode}: {done} of {len(blocks)} blocks recompute their forward in backward")
+
+
+def _no_cache_in_recompute(model, dec, mode: str, notes) -> None:
+    """A Hugging Face decoder whose blocks are checkpointed builds no key/value cache, as
+    transformers' own gradient checkpointing sets ``use_cache=False``: a block recomputed in
+    backward would append its keys (DeepSeek's latents) to the cache a second time and recompute
+    other shapes than it saved."""
+    cfg = getattr(model, "config", None)
+    if mode == "none" or dec.family != "hf" or not getattr(cfg, "use_cache", False):
+        return
+    cfg.use_cache = False
+    notes.append(f"checkpointing {mode}: use_cache=False (no key/value cache built in the training forward, "
+                 f"as transformers' gradient checkpointing sets it)")
 
 
 def _checkpoint_attention(model, dec, blocks, notes) -> None:
@@ -670,7 +724,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
             what = ", ".join(f"{n}={layout.size(n)}" for n in needs) or f"--checkpointing {layout.checkpointing}"
             raise PlanError(f"--mesh {layout.text()}: the standard plan applies {what} to decoders it "
                             f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2 and "
-                            f"Mixtral/Qwen2-MoE/Qwen3-MoE), not {type(model).__name__}; add "
+                            f"Mixtral/Qwen2-MoE/Qwen3-MoE/GPT-OSS/DeepSeek-V2/V3), not {type(model).__name__}; add "
                             f"AuditSpec(parallelize=fn), fn(model, mesh) applying your own plan and "
                             f"returning the model")
     else:
@@ -700,11 +754,14 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
         notes.append(f"cp={cp}: each rank holds T/{cp} of the sequence; attention all-gathers K and V "
                      f"over the cp group (reduce-scatters their gradients in backward)")
     _use_balanced(model, dec, chosen, notes)
+    if dec is not None and dec.attention == "mla" and cp == 1:
+        _fused_latent_attention(model, notes)
     if layout.size("ep") > 1:
         _apply_ep(model, dec, chosen, mesh, layout, notes, pipelined)
     if dec is not None and layout.checkpointing == "selective-attention":
         _checkpoint_attention(model, dec, chosen, notes)
     elif dec is not None:
+        _no_cache_in_recompute(model, dec, layout.checkpointing, notes)
         _apply_checkpointing(chosen, layout.checkpointing, notes)
     dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
     if kind in ("fsdp", "hsdp"):
