@@ -60,7 +60,11 @@ def host_part():
     eff = {"matmul_peak_fraction": 1.0, "memory_fraction": 1.0, "launch_s": floor,
            "matmul_tiles": [[64, 64], [32, 32], [16, 16]], "matmul_k_tile": 16, "matmul_k_overhead": 0.5,
            "matmul_min_intensity": 1.0, "attention_kernel": "flash", "attention": {"flash": [0.5, 0.5]},
-           "attention_seq_half": 0.0}
+           "attention_seq_half": 0.0,
+           # the rates above are this host's own, measured as it runs: no sustained-training
+           # derate, no collectives to slow the compute, the CPU flash kernel's causal rate
+           # is the dense one's (attention_causal_fraction 1)
+           "sustained_fraction": 1.0, "overlap_slowdown": 0.0, "attention_causal_fraction": 1.0}
     part = GPUSpec(f"host CPU ({threads} threads)", 0, bw, {"fp32": rate}, (), threads, None, None, 1, 1, eff,
                    {"peaks": "measured: best 1024^3 fp32 torch.mm", "bandwidth": "measured: 256 MB a + b"})
     return part, rate, bw, floor
