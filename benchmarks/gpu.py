@@ -1,6 +1,6 @@
 """GPU benchmark: predicted peak memory (fake tensors) against measured, and measured MFU.
 
-    PYTHONPATH=. python3 benchmarks/gpu.py --out DIR       (run by ../shared/gpu-check.sh)
+    PYTHONPATH=. python3 benchmarks/gpu.py --out DIR       (on a machine with a CUDA GPU)
 
 For gpt-mini (batch 8 x 512) and the gpt2 preset (batch 8 x 1024), AdamW (foreach) and bf16
 autocast on CUDA:

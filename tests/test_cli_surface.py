@@ -1,4 +1,4 @@
-"""The command-line surface is a contract (../shared/INTERFACE.md): INTERFACE's flags must
+"""The command-line surface is a contract (README's command line): the flags users rely on must
 exist, and any new flag is a deliberate choice (torchtitan's test_no_new_cli_options).
 Adding one: update SURFACE here in the same commit, and say why in the message."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CudaMemoryHistory and the allocator on a real GPU.
 
 Tests marked ``cuda`` run only where CUDA is available (tests/conftest.py skips them
-elsewhere; ../shared/gpu-check.sh runs them). The others check, on any machine, the
+elsewhere; on a GPU machine `python -m pytest -q -m cuda` runs them). The others check, on any machine, the
 no-CUDA statement and the start/stop/restore logic against a stand-in allocator API: they
 never create a CUDA tensor.
 """

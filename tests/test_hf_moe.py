@@ -274,7 +274,7 @@ def test_experts_that_do_not_divide_by_ep_is_one_line(mixtral):
                    "4 experts", "ep=8")
 
 
-# The published run (../shared/calibration-runs.json, am-qwen3-30b-a3b-bf16-h100-8): Qwen3-30B-A3B,
+# The published run (benchmarks/data/calibration-runs.json, am-qwen3-30b-a3b-bf16-h100-8): Qwen3-30B-A3B,
 # 8 H100s, ep=8, 16 micro-batches of 4 x 4,096, full checkpointing, bf16-mixed.
 QWEN3_30B = ("Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, "
              "moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, "
