@@ -252,7 +252,8 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     # Megatron's distributed optimizer (ZeRO-1) under te: each data-parallel replica updates
     # 1/d of the parameters (its shard of the fp32 masters and moments)
     zero1 = max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1
-    cast_bytes = 0.0
+    pricing = {"gpu": gpu, "eff": eff, "dtype": dtype, "cp": _cp_of(t), "fp8": fp8, "te": te,
+               "compiled": compiled, "zero1": zero1}
     pipe = t.get("pipeline") if isinstance(t.get("pipeline"), dict) else None
     # a pipeline audit's composed stage (``per_stage``): its ops are one micro-step's, its
     # totals and collectives the whole step's (m micro-steps, each row with ``micro_steps``)
@@ -261,7 +262,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         micro = max(int(pipe["micro_batches"]), 1)
     else:
         micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
-    cp = int((t.get("parallel_dims") or {}).get("cp") or 1)
+    cp = pricing["cp"]
     # -- compute: every op row, by phase, kind and module ----------------------------------
     by_phase = {p: 0.0 for p in _PHASES}
     kinds = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "launch": 0.0}
@@ -278,16 +279,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
             skipped += int(row.get("count") or 0)       # a steady step's optimizer has its state
             continue
         phase = row.get("phase") or "other"
-        casts = 0.0
-        if fp8:
-            row, casts = fp8_row(row)
-            cast_bytes += casts
-        # model fusion (compiled, te) in the passes; TE's fused Adam fuses the optimizer
-        fuse = compiled and (phase in ("forward", "backward", "recompute") or (te and phase == "optimizer"))
-        got = op_seconds(row, gpu, eff, dtype, fuse, cp)
-        if phase == "optimizer" and zero1 > 1:
-            got = {k: (v / zero1 if isinstance(v, float) else v) for k, v in got.items()}
-        cast_s = st.memory_seconds(casts, gpu, eff, floor=False) if casts else 0.0
+        row, got, fuse, cast_s = _price_row(row, phase, pricing)
         secs = got["seconds"] + cast_s
         if not secs:
             continue
@@ -300,7 +292,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         bucket["memory_bound"] += cast_s
         if got["kind"] == "memory_bound" and not fuse and fusion_known and phase != "optimizer":
             fused = op_seconds(row, gpu, eff, dtype, True, cp)["seconds"]
-            fusable += (secs - fused) * (micro if bucket is kinds else 1)
+            fusable += (got["seconds"] - fused) * (micro if bucket is kinds else 1)
         if got["kind"] == "matmul":
             mm_flops += float(row.get("flops") or 0)
             mm_seconds += body
@@ -524,6 +516,27 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     out["_modules"] = {k: v * micro for k, v in mod_seconds.items()}
     out["_collectives"] = coll_seconds
     return out
+
+
+def _cp_of(totals) -> int:
+    """The context-parallel degree of the record's layout."""
+    return int((totals.get("parallel_dims") or {}).get("cp") or 1)
+
+
+def _price_row(row, phase, p) -> tuple:
+    """``(row as priced, op_seconds' dict, fused?, seconds of fp8 casts)`` of one op row under
+    the step's kernels (``p``, built by :func:`predict_step_time`): fp8 for the blocks' GEMMs,
+    model fusion (compiled, te) in the passes and TE's fused Adam in the optimizer, the
+    distributed optimizer's 1/d of the step."""
+    casts = 0.0
+    if p["fp8"]:
+        row, casts = fp8_row(row)
+    fuse = p["compiled"] and (phase in ("forward", "backward", "recompute") or (p["te"] and phase == "optimizer"))
+    got = op_seconds(row, p["gpu"], p["eff"], p["dtype"], fuse, p["cp"])
+    if phase == "optimizer" and p["zero1"] > 1:
+        got = {k: (v / p["zero1"] if isinstance(v, float) else v) for k, v in got.items()}
+    cast_s = st.memory_seconds(casts, p["gpu"], p["eff"], floor=False) if casts else 0.0
+    return row, got, fuse, cast_s
 
 
 def _kernels_line(kernels: str, fused: bool, zero1: int, fp8: bool) -> str:
