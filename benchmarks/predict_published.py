@@ -132,12 +132,11 @@ def predict(run, models, today=False, timeout=1800.0, save=None) -> dict:
 #: The fitted parameter (formulas/steptime.py DEFAULT_EFFICIENCY) and its grid. overlap_slowdown
 #: is held at its default: its figure comes from NCCL's SM share, and the runs do not pin it
 #: (fitted together, the fits without each run scattered it over 0 to 0.30).
-GRID = {"sustained_fraction": [round(0.60 + 0.01 * i, 2) for i in range(41)],
-        "overlap_slowdown": [None]}
+GRID = [round(0.60 + 0.01 * i, 2) for i in range(41)]      # sustained_fraction
 
 
 def reprice(saved: str, runs, models):
-    """{run id: {(s, c): predicted tokens/s per GPU}} over GRID, from the records --save wrote
+    """{run id: {s: predicted tokens/s per GPU}} over GRID, from the records --save wrote
     (each re-priced by analyzers.steptime with the parameters replaced, nothing re-traced).
     NB: a pipeline run is re-priced on its saved (bounding) stage, scaled by the ratio its
     audit found between the slowest stage and that one."""
@@ -159,14 +158,10 @@ def reprice(saved: str, runs, models):
         base = predict_step_time(rec, gpu, kw)["seconds"]
         ratio = st["seconds"] / base if base else 1.0
         table[run["id"]] = {}
-        from torchledger.formulas.steptime import DEFAULT_EFFICIENCY
-        for s in GRID["sustained_fraction"]:
-            for c in GRID["overlap_slowdown"]:
-                c = DEFAULT_EFFICIENCY["overlap_slowdown"] if c is None else c
-                part = dataclasses.replace(gpu, efficiency={**gpu.efficiency, "sustained_fraction": s,
-                                                            "overlap_slowdown": c})
-                secs = predict_step_time(rec, part, kw)["seconds"] * ratio
-                table[run["id"]][s, c] = tokens_per_step(run) / secs / int(run["gpus"])
+        for s in GRID:
+            part = dataclasses.replace(gpu, efficiency={**gpu.efficiency, "sustained_fraction": s})
+            secs = predict_step_time(rec, part, kw)["seconds"] * ratio
+            table[run["id"]][s] = tokens_per_step(run) / secs / int(run["gpus"])
     return table
 
 
@@ -253,11 +248,13 @@ def print_fit(saved, runs, models) -> int:
         print(f"no saved records in {saved}: run with --save {saved} first")
         return 2
     best, rows = fit_report(table, runs)
-    print(f"fit on {len(rows)} runs: sustained_fraction {best[0]:.2f}, overlap_slowdown {best[1]:.2f}")
+    from torchledger.formulas.steptime import DEFAULT_EFFICIENCY
+    print(f"fit on {len(rows)} runs: sustained_fraction {best:.2f}, overlap_slowdown "
+          f"{DEFAULT_EFFICIENCY['overlap_slowdown']:.2f} (held)")
     print(f"{'run':30s} {'in-sample':>10s} {'leave-one-out':>14s}  (fit without it)")
     for r in rows:
         print(f"{r['id']:30s} {100 * r['in_sample']:+9.1f}% {100 * r['leave_one_out']:+13.1f}%  "
-              f"({r['loo_fit'][0]:.2f}, {r['loo_fit'][1]:.2f})")
+              f"({r['loo_fit']:.2f})")
     for key in ("in_sample", "leave_one_out"):
         errs = sorted(abs(r[key]) for r in rows)
         mid = errs[len(errs) // 2] if len(errs) % 2 else (errs[len(errs) // 2 - 1] + errs[len(errs) // 2]) / 2
