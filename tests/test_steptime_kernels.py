@@ -131,6 +131,18 @@ def test_fp8_rows_of_the_blocks_by_hand(part):
     assert fp8["by_kind"]["memory_bound"] == pytest.approx(3 * 4 * 2 * 8192 ** 2 / 1e12)
 
 
+def test_fp8_on_a_part_without_fp8_tensor_cores_is_priced_16_bit_and_said():
+    # an A100 has no fp8 column: no casts, the bf16 GEMM time, and a line that says so
+    row = _big_matmul()
+    row["module"] = "layers.0.mlp.up_proj"
+    rec = _record([row])
+    bf16 = predict_step_time(rec, "a100")
+    rec.meta["audit"] = {"precision": "fp8"}
+    got = predict_step_time(rec, "a100")
+    assert got["seconds"] == pytest.approx(bf16["seconds"])
+    assert any("no fp8 tensor cores" in a for a in got["assumptions"])
+
+
 def test_sustained_fraction_and_overlap_slowdown(part):
     import dataclasses
     eff = dict(st.efficiency(part))

@@ -248,7 +248,9 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     te = kernels == "te"
     if te and "cudnn" in eff["attention"]:
         eff = dict(eff, attention_kernel="cudnn")          # TE's cuDNN fused attention
-    fp8 = audit.get("precision") == "fp8"
+    # fp8 GEMMs where the part has fp8 tensor cores (Hopper, Blackwell); elsewhere they run 16-bit
+    fp8_asked = audit.get("precision") == "fp8"
+    fp8 = fp8_asked and bool(gpu.peak_flops.get("fp8"))
     # Megatron's distributed optimizer (ZeRO-1) under te: each data-parallel replica updates
     # 1/d of the parameters (its shard of the fp32 masters and moments)
     zero1 = max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1
@@ -495,6 +497,9 @@ def predict_step_time(rec, gpu, options=None) -> dict:
                            "recorded): priced unfused")
     if micro > 1:
         assumptions.append(f"{micro} micro-batches: gradient reductions in the last only, one optimizer step")
+    if fp8_asked and not fp8:
+        assumptions.append(f"--precision fp8: {gpu.name} has no fp8 tensor cores; the GEMMs priced in bf16, "
+                           f"as Transformer Engine would have to run them there")
     if skipped:
         assumptions.append(f"a steady step: the traced first step's optimizer made its state ({skipped} "
                            f"zero-fill and scalar kernels), which later steps do not; not priced")
