@@ -31,8 +31,8 @@ t0 = time.perf_counter()
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 sys.path.insert(0, sys.argv[2])
-from torchledger.audit import load_entry
-from torchledger.spec import default_loss
+from torchledger.audit.engine import load_entry
+from torchledger.audit.spec import default_loss
 t1 = time.perf_counter()
 fn = load_entry(sys.argv[1])
 with FakeTensorMode(allow_non_fake_inputs=True):
@@ -122,7 +122,7 @@ def predict_cost(args):
     without it (wall, noisy on a shared host), and ``attach_step_time`` alone on the record
     (CPU time of this process, best of 5)."""
     sys.path.insert(0, ROOT)
-    from torchledger.analyzers.steptime import attach_step_time
+    from torchledger.steptime.predict import attach_step_time
     from torchledger.record import StepRecord
     base = [sys.executable, "-m", "torchledger", "audit", args.example, "--steps", "1", "--format", "json"]
     plain, with_gpu, record = [], [], None

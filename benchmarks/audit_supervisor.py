@@ -1,4 +1,4 @@
-"""What running the model file in a child process (``torchledger/cli/supervise.py``) costs.
+"""What running the model file in a child process (``torchledger/audit/supervise.py``) costs.
 
     python benchmarks/audit_supervisor.py [--repeats 5] [--example examples/gpt2_tiny.py] [--json OUT]
 
@@ -27,7 +27,7 @@ ALONE = r"""
 import json, statistics, sys, time
 if sys.argv[1] == "torch":
     import torch  # noqa: F401
-from torchledger.cli.supervise import supervise
+from torchledger.audit.supervise import supervise
 t0 = time.perf_counter()
 supervise(lambda: {"x": 0}, timeout=60, model_path="x.py")
 first = time.perf_counter() - t0

@@ -30,9 +30,9 @@ def main():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchledger.audit import load_entry
-    from torchledger.spec import _call, default_loss
-    from torchledger.spec import as_spec
+    from torchledger.audit.engine import load_entry
+    from torchledger.audit.spec import _call, default_loss
+    from torchledger.audit.spec import as_spec
     from torchledger.tracer.step import StepTracer
 
     counts = collections.Counter()

@@ -72,7 +72,7 @@ def host_part():
 
 def measure_and_predict(name, part, batch):
     import torchledger
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     from torchledger.models import build_model, get_config
     torch.manual_seed(0)
     cfg = get_config(name)

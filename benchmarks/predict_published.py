@@ -141,7 +141,7 @@ def reprice(saved: str, runs, models):
     NB: a pipeline run is re-priced on its saved (bounding) stage, scaled by the ratio its
     audit found between the slowest stage and that one."""
     import dataclasses
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     from torchledger.formulas.hardware import get_gpu
     from torchledger.record import StepRecord
     table = {}

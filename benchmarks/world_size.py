@@ -4,7 +4,7 @@
 
 Each size runs the real command line in a fresh process (imports included). The simulated
 world runs rank 0 only, so the time should not grow with N: before torchledger shared FSDP2's
-per-rank chunks lazily (torchledger/world.py, ``_rank_chunks_only``) ``fully_shard``
+per-rank chunks lazily (torchledger/audit/world.py, ``_rank_chunks_only``) ``fully_shard``
 made two fake ``new_empty(0)`` per parameter per rank (4,096 ranks: 5.7 s; 65,536: 43.7 s;
 1,048,576: over 300 s). Target: the largest world (``MAX_WORLD``, 1,048,576) under 30 s.
 """

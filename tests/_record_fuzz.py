@@ -217,7 +217,7 @@ _GOOD = None
 def _baseline(path: str) -> list:
     """What ``audit --baseline path`` does with it: load (one line, exit 2) or compare and render."""
     import click
-    from torchledger.cli.audit import BASELINE_TOTALS, _load_record
+    from torchledger.cli.audit import BASELINE_TOTALS, load_record
     from torchledger.cli.types import InputError
     from torchledger.record import StepRecord
     from torchledger.render import render
@@ -226,7 +226,7 @@ def _baseline(path: str) -> list:
     if _GOOD is None:
         _GOOD = load(os.path.join(HERE, "data", "cruncher-copy", "record.json"))
     try:
-        base = _load_record(path, f"--baseline {path}", BASELINE_TOTALS)
+        base = load_record(path, f"--baseline {path}", BASELINE_TOTALS)
     except (InputError, click.ClickException) as e:
         msg = e.format_message()
         return [] if len(msg.strip().splitlines()) == 1 else ["baseline: refusal of several lines"]

@@ -108,7 +108,7 @@ CASES = {
 HARNESS = """
 import contextlib, io, json, os, sys, time
 import torch
-from torchledger.audit import run_audit
+from torchledger.audit.engine import run_audit
 from torchledger.cli import cli
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from watch import survivors
@@ -360,7 +360,7 @@ def test_a_signal_to_torchledger_ends_what_the_model_file_started(tmp_path, watc
 def test_a_child_reaped_elsewhere_is_never_signalled(monkeypatch):
     """Once the child is reaped (here: by someone else in this process), its pid and group id
     may name another process: ``end()`` and ``ended()`` signal nothing."""
-    from torchledger.cli.supervise import _Child
+    from torchledger.audit.supervise import _Child
     pid = os.fork()
     if pid == 0:
         os._exit(0)
@@ -379,7 +379,7 @@ def test_the_reaper_kills_only_new_processes_of_another_session():
     are in another session (what left the audit's child's group, orphaned to it): not a
     child that was already there, not one in this session."""
     import threading
-    from torchledger.cli.supervise import _Reaper, _stat
+    from torchledger.audit.supervise import _Reaper, _stat
     if threading.active_count() != 1:
         pytest.skip("the reaper is off in a process with other Python threads")
     old = subprocess.Popen(["sleep", "30"], start_new_session=True)

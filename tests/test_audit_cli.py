@@ -580,8 +580,9 @@ def test_fake_shape_error_prints_only_the_one_line(tmp_path):
 def test_torch_loggers_are_quiet_during_the_audit_and_restored_after(tmp_path):
     import logging
 
-    from torchledger.audit import TORCH_LOGGERS, run_audit
-    from torchledger.spec import AuditError
+    from torchledger.audit.loading import TORCH_LOGGERS
+    from torchledger.audit.engine import run_audit
+    from torchledger.audit.spec import AuditError
     import torch._subclasses.fake_tensor  # noqa: F401
     model = write(tmp_path, "m.py", SHAPE_MISMATCH)
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")

@@ -78,7 +78,7 @@ CASES = {
 HARNESS = """
 import contextlib, io, json, sys, time
 import torch
-from torchledger.audit import run_audit
+from torchledger.audit.engine import run_audit
 from torchledger.cli import cli
 warm, out_path, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 run_audit(warm, steps=1)        # every module an audit imports, imported once, here
@@ -236,8 +236,8 @@ def test_hostile_exceptions_are_one_line_exit_2(tmp_path, monkeypatch, body, nee
 def test_the_python_api_reports_them_as_audit_errors(tmp_path, monkeypatch):
     """``run_audit`` (in-process, no child) turns them into ``AuditError`` too, and gives the
     working directory back."""
-    from torchledger.audit import run_audit
-    from torchledger.spec import AuditError
+    from torchledger.audit.engine import run_audit
+    from torchledger.audit.spec import AuditError
     with pytest.raises(AuditError, match="audit_spec\\(\\) raised GeneratorExit: bye"):
         run_audit(write(tmp_path, "g.py", "def audit_spec():\n    raise GeneratorExit('bye')\n"))
     with pytest.raises(AuditError, match="raised Bad: <its str\\(\\) raised ValueError>"):

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from torchledger import audit
+from torchledger.audit import engine as audit
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def test_subprocess_json_and_csv_stdout_parse(tmp_path):
 
 
 def test_stdout_is_restored_after_the_audit(tmp_path, capfd):
-    from torchledger.audit import stdout_to_stderr
+    from torchledger.audit.engine import stdout_to_stderr
     with stdout_to_stderr():
         print("inside")
         os.write(1, b"inside-fd\n")

@@ -14,8 +14,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch built without torch.distributed", allow_module_level=True)
 
-from torchledger.audit import run_audit  # noqa: E402
-from torchledger.spec import AuditError  # noqa: E402
+from torchledger.audit.engine import run_audit  # noqa: E402
+from torchledger.audit.spec import AuditError  # noqa: E402
 from torchledger.cli import cli  # noqa: E402
 from test_audit_cli import one_line_error  # noqa: E402  (the one-line-error check all CLI tests share)
 
@@ -254,7 +254,7 @@ def test_fsdp_peak_against_fsdp_mem_tracker():
 
     import torchledger
     from torchledger.models import build_model, get_config
-    from torchledger.world import fake_world
+    from torchledger.audit.world import fake_world
 
     def one(kind):
         with fake_world(8, (8,)) as mesh, FakeTensorMode(allow_non_fake_inputs=True):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from torchledger.analyzers.steptime import causal_mask_assumptions, op_seconds
+from torchledger.steptime.predict import causal_mask_assumptions, op_seconds
 from torchledger.cli import cli
 from torchledger.formulas import steptime as st
 from torchledger.formulas.hardware import get_gpu

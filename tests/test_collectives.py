@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torchledger
 from torchledger import StepRecord
 from torchledger.formulas.comm import comm_per_step, fsdp_padded_bytes
-from torchledger.record_schema import RecordError
+from torchledger.record.schema import RecordError
 
 N = 4
 

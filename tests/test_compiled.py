@@ -168,7 +168,7 @@ SLOW_COMPILE = """
 def test_cpu_audit_of_a_compiled_model_times_compiled_steps_not_the_compile(tmp_path):
     import textwrap
 
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     path = tmp_path / "m.py"
     path.write_text(textwrap.dedent(SLOW_COMPILE))
     run = run_audit(str(path), device="cpu", steps=1, timing_steps=2)

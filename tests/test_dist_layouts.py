@@ -13,7 +13,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch built without torch.distributed", allow_module_level=True)
 
-from torchledger.audit import run_audit  # noqa: E402
+from torchledger.audit.engine import run_audit  # noqa: E402
 
 
 def write(tmp_path, body, name="model.py"):
@@ -390,7 +390,7 @@ def test_static_reference_is_each_ranks_own_share():
     130 - 7 x 17 = 11; the reference follows the rank's place in its FSDP group."""
     from torch.distributed.fsdp import fully_shard
     import torchledger
-    from torchledger.world import fake_world
+    from torchledger.audit.world import fake_world
     with fake_world(8, (8,), rank=7) as mesh:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 130), torch.nn.ReLU(), torch.nn.Linear(130, 64),

@@ -70,7 +70,7 @@ _CACHE: dict = {}
 
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
 
     def get(name):
         if name not in _CACHE:

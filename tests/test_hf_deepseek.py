@@ -18,7 +18,7 @@ if not hasattr(transformers, "DeepseekV3Config"):
 
 from click.testing import CliRunner  # noqa: E402
 
-from torchledger.audit import run_audit  # noqa: E402
+from torchledger.audit.engine import run_audit  # noqa: E402
 from torchledger.cli import cli  # noqa: E402
 from torchledger.parallel.plan import find_decoder  # noqa: E402
 

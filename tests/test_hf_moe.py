@@ -19,7 +19,7 @@ if not hasattr(transformers, "Qwen3MoeConfig"):
 
 from click.testing import CliRunner  # noqa: E402
 
-from torchledger.audit import run_audit  # noqa: E402
+from torchledger.audit.engine import run_audit  # noqa: E402
 from torchledger.cli import cli  # noqa: E402
 from test_audit_cli import one_line_error  # noqa: E402
 

@@ -17,7 +17,7 @@ from torchledger.cli.types import BANDWIDTH
 from torchledger.render.trace_events import render_trace
 from torchledger.settings import SettingsError, load_settings
 from torchledger.units import parse_bandwidth
-from torchledger.world import MAX_WORLD, WorldError, parse_mesh
+from torchledger.audit.world import MAX_WORLD, WorldError, parse_mesh
 
 
 def strict_json(text: str):
@@ -161,7 +161,7 @@ def test_the_simulated_world_makes_only_the_chunks_fsdp_reads():
     read (the same shapes torch.chunk gives); the original comes back after."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torchledger.world import fake_world
+    from torchledger.audit.world import fake_world
     original = _fsdp_param._chunk_with_empty
     with fake_world(4096, (4096,)):
         with FakeTensorMode():
@@ -234,7 +234,7 @@ def test_ledger_save_to_keeps_the_last_completed_step_when_a_step_raises(tmp_pat
 def test_ledger_save_to_under_a_process_group_writes_the_rank_file(tmp_path):
     """Rank 0 of 2 (a fake process group): the record says world_size 2 and lands in
     rank0.json; report on it alone finds rank 1 missing."""
-    from torchledger.world import fake_world
+    from torchledger.audit.world import fake_world
     model = nn.Linear(4, 3)
     with fake_world(2, (2,)):
         ledger = torchledger.Ledger(model, save_to=str(tmp_path) + "/step{step}/")

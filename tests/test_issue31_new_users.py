@@ -17,7 +17,7 @@ import torch
 
 import torchledger
 from torchledger.analyzers.compare import comparisons, predictions
-from torchledger.audit import run_audit
+from torchledger.audit.engine import run_audit
 
 MODELS = '''\
 import torch, torchledger
@@ -225,7 +225,7 @@ def test_recommender_counts_samples_and_warns(audit, entry):
 
 
 def test_infer_tokens_rule():
-    from torchledger.spec import infer_tokens, tokens_warning
+    from torchledger.audit.spec import infer_tokens, tokens_warning
     ns = _ns()
     unet = ns["unet"]().inputs
     assert infer_tokens(unet).tokens == 2 and tokens_warning(unet) is not None

@@ -1,6 +1,9 @@
-"""The package layout shows the pipeline ``tracer -> record -> analyzers -> findings -> render
--> cli``: no import runs back up it. Read from the source (every import statement, those inside
-functions included), so a lazy import cannot hide a wrong-way dependency."""
+"""The package layout shows the pipeline (docs/architecture.md): model file -> world and plan
+(``audit``, ``parallel``) -> traced step (``tracer``) -> record (``record``) -> checks and
+predictions (``steptime``, ``analyzers``) -> reports (``render``) -> commands (``cli``). No import
+runs back up it, no module imports a circle, none takes another module's private names. Read
+from the source (every import statement, those inside functions included), so a lazy import
+cannot hide a wrong-way dependency."""
 from __future__ import annotations
 
 import ast
@@ -14,27 +17,34 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "torchledger")
 
-#: Layer of each top-level part: a module may import from its own layer and those below.
+#: Layer of each room (top-level part): a module may import from its own layer and those below.
 LAYERS = {
-    # data and plumbing every layer may read
-    "units": 0, "inputs": 0, "rules": 0, "record": 0, "record_json": 0, "record_schema": 0,
-    "spec": 0, "models": 0, "settings": 0, "__init__": 0,
+    # shared leaves every layer may read, and the record
+    "units": 0, "rules": 0, "settings": 0, "inputs": 0, "errors": 0, "files": 0, "__init__": 0,
+    "record": 0, "models": 0,
     "formulas": 1,          # closed forms: pure arithmetic
     "tracer": 2,            # observes a step, builds the record
-    "analyzers": 3,         # judge records (and the closed forms)
-    "lint": 3,              # judge source files
-    "render": 4,            # records and findings -> text
-    "ledger": 5, "audit": 5, "world": 5, "parallel": 5,  # compose tracer, analyzers and renderers
-    "cli": 6, "__main__": 6,
-    "testing": 6, "pytest_plugin": 6, "integrations": 6,   # where users already work
+    "parallel": 2,          # the layout parser and the standard plans (torch's own APIs)
+    "steptime": 3,          # the time model: reads records and formulas, never hooks
+    "analyzers": 4,         # checks: judge records (and the closed forms, and the time model)
+    "lint": 4,              # judge source files
+    "render": 5,            # records and findings -> text
+    "ledger": 6, "audit": 6,   # compose tracer, plans, checks and renderers
+    "cli": 7, "__main__": 7,
+    "testing": 7, "pytest_plugin": 7, "integrations": 7,   # where users already work
+    # deprecated import paths kept for a release: they may import anything, nothing imports them
+    "spec": 8, "world": 8, "record_json": 8, "record_schema": 8,
 }
-#: The record's own convenience methods that INTERFACE.md asks for (``record.to_trace()``,
-#: ``record.save(path)``) hand the work to the renderers, imported inside the method.
-DELEGATIONS = {("torchledger.record", "torchledger.render.trace_events"),
-               ("torchledger.record", "torchledger.render.output")}
+#: The deprecated paths (see LAYERS); no module of the package imports them.
+COMPAT = {"torchledger.spec", "torchledger.world", "torchledger.record_json", "torchledger.record_schema",
+          "torchledger.analyzers.calibrate"}
+#: The record's own convenience methods that INTERFACE.md asks for (``record.save(path)``) hand
+#: the work to shared leaves; nothing runs back up now.
+DELEGATIONS: set = set()
 #: Parts that never import one another although their layers would allow it.
 SEPARATE = {("analyzers", "lint"), ("lint", "analyzers"), ("lint", "tracer"), ("analyzers", "tracer"),
-            ("formulas", "tracer"), ("formulas", "models.transformer"), ("formulas", "models.cruncher")}
+            ("formulas", "tracer"), ("formulas", "models.transformer"), ("formulas", "models.cruncher"),
+            ("steptime", "tracer"), ("steptime", "parallel"), ("parallel", "tracer"), ("tracer", "parallel")}
 
 
 def _modules():
@@ -104,7 +114,10 @@ def test_no_import_runs_back_up_the_pipeline():
 
 
 @pytest.mark.parametrize("part,forbidden", [
-    ("tracer", ("analyzers", "lint", "render", "ledger", "audit", "cli")),
+    ("tracer", ("analyzers", "lint", "render", "ledger", "audit", "cli", "steptime", "parallel")),
+    ("steptime", ("tracer", "parallel", "analyzers", "lint", "render", "ledger", "audit", "cli")),
+    ("parallel", ("tracer", "steptime", "analyzers", "lint", "render", "ledger", "audit", "cli")),
+    ("record", ("tracer", "steptime", "parallel", "analyzers", "lint", "render", "ledger", "audit", "cli")),
     ("render", ("analyzers", "lint", "tracer", "ledger", "audit", "cli")),
     ("formulas", ("tracer", "analyzers", "lint", "render", "ledger", "audit", "cli")),
     ("lint", ("tracer", "analyzers", "ledger", "audit", "cli")),
@@ -115,7 +128,7 @@ def test_the_issue_s_named_directions(part, forbidden):
     assert not hits, "\n".join(hits)
 
 
-@pytest.mark.parametrize("part", ["formulas", "lint", "rules"])
+@pytest.mark.parametrize("part", ["formulas", "lint", "rules", "steptime"])
 def test_pure_parts_import_no_torch(part):
     hits = [f"{where}: {target}" for module, target, where in _edges()
             if _part(module) == part and target.split(".")[0] in ("torch", "numpy", "pandas")]
@@ -145,3 +158,132 @@ def test_the_checker_sees_a_wrong_way_import(tmp_path):
     found = list(_imports(str(fake), "torchledger.tracer.step", False))
     assert ("torchledger.analyzers.checks", 2) in found
     assert _part(found[0][0]) == "analyzers" and LAYERS["analyzers"] > LAYERS["tracer"]
+
+
+# -- modules, not only rooms ------------------------------------------------------------------------
+def _module_graph() -> dict:
+    """module -> the package modules it imports (a name imported from a package counts as its
+    module when it is one, else as the package), every import statement included."""
+    known = {m for _, m, _ in _modules()}
+    graph: dict = {m: set() for m in known}
+    for module, target, _ in _edges():
+        if target in known and target != module:
+            graph[module].add(target)
+    return graph
+
+
+def _circles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop(); on.discard(w); comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_module_imports_a_circle():
+    graph = _module_graph()
+    # a package's __init__ that re-exports its own modules is not a circle with them
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not m.startswith(t + ".")}
+    assert _circles(graph) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def _private_imports():
+    known = {m for _, m, _ in _modules()}
+    hits = []
+    for path, module, is_package in _modules():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        package = module if is_package else module.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("torchledger"):
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and f"{target}.{a.name}" not in known:
+                    hits.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {module} takes {target}.{a.name}")
+    return hits
+
+
+def test_no_module_takes_another_s_private_names():
+    assert _private_imports() == []
+
+
+def test_nothing_imports_the_deprecated_paths():
+    hits = [f"{where}: {target}" for module, target, where in _edges()
+            if target in COMPAT and module not in COMPAT]
+    assert not hits, "\n".join(hits)
+
+
+@pytest.mark.parametrize("name", sorted(COMPAT))
+def test_the_deprecated_paths_still_work_and_say_so(name):
+    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            f"try:\n    import {name}\nexcept DeprecationWarning as e:\n    print('warned', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("warned") and "deprecated" in out.stdout
+
+
+def test_old_public_paths_still_resolve():
+    # what users imported before the rooms: the same objects, from the new homes
+    import importlib
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert importlib.import_module("torchledger.spec").AuditSpec is importlib.import_module(
+            "torchledger.audit.spec").AuditSpec
+        assert importlib.import_module("torchledger.world").parse_mesh("8x8") == (8, 8)
+    import torchledger
+    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.audit import run_audit
+    from torchledger.record import Finding, StepRecord
+    from torchledger.steptime.predict import predict_step_time as p2
+    assert predict_step_time is p2 and callable(run_audit)
+    assert torchledger.AuditSpec is importlib.import_module("torchledger.audit.spec").AuditSpec
+    assert torchledger.StepRecord is StepRecord and torchledger.Finding is Finding
+
+
+@pytest.mark.parametrize("room", ["record", "audit", "steptime", "parallel.layout", "cli", "errors", "files"])
+def test_importing_a_light_room_loads_no_torch(room):
+    """The command line forks the audit's child before torch is imported (audit/supervise.py):
+    the rooms it goes through must not pull torch in at import."""
+    code = f"import sys, torchledger.{room}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -158,7 +158,7 @@ def _blocks_activation_bytes(rec):
 def test_context_parallel_saves_no_mask(tmp_path, body, kv_heads):
     if "transformers" in body:
         pytest.importorskip("transformers")
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     full, part = tmp_path / "full.py", tmp_path / "part.py"
     full.write_text(textwrap.dedent(body.replace("{T}", "512")))
     part.write_text(textwrap.dedent(body.replace("{T}", "128")))

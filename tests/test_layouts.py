@@ -14,10 +14,10 @@ if not dist.is_available():
 
 from click.testing import CliRunner  # noqa: E402
 
-from torchledger.audit import run_audit  # noqa: E402
+from torchledger.audit.engine import run_audit  # noqa: E402
 from torchledger.cli import cli  # noqa: E402
 from torchledger.parallel.layout import parse_layout  # noqa: E402
-from torchledger.world import WorldError, resolve_world  # noqa: E402
+from torchledger.audit.world import WorldError, resolve_world  # noqa: E402
 from test_audit_cli import one_line_error  # noqa: E402
 
 # llama-tiny with 4 KV heads: V 512, d 64, L 2, h 4 (d_h 16), d_ff 176, batch 2 x 32 tokens.

@@ -8,8 +8,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from torchledger.audit import run_audit
-from torchledger.spec import AuditError, pick_loss
+from torchledger.audit.engine import run_audit
+from torchledger.audit.spec import AuditError, pick_loss
 from torchledger.cli import cli
 
 LOGITS = torch.randn(2, 3, 5)

@@ -20,10 +20,10 @@ from torch import nn
 
 import torchledger
 from torchledger.analyzers.compare import comparisons, predictions
-from torchledger.audit import run_audit
+from torchledger.audit.engine import run_audit
 from torchledger.record import counts_samples
 from torchledger.render.table import render_table
-from torchledger.spec import infer_tokens
+from torchledger.audit.spec import infer_tokens
 
 HEADER = """\
 import copy, torch, torchledger

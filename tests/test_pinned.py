@@ -21,7 +21,7 @@ from torchledger.analyzers.ranks import DEFAULTS, merge_ranks
 from torchledger.formulas.comm import comm_per_step, fsdp_padded_bytes
 from torchledger.formulas.memory import static_memory
 from torchledger.record import StepRecord
-from torchledger.record_json import MAX_DEPTH, RecordError, parse_record
+from torchledger.record.jsonio import MAX_DEPTH, RecordError, parse_record
 from torchledger.tracer.ranks import mesh_shape
 
 N = 4

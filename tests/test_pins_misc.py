@@ -145,8 +145,8 @@ _ATT = [{"op": "aten._scaled_dot_product_flash_attention.default", "phase": "for
 def test_calibrate_fits_the_untraced_step_time():
     # untraced 7.7587 ms = the step at f = 0.6; traced (with the tracer's overhead) twice that,
     # which would fit f = 0.3
-    from torchledger.analyzers.calibrate import fit_efficiency, measured_seconds
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.calibrate import fit_efficiency, measured_seconds
+    from torchledger.steptime.predict import predict_step_time
     h100 = get_gpu("h100")
     rec = _record(_MM, step_seconds=2 * _mm_seconds(0.6), step_seconds_untraced=_mm_seconds(0.6))
     assert _mm_seconds(0.6) == pytest.approx(7.7587e-3, rel=1e-4)
@@ -194,7 +194,7 @@ def test_calibrate_into_the_hardware_file_in_use_keeps_its_unfitted_efficiency(t
     # written row keeps the two unfitted keys, and the part it describes predicts the
     # measured step again (dropping them would predict 0.85333 x the measurement).
     from click.testing import CliRunner
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     from torchledger.cli import cli
     out = tmp_path / "hw.json"
     out.write_text(json.dumps({"H100 SXM": {"efficiency": {"matmul_min_intensity": 100.0,
@@ -213,8 +213,8 @@ def test_calibrate_into_the_hardware_file_in_use_keeps_its_unfitted_efficiency(t
 
 
 def test_fitted_attention_fractions_are_capped_at_one():
-    from torchledger.analyzers.calibrate import _apply, fit_efficiency
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.calibrate import _apply, fit_efficiency
+    from torchledger.steptime.predict import predict_step_time
     from torchledger.formulas import steptime as st
     h100 = get_gpu("h100")
     # H100's fractions x 3: flash [0.38, 0.30] -> [1.14 -> 1.0, 0.9]; cuDNN [0.60, 0.45] ->

@@ -61,13 +61,13 @@ def tiny4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_f_one_b(tiny4):
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     return run_audit(tiny4, mesh="pp=2", plan={"micro_batches": 4}).record
 
 
 @pytest.fixture(scope="module")
 def interleaved(tiny4):
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     return run_audit(tiny4, mesh="dp=2,pp=2", plan={"micro_batches": 4, "virtual_stages": 2}).record
 
 
@@ -161,7 +161,7 @@ def test_interleaved_fsdp_gathers_and_reduces_once_per_step(interleaved):
 def test_step_time_of_the_stage_is_its_m_micro_steps(interleaved):
     """The predicted step of a stage runs its traced micro-step m = 4 times, FSDP2's gathers
     in the first and its reduce-scatters in the last; MFU is the step's FLOPs over it."""
-    from torchledger.analyzers.steptime import op_seconds, predict_step_time
+    from torchledger.steptime.predict import op_seconds, predict_step_time
     from torchledger.formulas import steptime as st
     from torchledger.formulas.hardware import get_gpu
     rec = interleaved
@@ -229,7 +229,7 @@ def test_the_pipeline_line_groups_alike_ranks():
 
 @pytest.fixture(scope="module")
 def mixed(tiny4):
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     return run_audit(tiny4, mesh="dp=2,pp=2", plan={"micro_batches": 2, "precision": "bf16-mixed"}).record
 
 
@@ -260,8 +260,8 @@ def test_static_bytes_are_the_stage_shards(case, request):
 
 def test_micro_batches_from_the_global_batch():
     from torchledger.parallel.layout import parse_layout
-    from torchledger.parallel.pipeline import _micro_batches
-    from torchledger.spec import AuditError
+    from torchledger.audit.pipeline import _micro_batches
+    from torchledger.audit.spec import AuditError
     lay = parse_layout("dp=2,pp=4")
     assert _micro_batches(lay, 2, 4) == 4                                   # default: pp
     assert _micro_batches(lay.with_options(global_batch=32), 2, 4) == 8     # 32 / (2 x 2)
@@ -334,7 +334,7 @@ def test_composed_module_flops_are_the_m_micro_steps(one_f_one_b):
 def test_one_micro_batch_still_reduces_and_steps(tiny4):
     """--micro-batches 1 (GPipe: 1F1B refuses m < p): the one micro-step is the first and the
     last, so FSDP2 gathers and reduce-scatters every unit and the optimizer steps."""
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     rec = run_audit(tiny4, mesh="dp=2,pp=2", plan={"micro_batches": 1, "schedule": "gpipe"}).record
     assert rec.totals["pipeline"]["bounding_rank"] == 1
     rs = [c for c in rec.collectives if c["op"] == "reduce_scatter"]

@@ -47,7 +47,7 @@ def test_every_precision_on_every_pipeline_mesh(tiny4, precision, mesh, v, eleme
 
 
 def check_pipeline_precision(tiny4, precision, mesh, v, elements, dp):
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     from torchledger.analyzers.checks import run_checks
     rec = run_audit(tiny4, mesh=mesh, plan={"micro_batches": M, "precision": precision,
                                             "virtual_stages": v}).record

@@ -89,7 +89,7 @@ def test_a_failed_hardware_file_registers_nothing(tmp_path, monkeypatch):
 
 
 def test_every_efficiency_parameter_is_checked_and_the_built_in_rows_pass():
-    from torchledger.analyzers.calibrate import FITTED
+    from torchledger.steptime.calibrate import FITTED
     from torchledger.formulas.hardware_fields import EFFICIENCY_FIELDS, check_row
     from torchledger.formulas.steptime import DEFAULT_EFFICIENCY, PART_EFFICIENCY
     assert set(EFFICIENCY_FIELDS) == set(DEFAULT_EFFICIENCY)
@@ -122,7 +122,7 @@ def test_exit_handlers_get_a_short_grace_not_the_whole_timeout(tmp_path):
     """Was: the audit waited the whole --timeout (30 min by default) for an exit handler that
     sleeps, after its report was in. Now: EXIT_GRACE_S, a warning, and the result's own code."""
     import time
-    from torchledger.cli import supervise
+    from torchledger.audit import supervise
     grace = getattr(supervise, "EXIT_GRACE_S", 3.0)
     path = write(tmp_path, "m.py", LINEAR + "    import atexit, time\n    atexit.register(lambda: time.sleep(600))\n")
     began = time.monotonic()
@@ -200,7 +200,7 @@ def test_a_step_past_int64_is_one_line_not_a_record_report_refuses(tmp_path):
 
 
 def test_past_int64_names_the_first_count_outside():
-    from torchledger.record_json import past_int64
+    from torchledger.record.jsonio import past_int64
     assert past_int64({"totals": {"flops": {"total": 2**63 - 1}}, "x": [1.5e300, True]}) is None
     assert past_int64({"predictions": {"a": [{"b": 2**64}]}, "totals": {"flops": {"total": 2**63}}}) == \
         ("totals.flops.total", 2**63)                   # the total before its deeper parts

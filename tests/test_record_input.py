@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from torchledger.analyzers.checks import run_checks
 from torchledger.cli import cli
 from torchledger.record import StepRecord
-from torchledger.record_schema import MAX_DEPTH, RecordError, parse_record
+from torchledger.record.schema import MAX_DEPTH, RecordError, parse_record
 from torchledger.render import RENDERERS
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gpt2-tiny", "record.json")

@@ -185,7 +185,7 @@ def test_a_pipeline_audit_holds_what_pytorchs_schedule_holds(tmp_path, schedule,
     """pp=2 x 2 virtual stages off the common case: interleaved at m = 3 (not a multiple of
     p; the closed form said [5, 3]), zero-bubble at m = 4 (F minus W; it said [5, 3])."""
     pytest.importorskip("torch.distributed")
-    from torchledger.audit import run_audit
+    from torchledger.audit.engine import run_audit
     path = write_model(tmp_path)
     rec = run_audit(str(path), mesh="pp=2", plan={"micro_batches": m, "virtual_stages": 2,
                                                    "schedule": schedule}).record

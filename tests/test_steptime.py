@@ -119,7 +119,7 @@ def _record(micro=1):
 
 
 def test_accumulation_runs_micro_steps_and_one_sync():
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     from torchledger.formulas import hardware
     hardware._ensure_loaded()
     part = hardware.register_gpu("Round-test", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
@@ -142,7 +142,7 @@ def test_accumulation_runs_micro_steps_and_one_sync():
 
 
 def test_compiled_fuses_chains():
-    from torchledger.analyzers.steptime import op_seconds
+    from torchledger.steptime.predict import op_seconds
     row = {"op": "aten.mul.Tensor", "kind": "elementwise", "count": 4, "flops": 0, "bytes_read": 4 * 10 ** 9,
            "bytes_written": 4 * 10 ** 9, "fused_bytes": 2 * 10 ** 9, "fused_kernels": 1}
     assert op_seconds(row, PART, EFF)["seconds"] == pytest.approx(8e-3)           # 8 GB eager
@@ -176,7 +176,7 @@ def test_causal_kernel_runs_slower_per_flop_by_hand():
 def test_context_parallel_attention_is_priced_as_a_balanced_causal_ring():
     """A cp rank's T/cp queries over the all-gathered T keys ran under a shifted mask (every
     pair computed); on the GPU the ring is load-balanced causal: half the pairs."""
-    from torchledger.analyzers.steptime import op_seconds
+    from torchledger.steptime.predict import op_seconds
     # b 1, 32 heads, 4,096 queries over 8,192 keys, head dim 128, bf16
     row = {"op": "aten._scaled_dot_product_flash_attention_for_cpu.default", "kind": "attention", "count": 1,
            "shapes": [{"attn": [1, 32, 4096, 8192, 128, 128], "dtype": "bf16", "count": 1}]}
@@ -220,8 +220,8 @@ def _synthetic_records(part):
 
 
 def test_calibrate_recovers_known_parameters(tmp_path):
-    from torchledger.analyzers.calibrate import fit_efficiency
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.calibrate import fit_efficiency
+    from torchledger.steptime.predict import predict_step_time
     from dataclasses import replace
     h100 = get_gpu("h100")
     # the part as whole measured steps run it (no further sustained derate: calibrate's rows)
@@ -246,7 +246,7 @@ def test_calibrate_recovers_known_parameters(tmp_path):
 def test_calibrate_cli_writes_a_hardware_file_and_refuses_fake_records(tmp_path, monkeypatch):
     from click.testing import CliRunner
     from torchledger.cli import cli
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     from dataclasses import replace
     h100 = get_gpu("h100")
     true_part = replace(h100, efficiency={"matmul_peak_fraction": 0.6, "sustained_fraction": 1.0})
@@ -273,7 +273,7 @@ def test_calibrate_cli_writes_a_hardware_file_and_refuses_fake_records(tmp_path,
 
 def test_net_finding_uses_the_comm_model():
     from torchledger.analyzers.interconnect import check_comm_time
-    from torchledger.analyzers.steptime import attach_step_time
+    from torchledger.steptime.predict import attach_step_time
     rec = _record()
     # 8x8 mesh: an FSDP all-gather of 1 GB over 8 ranks one per node (span 57): one NIC,
     # 50 GB/s x 0.9 on a DGX H100; bus bytes 7/8 GB: 19.4 ms + latency
@@ -287,7 +287,7 @@ def test_net_finding_uses_the_comm_model():
 
 
 def test_accumulation_counts_gathers_per_micro_batch_and_the_sync_once():
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     part = get_gpu("h100")
     rec = _record()
     rec.collectives = [
@@ -304,7 +304,7 @@ def test_accumulation_counts_gathers_per_micro_batch_and_the_sync_once():
 
 
 def test_a_real_cuda_step_shows_predicted_beside_measured():
-    from torchledger.analyzers.steptime import attach_step_time
+    from torchledger.steptime.predict import attach_step_time
     from torchledger.render.steptime import step_time_lines
     rec = _record()
     rec.meta["device"] = "cuda:0"
@@ -316,7 +316,7 @@ def test_a_real_cuda_step_shows_predicted_beside_measured():
 
 
 def test_a_part_without_the_steps_dtype_says_so():
-    from torchledger.analyzers.steptime import predict_into
+    from torchledger.steptime.predict import predict_into
     rec = _record()
     rec.meta["dtype"] = "float32"
     rec.ops.append({"op": "aten.mm.default", "phase": "forward", "module": "b0", "kind": "matmul", "count": 1,
@@ -328,7 +328,7 @@ def test_a_part_without_the_steps_dtype_says_so():
 
 
 def test_pipeline_bubble_from_the_record():
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     rec = _record()
     part = get_gpu("h100")
     flat = predict_step_time(rec, part)["seconds"]
@@ -348,7 +348,7 @@ def test_a_composed_pipeline_stage_is_m_micro_steps():
     the step's totals and collectives: the prediction runs its ops m times, its once-only
     collectives once, and divides the step's FLOPs by the step's time (issue 22 x 23: the
     405B stage had one micro-step's time over eighteen's FLOPs, MFU 1.53)."""
-    from torchledger.analyzers.steptime import collective_row_seconds, predict_step_time
+    from torchledger.steptime.predict import collective_row_seconds, predict_step_time
     from torchledger.formulas import hardware
     hardware._ensure_loaded()
     part = hardware.register_gpu("Round-pp", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
@@ -384,7 +384,7 @@ def test_a_composed_pipeline_stage_is_m_micro_steps():
 def test_a_composed_stage_reduces_every_micro_step_rows_under_its_backward():
     """A reduction a stage issues in every micro-step (context parallel's K/V gradients) runs
     under that micro-step's backward, a quarter of the row each time; FSDP2's (once) in the last."""
-    from torchledger.analyzers.steptime import collective_row_seconds, predict_step_time
+    from torchledger.steptime.predict import collective_row_seconds, predict_step_time
     from torchledger.formulas import hardware
     hardware._ensure_loaded()
     part = hardware.register_gpu("Round-pp2", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
@@ -415,7 +415,7 @@ def test_a_composed_stage_reduces_every_micro_step_rows_under_its_backward():
 def test_tokens_per_s_per_gpu_is_global_tokens_over_the_world():
     """Global tokens / seconds / world size: a rank's tokens are its data-parallel shard's,
     which its tp x pp partners process with it (Llama-3-8B at tp=2 printed 2x the rate)."""
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     rec = _record()                                   # 1,000 tokens a rank, world 8
     base = predict_step_time(rec, "h100")
     assert base["tokens_per_s_per_gpu"] == pytest.approx(1000 / base["seconds"])
@@ -441,7 +441,7 @@ def _round_part(name):
 
 
 def test_tp_collectives_are_paid_once_per_micro_batch_under_accumulation():
-    from torchledger.analyzers.steptime import collective_row_seconds, predict_step_time
+    from torchledger.steptime.predict import collective_row_seconds, predict_step_time
     part = _round_part("Round-tp-acc")
     rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
     rec.totals["tensor_parallel"] = 2
@@ -456,7 +456,7 @@ def test_tp_collectives_are_paid_once_per_micro_batch_under_accumulation():
 
 
 def test_by_kind_adds_up_with_micro_batches_and_an_optimizer():
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     part = _round_part("Round-kinds")
     rec = _record()
     # the optimizer: 3 GB of foreach traffic once per step (3 ms), not once per micro-batch
@@ -471,7 +471,7 @@ def test_by_kind_adds_up_with_micro_batches_and_an_optimizer():
 
 @pytest.mark.parametrize("schedule, fraction", [("zero-bubble", 0.05), ("gpipe", 0.1875)])
 def test_the_records_own_bubble_fraction_is_used(schedule, fraction):
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     part = _round_part("Round-bubble")
     rec = _record()
     # p = 4, v = 2, m = 8: the closed form (p-1)/(v m) = 0.1875; the record's schedule says otherwise
@@ -484,7 +484,7 @@ def test_the_records_own_bubble_fraction_is_used(schedule, fraction):
 
 
 def test_mfu_is_against_the_peak_of_the_dtype_the_matmuls_ran_in():
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     part = _round_part("Round-mfu")
     rec = _record()
     rec.meta["dtype"] = "float32"                  # fp32 weights, bf16 autocast matmuls

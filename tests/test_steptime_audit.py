@@ -68,7 +68,7 @@ def test_baseline_fails_when_the_predicted_step_grows(audited, tmp_path):
 
 
 def test_compiled_is_faster_and_said(audited, tmp_path):
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     _, d = audited
     rec = StepRecord.from_dict(d)
     eager = predict_step_time(rec, "h100")
@@ -79,7 +79,7 @@ def test_compiled_is_faster_and_said(audited, tmp_path):
 
 
 def test_empty_record_predicts_nothing():
-    from torchledger.analyzers.steptime import predict_step_time
+    from torchledger.steptime.predict import predict_step_time
     p = predict_step_time(StepRecord(), "h100")
     assert p["seconds"] == 0 and p["mfu"] is None and p["bound"].startswith("nothing to time")
 

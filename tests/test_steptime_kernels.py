@@ -7,7 +7,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from torchledger.analyzers.steptime import fp8_row, predict_step_time
+from torchledger.steptime.predict import fp8_row, predict_step_time
 from torchledger.formulas import hardware
 from torchledger.formulas import steptime as st
 from torchledger.record import StepRecord
@@ -100,7 +100,7 @@ def _big_matmul():
 
 
 def test_te_overlaps_sequence_parallel_collectives_not_all_reduces(part):
-    from torchledger.analyzers.steptime import collective_row_seconds
+    from torchledger.steptime.predict import collective_row_seconds
     eff = st.efficiency(part)
     ag = _tp_collective("all_gather")
     ar = _tp_collective("all_reduce")
@@ -157,7 +157,7 @@ def test_sustained_fraction_and_overlap_slowdown(part):
     # over 8 ranks (g): layers.0's gather has nothing to hide under (exposed), layers.1's is
     # prefetched under layers.0's compute (hidden); with overlap_slowdown 0.2 the compute
     # under it takes 0.2 x g longer
-    from torchledger.analyzers.steptime import collective_row_seconds
+    from torchledger.steptime.predict import collective_row_seconds
     rows, gathers = [], []
     for unit in ("layers.0", "layers.1"):
         rows.append(dict(_elementwise("forward"), module=unit))

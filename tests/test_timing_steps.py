@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import torchledger
 from torchledger.analyzers.mfu import mfu_totals, timing_summary
-from torchledger.audit import AUTO_MAX_STEPS, AUTO_MIN_STEPS, run_audit, time_untraced
+from torchledger.audit.engine import AUTO_MAX_STEPS, AUTO_MIN_STEPS, run_audit, time_untraced
 from torchledger.cli import cli
 
 
@@ -117,7 +117,7 @@ def test_cli_timing_steps_reach_the_record(spec_file):
     assert totals["step_seconds_untraced"] == t["median_seconds"]
     # a saved record keeps it, checked on load like every total
     from torchledger.record import StepRecord
-    from torchledger.record_schema import RecordError
+    from torchledger.record.schema import RecordError
     data = json.loads(r.stdout)
     assert StepRecord.from_dict(data).totals["step_timing"] == t
     data["totals"]["step_timing"]["spread"] = -1
@@ -144,6 +144,6 @@ def test_timing_steps_on_a_fake_device_is_one_line_exit_2(spec_file):
 
 
 def test_run_audit_refuses_a_bad_count(spec_file):
-    from torchledger.spec import AuditError
+    from torchledger.audit.spec import AuditError
     with pytest.raises(AuditError, match="--timing-steps: expected a whole number from 0 to 1000"):
         run_audit(spec_file, device="cpu", timing_steps=-2)

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import torchledger
-from torchledger.spec import default_tokens, infer_tokens
+from torchledger.audit.spec import default_tokens, infer_tokens
 from torchledger.cli import cli
 from torchledger.record import SAMPLES_NOT_TOKENS, StepRecord, counts_samples
 from torchledger.render import render

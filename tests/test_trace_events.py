@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import torchledger
 from torchledger.cli import cli
 from torchledger.record import Finding, StepRecord
-from torchledger.record_json import RecordError
+from torchledger.record.jsonio import RecordError
 from torchledger.render import format_from_path, render
 from torchledger.render.trace_events import SYNTHETIC_CLOCK, render_trace
 

@@ -17,7 +17,7 @@ _LAZY = {
     "StepTracer": ("torchledger.tracer", "StepTracer"),
     "StepRecord": ("torchledger.record", "StepRecord"),
     "Finding": ("torchledger.record", "Finding"),
-    "AuditSpec": ("torchledger.spec", "AuditSpec"),
+    "AuditSpec": ("torchledger.audit.spec", "AuditSpec"),
 }
 
 __all__ = ["__version__", *_LAZY]

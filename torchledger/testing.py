@@ -46,7 +46,7 @@ def as_record(obj, what: str = "record") -> StepRecord:
         return StepRecord.from_dict(obj)
     if isinstance(obj, (str, os.PathLike)):
         from .inputs import RECORD_MAX_BYTES, read_input
-        from .record_schema import parse_record
+        from .record.schema import parse_record
         return StepRecord.from_dict(parse_record(read_input(obj, what="record JSON",
                                                             max_bytes=RECORD_MAX_BYTES)))
     if hasattr(obj, "record"):

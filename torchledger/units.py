@@ -14,7 +14,7 @@ import re
 
 __all__ = [
     "parse_count", "parse_int", "parse_bytes", "parse_flops", "parse_bandwidth",
-    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "fmt_mfu", "printable", "GB", "GiB",
+    "fmt_count", "fmt_bytes", "fmt_flops", "fmt_int", "fmt_mfu", "fmt_ms", "printable", "GB", "GiB",
 ]
 
 GB = 10**9
@@ -147,6 +147,11 @@ def fmt_flops(n: float) -> str:
 def fmt_mfu(value) -> str:
     """An MFU for a human: three significant digits (0.42, 0.087, 0.000123)."""
     return f"{value:.3g}"
+
+
+def fmt_ms(s: float) -> str:
+    """Seconds in milliseconds (``12.3 ms``), or in seconds from 1 s up (``1.23 s``)."""
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
 
 
 def printable(text) -> str:

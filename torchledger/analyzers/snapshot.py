@@ -45,7 +45,7 @@ import pickle
 from ..inputs import SNAPSHOT_MAX_BYTES, InputFileError, read_input
 from ..record import Finding
 from .snapshot_format import NODES_BASE, NODES_PER_BYTE, validate_snapshot
-from .snapshot_history import (ALLOCATED, _figures, _frames, _group, join, module_peaks,
+from .snapshot_history import (ALLOCATED, segment_figures, frame_tuple, top_groups, join, module_peaks,
                                never_freed, replay)
 
 __all__ = ["allocator_view", "SnapshotError", "load_snapshot", "validate_snapshot", "summarize_snapshot", "replay",
@@ -155,17 +155,17 @@ def summarize_snapshot(snap: dict, top: int = 10, *, device=None, steps=None) ->
     trace: :func:`replay` plus :func:`never_freed` (``steps``: step starts, see there).
     """
     segs = [s for s in snap["segments"] if device is None or s.get("device", 0) == device]
-    out = {"schema": "torchledger.snapshot/1", **_figures(segs)}
+    out = {"schema": "torchledger.snapshot/1", **segment_figures(segs)}
     by_device: dict = {}                        # NB: grouped once, so that the work per device
     keyed: dict = {}                            # and stream stays linear in the segments
     for s in segs:
         by_device.setdefault(s.get("device", 0), []).append(s)
         keyed.setdefault((s.get("device", 0), s.get("stream", 0)), []).append(s)
-    out["devices"] = [{"device": d, **_figures(by_device[d])} for d in sorted(by_device)]
-    out["streams"] = [{"device": d, "stream": st, **_figures(ss)} for (d, st), ss in sorted(keyed.items())]
+    out["devices"] = [{"device": d, **segment_figures(by_device[d])} for d in sorted(by_device)]
+    out["streams"] = [{"device": d, "stream": st, **segment_figures(ss)} for (d, st), ss in sorted(keyed.items())]
     out["segment_types"] = {t: sum(1 for s in segs if s.get("segment_type", "large") == t)
                             for t in ("large", "small")}
-    out["top_allocations"] = _group(((b["size"], b.get("requested_size", b["size"]), _frames(b.get("frames")))
+    out["top_allocations"] = top_groups(((b["size"], b.get("requested_size", b["size"]), frame_tuple(b.get("frames")))
                                      for s in segs for b in s["blocks"] if b["state"] == ALLOCATED), top)
     out["history"] = []
     for d, trace in enumerate(snap.get("device_traces", [])):

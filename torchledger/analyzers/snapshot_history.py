@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["replay", "never_freed", "join", "module_peaks"]
+__all__ = ["replay", "never_freed", "join", "module_peaks", "segment_figures", "frame_tuple", "top_groups"]
 
 ALLOCATED = "active_allocated"
 SEG_ADD, SEG_SUB = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
@@ -32,7 +32,7 @@ def _isint(x) -> bool:
 
 
 # -- frames --------------------------------------------------------------------------------
-def _frames(frames) -> tuple:
+def frame_tuple(frames) -> tuple:
     return tuple(f"{f.get('filename', '?')}:{f.get('line', 0)} {f.get('name', '?')}"
                  for f in frames or () if isinstance(f, dict))
 
@@ -46,7 +46,7 @@ def _user_frame(frames: tuple):
     return frames[0] if frames else None
 
 
-def _group(items, top: int) -> list:
+def top_groups(items, top: int) -> list:
     """(size, requested, frames) items grouped by identical stack, largest first."""
     groups: dict = {}
     for size, req, frames in items:
@@ -60,7 +60,7 @@ def _group(items, top: int) -> list:
 
 
 # -- figures of a list of segments ---------------------------------------------------------
-def _figures(segs) -> dict:
+def segment_figures(segs) -> dict:
     f = dict.fromkeys(("segments", "reserved_bytes", "allocated_bytes", "allocated_block_bytes",
                        "active_bytes", "pending_free_bytes", "free_bytes", "free_blocks",
                        "largest_free_bytes"), 0)
@@ -105,7 +105,7 @@ def _free_action(trace) -> str:
 def _curves(snap, device):
     """Allocated (requested) and reserved bytes after each event, and the start figures."""
     trace = _trace(snap, device)
-    end = _figures([s for s in snap["segments"] if s.get("device", 0) == device])
+    end = segment_figures([s for s in snap["segments"] if s.get("device", 0) == device])
     free = _free_action(trace)
     alloc, res, a, r = [], [], 0, 0
     for e in trace:
@@ -134,7 +134,7 @@ def replay(snap: dict, device: int = 0, points: int = 200) -> dict:
     out["peak"] = {"index": i, "time_us": trace[i].get("time_us"), "allocated_bytes": alloc[i],
                    "reserved_bytes": res[i], **state,
                    "fragmentation": _fragmentation(state["largest_free_bytes"], state["free_bytes"]),
-                   "location": _user_frame(_frames(trace[i].get("frames")))}
+                   "location": _user_frame(frame_tuple(trace[i].get("frames")))}
     step = max(1, len(trace) // max(points, 1))
     keep = sorted(set(range(0, len(trace), step)) | {i, len(trace) - 1, res.index(max(res))})
     out["timeline"] = [{"index": k, "time_us": trace[k].get("time_us"), "action": trace[k]["action"],
@@ -230,7 +230,7 @@ def never_freed(snap, device=None, *, steps=None, top: int = 10) -> dict:
     freed = _free_at(trace)
     idx = [k for k, e in enumerate(trace) if e["action"] == "alloc" and k not in freed]
     out = {"count": len(idx), "bytes": sum(trace[k]["size"] for k in idx),
-           "groups": _group(((trace[k]["size"], trace[k]["size"], _frames(trace[k].get("frames"))) for k in idx), top)}
+           "groups": top_groups(((trace[k]["size"], trace[k]["size"], frame_tuple(trace[k].get("frames"))) for k in idx), top)}
     if steps:
         starts = _positions(trace, steps)
         ends = starts[1:] + [len(trace)]
@@ -241,7 +241,7 @@ def never_freed(snap, device=None, *, steps=None, top: int = 10) -> dict:
             out["steps"].append({"step": n, "start_index": a, "end_index": b,
                                  "retained_bytes": sum(trace[k]["size"] for k in kept),
                                  "retained_count": len(kept), "location": None if big is None
-                                 else _user_frame(_frames(trace[big].get("frames")))})
+                                 else _user_frame(frame_tuple(trace[big].get("frames")))})
     return out
 
 
@@ -290,7 +290,7 @@ def join(events, marks, *, device=None) -> list:
                                      else _KEEPS.get(phase, "unknown"))
         rows.append({"index": i, "time_us": e.get("time_us"), "addr": e["addr"], "size": e["size"],
                      "module": m.get("module"), "phase": phase, "category": cat, "freed_index": f,
-                     "location": _user_frame(_frames(e.get("frames")))})
+                     "location": _user_frame(frame_tuple(e.get("frames")))})
     return rows
 
 

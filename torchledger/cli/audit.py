@@ -10,7 +10,7 @@ import os
 import click
 
 from ..parallel.layout import CHECKPOINTING, KERNELS, PRECISIONS
-from .supervise import supervised
+from ..audit.supervise import supervised
 from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, POS_INT, SECONDS, InputError,
                     PlainNumber, check_output, gpu_part)
 
@@ -52,7 +52,7 @@ def _peak(peak_flops, gpu, dtype="bf16"):
 def _emit(text: str, output) -> None:
     from ..render import write_atomic
     from ..render.output import make_folders
-    from .supervise import handed_over
+    from ..audit.supervise import handed_over
     if handed_over(text, output):       # in audit's child process: the parent writes it
         return
     if output:
@@ -74,13 +74,13 @@ BASELINE_TOTALS = ("flops.total", "params", "peak_bytes", "activation_bytes")
 _MAKE_ONE = "write one with `torchledger audit FILE.py --format json --output a.json`"
 
 
-def _load_record(path, label, needed=REPORT_TOTALS):
-    """A saved record, validated (:mod:`torchledger.record_schema`), or one line saying what
+def load_record(path, label, needed=REPORT_TOTALS):
+    """A saved record, validated (:mod:`torchledger.record.schema`), or one line saying what
     arrived instead and how to make one. A baseline's totals must also be positive: a zero
     baseline compares as no growth, so a gate against it would always pass."""
     from ..inputs import RECORD_MAX_BYTES, InputFileError, read_input
     from ..record import StepRecord
-    from ..record_schema import RecordError, parse_record
+    from ..record.schema import RecordError, parse_record
     try:
         data = parse_record(read_input(path, what="record JSON", max_bytes=RECORD_MAX_BYTES))
         rec = StepRecord.from_dict(data)
@@ -213,8 +213,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
 
     With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
     tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
-    from ..audit import run_audit, stdout_to_stderr
-    from ..spec import AuditError
+    from ..audit.engine import run_audit, stdout_to_stderr
+    from ..audit.spec import AuditError
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
 
     if compiled and kernels not in (None, "compiled"):
@@ -230,7 +230,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         raise InputError(str(e)) from None
     for flag, path in (("--output", output), ("--memory-snapshot", memory_snapshot)):
         _check_folder(flag, path)           # before the audit runs, not after minutes of it
-    base = _load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
+    base = load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
     if timing_steps is not None and device not in ("cpu", "cuda"):
         raise InputError(f"--timing-steps {timing_steps}: times real steps, so it needs --device cpu or cuda; "
                          f"a {device} step has no real time (drop --timing-steps, or pick cpu/cuda)")
@@ -285,7 +285,7 @@ def _check_counts(rec, micro_batches, global_batch) -> None:
     """Records hold counts (FLOPs, bytes) in int64, as ``report`` reads them back: a step past
     that (1e6 micro-batches of a large step) is one line naming the count, not a record that
     ``report`` refuses."""
-    from ..record_json import MAX_INT, past_int64
+    from ..record.jsonio import MAX_INT, past_int64
     found = past_int64(rec.to_dict())
     if found is None:
         return
@@ -346,7 +346,7 @@ def _write_snapshot(run, path) -> None:
 
 def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
     from ..analyzers.checks import run_checks
-    from ..audit import set_mfu
+    from ..audit.engine import set_mfu
     options = {k: v for k, v in settings.items() if not k.startswith("_")}
     options.update({k: v for k, v in (network or {}).items() if v is not None})   # TL-NET-001
     if gpu:
@@ -354,7 +354,7 @@ def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
     if peak:
         options.update(peak_flops=peak, peak_source=peak_source)
     if gpu:                                     # predictions.step_time on that part
-        from ..analyzers.steptime import predict_into
+        from ..steptime.predict import predict_into
         predict_into(run.record, gpu, options, stages=getattr(run, "stage_records", None))
     options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
@@ -386,7 +386,7 @@ def report(record_files, fmt, output, depth, fail_on):
     if len(record_files) > 1:
         return _exit_code(_report_ranks(record_files, fmt, output), fail_on)
     (record_file,) = record_files
-    rec = _load_record(record_file, record_file)
+    rec = load_record(record_file, record_file)
     from ..analyzers.ranks import lone_rank_findings
     findings = list(rec.findings) + lone_rank_findings(rec, record_file)   # TL-RANK-004: rank 1 of 2 missing
     _emit(render(rec, findings, fmt, depth=depth), output)
@@ -406,7 +406,7 @@ def _report_ranks(paths, fmt, output) -> list:
         settings = load_settings(os.getcwd())       # rank_*_skew thresholds, ignore
     except SettingsError as e:
         raise InputError(str(e)) from None
-    records = [_load_record(p, p) for p in paths]
+    records = [load_record(p, p) for p in paths]
     try:
         merged = merge_ranks(records, names=list(paths), options=settings)
     except RanksError as e:

@@ -24,14 +24,14 @@ def calibrate(record_files, gpu, output, compiled):
     and write them as the part's "efficiency" row of a TORCHLEDGER_HARDWARE file.
 
     Use it with: export TORCHLEDGER_HARDWARE=torchledger-hardware.json"""
-    from ..analyzers.calibrate import fit_efficiency, measured_seconds
+    from ..steptime.calibrate import fit_efficiency, measured_seconds
     from ..render.output import write_atomic
-    from .audit import _load_record
+    from .audit import load_record
     check_output(output)
     part = gpu_part(gpu)
     records = []
     for path in record_files:
-        rec = _load_record(path, path)
+        rec = load_record(path, path)
         device = str(rec.meta.get("device") or "")
         if not device.startswith("cuda") or not measured_seconds(rec):
             raise InputError(f"{path}: expected a record of a real CUDA step with a measured step time, got "

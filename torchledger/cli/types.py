@@ -6,16 +6,12 @@ import math
 import click
 
 from .. import units
+from ..errors import InputError
 
 __all__ = ["InputError", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT",
            "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH", "MICRO_BATCHES", "GLOBAL_BATCH",
            "MAX_MICRO_BATCHES"]
 
-
-class InputError(click.ClickException):
-    """Bad input that is not a usage error: one line, exit 2."""
-
-    exit_code = 2
 
 
 def check_output(output) -> None:

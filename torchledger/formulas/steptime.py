@@ -2,7 +2,7 @@
 
 The step-time model of ``audit --gpu NAME`` (issue 23). Each function takes shapes and a
 :class:`~torchledger.formulas.hardware.GPUSpec` and returns seconds; the analyzer
-(:mod:`torchledger.analyzers.steptime`) applies them to a traced step's ops and collectives.
+(:mod:`torchledger.steptime.predict`) applies them to a traced step's ops and collectives.
 
 * **Matmul** (:func:`matmul_seconds`): the kernel is modelled as a tiled GEMM the way cuBLAS /
   CUTLASS run it. The output is cut into tiles (256x128, 128x256, 128x128, 64x128, 64x64:

@@ -16,6 +16,7 @@ meaning (dims dp, tp; three dims pp, dp, tp).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,8 +38,53 @@ PARAMS_16 = {"bf16-params": "bfloat16", "fp16-params": "float16", "fp8": "bfloat
 KERNELS = ("eager", "compiled", "te")
 
 
+#: Ranks a simulated world may have.
+MAX_WORLD = 1 << 20
+#: Dims a mesh may have (torchtitan's richest has five: pp, dp_replicate, dp_shard, cp, tp).
+MAX_MESH_DIMS = 8
+
+
+class WorldError(ValueError):
+    """A bad ``--world-size``/``--mesh``: one line for the user."""
+
+
+def mesh_dim_names(ndim: int) -> tuple:
+    """The names of a mesh's dims (see the module docstring)."""
+    if ndim == 1:
+        return ("dp",)
+    if ndim == 2:
+        return ("dp", "tp")
+    if ndim == 3:
+        return ("pp", "dp", "tp")
+    return tuple(f"dim{i}" for i in range(ndim))
+
+
+def parse_mesh(text) -> tuple:
+    """``"8x8"`` -> ``(8, 8)``; ``"64"`` -> ``(64,)``. WorldError on anything else."""
+    s = str(text).strip().lower().replace("×", "x").replace("*", "x").replace(",", "x")
+    if not re.fullmatch(r"[0-9]+(x[0-9]+)*", s):        # ASCII: \d takes '８' and '٨' too
+        raise WorldError(f"--mesh: expected dims joined by x, e.g. 8x8 or 64, got {clip_input(text)}")
+    parts = s.split("x")
+    # NB: a dim longer than MAX_WORLD's digits is over it; int() of a 5,000-digit string
+    # would raise Python's own digit-limit ValueError, and thousands of dims would build a
+    # mesh of that many dimensions
+    if len(parts) > MAX_MESH_DIMS or any(len(p.lstrip("0")) > len(str(MAX_WORLD)) for p in parts):
+        raise WorldError(f"--mesh: at most {MAX_MESH_DIMS} dims of at most {MAX_WORLD:,} ranks in all, "
+                         f"got {clip_input(text)}; give a shape such as 8x8")
+    dims = tuple(int(d) for d in parts)
+    if any(d < 1 for d in dims):
+        raise WorldError(f"--mesh: every dim must be >= 1, got {text!r}")
+    return dims
+
+
+def clip_input(text, limit: int = 40) -> str:
+    """``repr`` of user input, cut to ``limit`` characters (a 5,000-digit mesh in one line)."""
+    r = repr(str(text))
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(str(text)):,} characters)"
+
+
+
 def _error(message: str):
-    from ..world import WorldError
     return WorldError(message)
 
 
@@ -134,7 +180,6 @@ class Layout:
 def parse_layout(text, world_size: Optional[int] = None) -> Layout:
     """``"dp=4,cp=2,tp=8,pp=9"`` (named) or ``"8x8"`` (unnamed) -> :class:`Layout`; None with a
     world size -> ``dp=N``. WorldError (one line) on anything else."""
-    from ..world import mesh_dim_names, parse_mesh
     if text is None:
         n = world_size or 1
         return Layout(dims=(("dp", n),), named=False)

@@ -6,6 +6,7 @@ version, or one loaded back from JSON, renders the same as a fresh one.
 from __future__ import annotations
 
 from ..record import TOKENS_FROM_SPEC, TOKENS_GIVEN, Finding, counts_samples
+from ..record.finding import EMPTY_SENTENCE, as_findings, is_empty  # noqa: F401  (re-exported)
 from ..units import fmt_bytes, fmt_count, fmt_mfu
 
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
@@ -13,7 +14,6 @@ __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier
            "totals_rows", "measured_static_bytes", "with_hint", "tokens_note", "attention_kernels",
            "NO_ATTENTION_KERNEL", "run_notes", "mfu_line", "dtype_text"]
 
-EMPTY_SENTENCE = "Empty record: no ops were traced (did the traced block run a step?)."
 CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
                     "(causal-halved beside it); element-wise FLOPs listed apart")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -36,18 +36,6 @@ def measured_static_bytes(record) -> int:
         return max(sum(r.get(k, 0) for k in keys) for r in rows)
     t = record.totals
     return t["param_bytes"] + t["grad_bytes"] + t["optimizer_state_bytes"]
-
-
-def is_empty(record) -> bool:
-    """True when the record saw no step: no modules, no FLOPs and no ops."""
-    flops = (record.totals.get("flops") or {}).get("total", 0)
-    return not record.modules and not flops and not record.ops
-
-
-def as_findings(record, findings) -> list:
-    """``findings`` as :class:`Finding` objects; ``None`` means the record's own findings."""
-    items = record.findings if findings is None else findings
-    return [f if isinstance(f, Finding) else Finding.from_dict(f) for f in items]
 
 
 def title(record) -> str:

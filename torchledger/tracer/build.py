@@ -7,12 +7,12 @@ import numpy as np
 import torch
 
 from ..record import TOKENS_GIVEN, StepRecord
-from .dispatch import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
+from .phases import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
 from .flops_attention import score_recompute_flops
 from .memory import ACT, ALL_CATEGORIES, CATEGORIES, GRAD, UNSHARDED, state_tensors, tensor_bytes
 from .modules import NO_MODULE
 from .ranks import rank_totals
-from .segments import _namer
+from .segments import op_namer
 
 __all__ = ["build_record", "ATTENTION_KERNELS"]
 
@@ -71,7 +71,7 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     read = written = 0
     mod_flops = np.zeros((n_mod + 1, len(PHASES)), dtype=np.int64)      # last row: no module
     flop_at: dict = {}                  # (module row, phase) -> FLOPs, into mod_flops after the loop
-    op_name = _namer(mode.funcs)        # NB: str(OpOverload) formats its schema on every call
+    op_name = op_namer(mode.funcs)        # NB: str(OpOverload) formats its schema on every call
     ops = []
     for (phase, mod, fid), (count, f, fc, r, w) in mode.agg_rows():
         func, kind = mode.funcs[fid], mode.kinds.get(fid)

@@ -25,14 +25,10 @@ from .memory import PLAIN, TEMP, storages, tensor_bytes
 from .modules import NO_MODULE
 from .opshapes import ShapeLog, close_chain, note_mask, note_op   # the step-time model's per-op facts
 from .attn_masks import MaskFacts
+from .phases import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE  # noqa: F401  (re-exported)
 
 __all__ = ["LedgerMode", "PHASES"]
 
-#: "other": ops outside the model's forward, its backward and ``optimizer.step()`` that build
-#: no autograd graph (gradient clipping, grad-norm logging, data preparation, a metric under
-#: no_grad): counted apart, in no model total.
-PHASES = ("forward", "backward", "recompute", "optimizer", "other")
-FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER, OTHER = range(5)
 
 _Tensor = torch.Tensor
 _current_node = torch._C._current_autograd_node
@@ -96,7 +92,7 @@ def _is_alias_op(func) -> bool:
 
 
 #: ``audit``'s runner: the frames past it are its callers (click, runpy), never the user's line
-_RUNNER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "audit.py")
+_RUNNER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "audit", "engine.py")
 
 
 def user_frame(skip=_SKIP_DIRS) -> str | None:
@@ -245,7 +241,7 @@ class LedgerMode(TorchDispatchMode):
                 return run(func, types, args, kwargs)
             out = run(func, types, args, kwargs)
         elif types and _has_wrapper(types):    # a DTensor op: see the collectives it issues inside
-            with InnerCollectives(self, phase, mod, _is_wrapper):
+            with InnerCollectives(self, phase, mod, is_wrapper_subclass):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
@@ -339,7 +335,7 @@ class LedgerMode(TorchDispatchMode):
         if fc is not None and fc.flops:
             wrapper = _WRAPPERS.get(type(out))
             if wrapper is None:
-                wrapper = _is_wrapper(type(out))
+                wrapper = is_wrapper_subclass(type(out))
             if wrapper:                 # DTensor op: this rank's share
                 fc = _local_flops(fc, out)
         if kind == "matmul":
@@ -474,7 +470,7 @@ class LedgerMode(TorchDispatchMode):
             elif isinstance(a, _Tensor):
                 wrapper = wrappers.get(cls)
                 if wrapper is None:
-                    wrapper = _is_wrapper(cls)
+                    wrapper = is_wrapper_subclass(cls)
                 read += tensor_bytes(a) if wrapper else nbytes(a)   # a DTensor reads its local shard
             elif isinstance(a, (list, tuple)):
                 for b in a:
@@ -494,7 +490,7 @@ class LedgerMode(TorchDispatchMode):
                 cls = type(o)
                 wrapper = wrappers.get(cls)
                 if wrapper is None:
-                    wrapper = _is_wrapper(cls)
+                    wrapper = is_wrapper_subclass(cls)
                 if wrapper:                     # a DTensor: this rank's local shard
                     written += tensor_bytes(o)
                     if track:
@@ -769,7 +765,7 @@ _storages_of = storages
 _WRAPPERS: dict = {}
 
 
-def _is_wrapper(cls) -> bool:
+def is_wrapper_subclass(cls) -> bool:
     """``cls`` is a wrapper subclass whose data sits in inner tensors (DTensor): its own
     ``untyped_storage()`` and ``nbytes`` describe the global tensor, not this rank's bytes."""
     hit = _WRAPPERS.get(cls)
@@ -787,7 +783,7 @@ _HAS_WRAPPER: dict = {}    # the ``types`` a dispatch is given -> whether one is
 def _has_wrapper(types) -> bool:
     hit = _HAS_WRAPPER.get(types)
     if hit is None:
-        hit = any(_is_wrapper(cls) for cls in types)
+        hit = any(is_wrapper_subclass(cls) for cls in types)
         try:
             _HAS_WRAPPER[types] = hit
         except TypeError:           # not hashable: not kept

@@ -5,7 +5,7 @@ are named in ``record.warnings`` (``dist_memory`` counts the calls).
 """
 from __future__ import annotations
 
-from .dispatch import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
+from .phases import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
 
 __all__ = ["add_collectives"]
 

@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from .flops_attention import _ATTENTION, VARLEN, _attention  # SDPA, flash, efficient, cuDNN, varlen
+from .flops_attention import ATTENTION_OPS, VARLEN, attention_flops  # SDPA, flash, efficient, cuDNN, varlen
 
 __all__ = ["FLOP_KINDS", "FlopCount", "op_flops", "grads_needed"]
 
@@ -429,7 +429,7 @@ def _resolve(func) -> Optional[Handler]:
         return _free
     if namespace != "aten":  # custom and collective ops: uncounted unless a formula is known
         if schema.name in VARLEN:      # before _registered: PyTorch registers these as plain work
-            return _attention(func, _getter, FlopCount, **VARLEN[schema.name])
+            return attention_flops(func, _getter, FlopCount, **VARLEN[schema.name])
         if schema.name in _CUSTOM:
             return _CUSTOM[schema.name](func)
         return _registered(func)
@@ -439,8 +439,8 @@ def _resolve(func) -> Optional[Handler]:
         return _conv_forward(func, _CONV_FORWARD[name])
     if name == "convolution_backward":
         return _conv_backward
-    if name in _ATTENTION:
-        return _attention(func, _getter, FlopCount, **_ATTENTION[name])
+    if name in ATTENTION_OPS:
+        return attention_flops(func, _getter, FlopCount, **ATTENTION_OPS[name])
     if name in _RNN:
         return _RNN[name](func)
     if name in _CELL_GATES:

@@ -4,7 +4,7 @@ of the ``_flash``/``_efficient``/``_cudnn_attention_forward``/``_backward`` kern
 varlen (packed) sequences given by cumulative offsets. Attention is counted dense,
 2*B*Hq*Sq*Sk*(Dqk + Dv) with the query heads, halved in ``flops_causal`` when the kernel is
 causal and doubled for backward (model FLOPs, the 6ND convention); the conventions and
-limitations are in :mod:`.flops`, which builds each handler once per op from ``_ATTENTION``
+limitations are in :mod:`.flops`, which builds each handler once per op from ``ATTENTION_OPS``
 (aten) and ``VARLEN`` (``torch.nn.attention.varlen``'s custom ops) and caches it.
 
 What the kernels execute (``totals.hardware_flops``): the flash, memory-efficient and cuDNN
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["RECOMPUTING_BACKWARD", "score_recompute_flops"]
+__all__ = ["RECOMPUTING_BACKWARD", "score_recompute_flops", "ATTENTION_OPS", "attention_flops"]
 
 _new = tuple.__new__  # NB: ~3x faster than FlopCount(...), whose __new__ parses keywords
 
@@ -44,7 +44,7 @@ def _varlen_pairs(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> int:
     return min(bounds)
 
 
-def _attention(func, getter, count, layout: str, backward: bool, causal: str = "is_causal",
+def attention_flops(func, getter, count, layout: str, backward: bool, causal: str = "is_causal",
                cum: Optional[tuple] = None, paged: Optional[str] = None) -> Callable[[tuple, dict, Any], Any]:
     """Build the handler of one SDPA entry point from its schema argument names.
 
@@ -86,7 +86,7 @@ def _attention(func, getter, count, layout: str, backward: bool, causal: str = "
 
 _FLASH_CUM = ("cum_seq_q", "cum_seq_k", "max_q", "max_k")
 _EFF_CUM = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-_ATTENTION = {  # op name -> _attention(...) keyword arguments
+ATTENTION_OPS = {  # op name -> attention_flops(...) keyword arguments
     "_scaled_dot_product_flash_attention_for_cpu": dict(layout="bhsd", backward=False),
     "_scaled_dot_product_flash_attention": dict(layout="bhsd", backward=False),
     "_scaled_dot_product_efficient_attention": dict(layout="bhsd", backward=False),
@@ -107,7 +107,7 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "_scaled_dot_product_cudnn_attention",
               "_scaled_dot_product_fused_attention_overrideable"):
-    _ATTENTION[_name + "_backward"] = dict(layout="bhsd", backward=True)
+    ATTENTION_OPS[_name + "_backward"] = dict(layout="bhsd", backward=True)
 
 
 #: ``torch.nn.attention.varlen``'s custom ops (torch 2.10+): packed sequences given by

@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import torch
 
+from .phases import PHASES
+from .segments import op_namer
+
 __all__ = ["ShapeLog", "note_op", "note_mask", "close_chain", "attach_shapes"]
 
 _Tensor = torch.Tensor
@@ -190,10 +193,8 @@ def attach_shapes(mode, scope, ops: list, op_name=None) -> None:
     log = mode.__dict__.get("shape_log")
     if log is None:
         return
-    from .dispatch import PHASES
     if op_name is None:
-        from .segments import _namer
-        op_name = _namer(mode.funcs)
+        op_name = op_namer(mode.funcs)
     if log.chain is not None:
         close_chain(log)
     rows = {(o["phase"], o["module"], o["op"]): o for o in ops}

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .dispatch import PHASES
+from .phases import PHASES
 from .memory import ACT, TEMP
 
 __all__ = ["retention"]

@@ -30,9 +30,9 @@ import sysconfig
 
 import numpy as np
 
-from .dispatch import PHASES
+from .phases import PHASES
 
-__all__ = ["op_segments"]
+__all__ = ["op_segments", "op_namer"]
 
 MAX_OP_RUNS = 10_000
 MAX_SEGMENTS = 50_000
@@ -51,7 +51,7 @@ def op_segments(mode, scope, op_name=None) -> dict:
     if n == 0:
         return {}
     if op_name is None:
-        op_name = _namer(mode.funcs)
+        op_name = op_namer(mode.funcs)
     ph = np.asarray(phases[:n], dtype=np.int64)
     md = np.asarray(mods[:n], dtype=np.int64)
     fn = np.asarray(funcs[:n], dtype=np.uint64)             # id(func): an address, never negative
@@ -108,7 +108,7 @@ def _merged(fids: list, names: list, counts: list, flops: list) -> list:
     return [tuple(m) for m in by_op.values()]
 
 
-def _namer(funcs: dict):
+def op_namer(funcs: dict):
     """``fid -> str(funcs[fid])``, each op formatted once."""
     names: dict = {}
 

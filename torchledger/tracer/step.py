@@ -22,7 +22,8 @@ from ..record import StepRecord
 from .build import build_record
 from .collectives import pipeline_p2p_hook
 from .compiled import observe_run
-from .dispatch import BACKWARD, PHASES, LedgerMode, _is_wrapper, attention_hook
+from .dispatch import LedgerMode, attention_hook, is_wrapper_subclass
+from .phases import BACKWARD, PHASES
 from .fake import foreign_fake_params
 from .dist_memory import install_distributed
 from .lifecycle import ACTIVE, TRIES, Installed, in_tls
@@ -184,7 +185,7 @@ class StepTracer:
         dist = getattr(torch, "distributed", None)
         if dist is not None and dist.is_available() and dist.is_initialized():
             return None
-        if any(_is_wrapper(type(p)) for p in self._params):
+        if any(is_wrapper_subclass(type(p)) for p in self._params):
             return None
         return fake
 
@@ -371,7 +372,7 @@ class StepTracer:
         if self.seq_len_read is not None or not self._ours():
             return
         try:
-            from ..spec import infer_tokens
+            from ..record.tokens import infer_tokens
             count = infer_tokens(kwargs if not args else (*args, kwargs) if kwargs else args, model)
             where = count.source.replace("numel of ", "last dim of ", 1)
             self.seq_len_read = (count.seq_len, where) if count.seq_len else (None, None)

@@ -18,11 +18,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .finding import EMPTY_SENTENCE, SEVERITIES, Finding, as_findings, is_empty  # noqa: F401  (re-exported)
+
 __all__ = ["StepRecord", "Finding", "SCHEMA", "CONVENTIONS", "TOKENS_GIVEN", "TOKENS_FROM_SPEC",
-           "SAMPLES_NOT_TOKENS", "counts_samples"]
+           "SAMPLES_NOT_TOKENS", "counts_samples", "EMPTY_SENTENCE", "is_empty", "as_findings"]
 
 SCHEMA = "torchledger/1"
-SEVERITIES = ("error", "warning", "info")
 
 CONVENTIONS = {
     "flop": "FLOP = 2 x multiply-add",
@@ -46,37 +47,6 @@ SAMPLES_NOT_TOKENS = "samples, not tokens"      # in the source when D is a batc
 def counts_samples(totals: dict) -> bool:
     """True when ``totals["tokens"]`` counts samples (the batch of an image-like input), not tokens."""
     return SAMPLES_NOT_TOKENS in str(totals.get("tokens_source") or "")
-
-
-@dataclass
-class Finding:
-    """One verdict: what rule fired, how bad, where, and what to do about it."""
-
-    rule: str
-    """Stable rule id (documented in the README), e.g. ``TL-COPY-001``."""
-    severity: str
-    """'error', 'warning' or 'info'."""
-    message: str
-    module: Optional[str] = None
-    """``named_modules()`` name of the module concerned ("" for the root), if any."""
-    location: Optional[str] = None
-    """``path:line`` in the user's source, if known."""
-    measured: Any = None
-    expected: Any = None
-    hint: Optional[str] = None
-
-    def __post_init__(self):
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {self.severity!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Finding":
-        return cls(rule=d["rule"], severity=d["severity"], message=d["message"],
-                   module=d.get("module"), location=d.get("location"), measured=d.get("measured"),
-                   expected=d.get("expected"), hint=d.get("hint"))
 
 
 def _empty_totals() -> dict:
@@ -154,7 +124,7 @@ class StepRecord:
         """The step as Trace Event JSON (a dict: ``{"traceEvents": [...], ...}``) for
         ui.perfetto.dev and chrome://tracing; ``json.dump`` it to a ``.trace.json`` file.
         The clock is synthetic (1 op = 1 us): see :mod:`torchledger.render.trace_events`."""
-        from .render.trace_events import trace_events
+        from .trace import trace_events
         return trace_events(self, findings)
 
     def save(self, path) -> str:
@@ -168,7 +138,7 @@ class StepRecord:
 
         Missing folders on the way are created (``mkdir -p``; ranks racing to make the same
         one is fine); a folder that cannot be made raises ``OSError`` naming it."""
-        from .render.output import make_folders, rank_path, write_atomic
+        from ..files import make_folders, rank_path, write_atomic
         out = rank_path(path, self.totals.get("rank", 0), self.totals.get("world_size", 1))
         make_folders(out, f"save({os.fspath(path)!r})")
         write_atomic(out, self.to_json() + "\n")
@@ -176,10 +146,10 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
-        """A record from its ``to_dict()`` shape, validated first (:mod:`torchledger.record_schema`):
+        """A record from its ``to_dict()`` shape, validated first (:mod:`torchledger.record.schema`):
         a malformed one raises ``RecordError`` (a ``ValueError``) naming the field, what was
         expected and what arrived. Fields older records lack take their defaults."""
-        from .record_schema import check_record
+        from .schema import check_record
         check_record(d, SCHEMA)
         return cls._from_checked(d)
 
@@ -199,7 +169,7 @@ class StepRecord:
     def from_json(cls, text) -> "StepRecord":
         """A record from JSON text (str or UTF-8 bytes), parsed in bounded work: nesting is
         checked before ``json`` recurses, NaN/Infinity and numbers past int64 are refused."""
-        from .record_schema import check_record, parse_record
+        from .schema import check_record, parse_record
         d = parse_record(text)                  # every value already bounded: check the shape
         check_record(d, SCHEMA, values=False)
         return cls._from_checked(d)

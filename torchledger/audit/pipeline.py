@@ -48,18 +48,20 @@ import copy
 import functools
 import time
 
+from .errors import raised, where
+from .spec import AuditError
+
 __all__ = ["run_pipeline_audit"]
 
 
 def _error(message):
-    from ..spec import AuditError
     return AuditError(message)
 
 
 def run_pipeline_audit(path: str, entry: str, world, layout):
     """Trace each distinct pipeline rank and compose the schedule; an ``AuditRun`` whose
     record is the bounding rank's."""
-    from ..audit import AuditRun, load_entry
+    from .loading import AuditRun, load_entry
     from ..formulas.pipeline import bubble_fraction, chunk_sizes, rank_chunks, schedule_problem
     n, shape = world
     p, v = layout.size("pp"), layout.virtual_stages
@@ -119,7 +121,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
             "kernels": layout.kernels}
         stage_rec.totals.update(rank=r * per_rank, world_size=n, mesh=list(shape))
         stage_rec.meta["device"] = "fake (cpu)"
-    from .plan import plan_warnings
+    from ..parallel.plan import plan_warnings
     rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
     run = AuditRun([rec], None, "fake", path)
     run.snapshot, run.untraced_seconds = None, []
@@ -130,14 +132,14 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
 def _probe(fn, path, entry):
     """(blocks, batch) of the spec's model, built on the meta device (no world, no memory)."""
     import torch
-    from ..spec import as_spec, infer_tokens
-    from .plan import find_decoder
+    from ..record.tokens import infer_tokens
+    from .spec import as_spec
+    from ..parallel.plan import find_decoder
     try:
         with torch.device("meta"):
             spec = as_spec(fn())
     except Exception as e:
-        from ..audit import _raised, _where
-        raise _error(f"{_where(e, path)}: {entry}() {_raised(e)}") from None
+        raise _error(f"{where(e, path)}: {entry}() {raised(e)}") from None
     dec = find_decoder(spec.model)
     if dec is None:
         raise _error(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
@@ -179,7 +181,7 @@ def _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype=None):
             "rank": r, "sizes": list(sizes), "m": m, "act_dtype": act_dtype}
     with tempfile.TemporaryDirectory(prefix="torchledger-pp-") as tmp:
         out = os.path.join(tmp, "out.json")
-        code = "from torchledger.parallel.pipeline import _child; _child()"
+        code = "from torchledger.audit.pipeline import _child; _child()"
         env = dict(os.environ)
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([here] + [x for x in [env.get("PYTHONPATH")] if x])
@@ -206,10 +208,10 @@ def _child() -> None:
     """The child process of :func:`_trace_in_child`: trace one rank, write JSON."""
     import json
     import sys
-    from ..audit import load_entry, quiet_torch_logs, stdout_to_stderr
-    from ..spec import AuditError
-    from ..world import WorldError, fake_world
-    from .layout import Layout
+    from .loading import load_entry, quiet_torch_logs, stdout_to_stderr
+    from .spec import AuditError
+    from .world import WorldError, fake_world
+    from ..parallel.layout import Layout
     args, out = json.loads(sys.argv[1]), sys.argv[2]
     lay = dict(args["layout"])
     lay["dims"] = tuple(tuple(d) for d in lay["dims"])
@@ -233,11 +235,13 @@ def _child() -> None:
 def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
     """Build, prune, plan and trace rank ``r``'s micro-steps; (records by kind, notes, meta)."""
     import torch
-    from ..audit import _fake_safe_init, _raised, _standard_plan, _where, device_context
+    from .loading import device_context, fake_safe_init
+    from .layouts import standard_plan
     from ..formulas.pipeline import rank_chunks
     from ..ledger import Ledger
-    from ..spec import as_spec, infer_tokens
-    from .plan import cp_inputs, find_decoder, make_optimizer
+    from ..record.tokens import infer_tokens
+    from .spec import as_spec
+    from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
     p, v = layout.size("pp"), layout.virtual_stages
     chunks = rank_chunks(p, v, r)
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
@@ -247,10 +251,10 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
     pp_ranks = [int(x) for x in mesh["pp"].mesh.tolist()]
     with device_context("fake"):
         try:
-            with _fake_safe_init("fake"):
+            with fake_safe_init("fake"):
                 spec = as_spec(fn())
         except Exception as e:
-            raise _error(f"{_where(e, path)}: {entry}() {_raised(e)}") from None
+            raise _error(f"{where(e, path)}: {entry}() {raised(e)}") from None
         model = spec.model
         dec = find_decoder(model)
         inputs = spec.inputs
@@ -260,7 +264,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             model = spec.parallelize(model, mesh)
             notes = ["AuditSpec.parallelize on each stage's model"]
         else:
-            model, notes = _standard_plan(model, mesh, layout, path, seq.seq_len, blocks=keep, pipelined=True)
+            model, notes = standard_plan(model, mesh, layout, path, seq.seq_len, blocks=keep, pipelined=True)
         if layout.size("cp") > 1:
             inputs = cp_inputs(inputs, layout.size("cp"), mesh["cp"].get_local_rank(), seq.seq_len)
         opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
@@ -277,7 +281,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
                 with ledger.step(tokens=tokens.tokens, seq_len=tokens.seq_len, tokens_source=tokens.source):
                     runner.micro_step(optimizer=opt if kind in ("only", "last") else None)
             except Exception as e:
-                raise _error(f"{_where(e, path)}: pipeline rank {r}'s micro-step raised "
+                raise _error(f"{where(e, path)}: pipeline rank {r}'s micro-step raised "
                              f"{type(e).__name__}: {_msg(e)}") from None
             traced[kind] = ledger.records[-1]
             # the world this rank sits in (the tracer sees the mesh FSDP2 was given)

@@ -62,7 +62,7 @@ import time
 
 import click
 
-from .types import InputError
+from ..errors import InputError
 
 __all__ = ["supervise", "supervised", "handed_over"]
 

@@ -1,0 +1,107 @@
+"""The world and the plan an audit runs under: ``--world-size``/``--mesh`` resolved to a simulated
+world, the layout with its plan options (``--precision``, ``--checkpointing``, micro-batches,
+...), the model file's own ``AuditSpec.parallelize`` or the standard plan, gradient
+accumulation and rank 0's part of a context-parallel sequence. Every failure is an
+``AuditError`` (one line)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..record.tokens import infer_tokens
+from .errors import USER_ERRORS, raised, where
+from .spec import AuditError
+
+__all__ = ["resolve_layout", "resolve", "standard_plan", "parallelize", "accumulated", "cp_part"]
+
+
+def resolve_layout(world, mesh, plan):
+    """The run's :class:`~torchledger.parallel.layout.Layout` (named dims and plan options), or
+    None for a plain single-process audit with no plan options."""
+    options = {k: v for k, v in (plan or {}).items() if v is not None}
+    if world is None and not options:
+        return None
+    from ..parallel.layout import parse_layout
+    from .world import WorldError
+    try:
+        layout = parse_layout(mesh if mesh is not None else None, world[0] if world else 1)
+        layout = layout.with_options(**options)
+        if not layout.pipelined:
+            # NB: --micro-batches/--global-batch without pp are gradient accumulation: the
+            # record is one micro-batch's step and says how many the step accumulates
+            given = [f for f, k in (("--virtual-stages", "virtual_stages"), ("--schedule", "schedule"))
+                     if k in options and not (k == "virtual_stages" and options[k] == 1)]
+            if given:
+                raise WorldError(f"{', '.join(given)}: pipeline options, and the mesh has no pp dimension; "
+                                 f"give --mesh with pp=N (e.g. --mesh dp=2,pp=4) or drop them")
+    except WorldError as e:
+        raise AuditError(str(e)) from None
+    return layout
+
+
+def resolve(world_size, mesh, device):
+    if world_size is None and mesh is None:
+        return None
+    from .world import WorldError, resolve_world
+    try:
+        return resolve_world(world_size, mesh, device)
+    except WorldError as e:
+        raise AuditError(str(e)) from None
+
+
+def standard_plan(model, device_mesh, layout, path: str, seq_len=None, **kw):
+    """The standard plan of ``layout`` (:mod:`torchledger.parallel.plan`); (model, notes)."""
+    from ..parallel.plan import PlanError, apply_standard_plan
+    try:
+        return apply_standard_plan(model, device_mesh, layout, seq_len=seq_len, **kw)
+    except PlanError as e:
+        raise AuditError(f"{path}: {e}") from None
+    except (Exception, SystemExit) as e:
+        raise AuditError(f"{path}: the standard plan for --mesh {layout.text()} {raised(e)}; give "
+                         f"AuditSpec(parallelize=fn) with your own plan") from None
+
+
+def parallelize(spec, model, world, path: str, layout=None, seq_len=None):
+    """``AuditSpec.parallelize(model, mesh)`` at a simulated world size, else the standard
+    plan of the layout; (model, plan notes)."""
+    import torch
+    (n, shape), device_mesh = world
+    fn = spec.parallelize
+    if fn is None:
+        if n == 1 and (layout is None or (layout.checkpointing == "none" and layout.precision == "fp32")):
+            return model, []
+        return standard_plan(model, device_mesh, layout, path, seq_len)
+    try:
+        out = fn(model, device_mesh)
+    except USER_ERRORS as e:
+        raise AuditError(f"{where(e, path)}: AuditSpec.parallelize(model, mesh) {raised(e)} (mesh "
+                         f"{'x'.join(map(str, shape))}, dims {', '.join(device_mesh.mesh_dim_names or ())})"
+                         ) from None
+    if not isinstance(out, torch.nn.Module):
+        raise AuditError(f"{path}: AuditSpec.parallelize(model, mesh) returned {type(out).__name__}, "
+                         f"expected the nn.Module (fully_shard returns it: end with `return model`)")
+    return out, ["AuditSpec.parallelize (the model file's own plan)"]
+
+
+def accumulated(layout, count) -> Optional[int]:
+    """Micro-batches a step accumulates without pipeline parallelism (``--micro-batches M`` or
+    ``--global-batch G`` = M x dp x the spec's batch): ``totals.micro_batches``; the record is
+    one micro-batch's forward and backward and the optimizer step."""
+    if layout is None or layout.pipelined or (layout.micro_batches is None and layout.global_batch is None):
+        return None
+    if layout.micro_batches is not None:
+        return layout.micro_batches
+    batch = count.tokens // count.seq_len if count.tokens and count.seq_len else 1
+    per = layout.dp_degree * batch
+    if layout.global_batch % per:
+        raise AuditError(f"--global-batch {layout.global_batch}: not a multiple of dp x the spec's batch "
+                         f"({layout.dp_degree} x {batch} = {per}); the spec's inputs are one micro-batch")
+    return layout.global_batch // per
+
+
+def cp_part(inputs, spec, layout, world):
+    """Rank 0's part of the sequence under the standard plan's context parallelism."""
+    if layout is None or spec.parallelize is not None or layout.size("cp") == 1:
+        return inputs
+    from ..parallel.plan import cp_inputs
+    seq = infer_tokens(inputs).seq_len
+    return cp_inputs(inputs, layout.size("cp"), 0, seq) if seq else inputs

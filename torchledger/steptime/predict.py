@@ -1,0 +1,680 @@
+"""Predicted step time on a named part, from a traced step's ops and collectives.
+
+``predict_step_time(record, gpu, options)`` prices every op row of the record with
+:mod:`torchledger.formulas.steptime` (matmuls by their shapes, attention by the kernel the part
+would run, memory-bound ops by their bytes, a launch floor per kernel), every collective with
+NCCL's cost model on the link its group spans, and lays them on two streams the way the
+framework schedules them:
+
+* FSDP (all-gathers of a module in forward and backward, reduce-scatters in backward): the
+  module's units in ``named_modules()`` order, each unit's all-gather prefetched under the
+  previous unit's compute and its reduce-scatter under the next units' backward
+  (``formulas.steptime.overlap_timeline``); collectives of modules that are not units (the
+  root's, after the last block) are exposed;
+* DDP / HSDP all-reduces in backward without FSDP units: buckets issued evenly through the
+  backward (the reducer fires a bucket when its gradients are ready);
+* TP collectives (a group of ``totals.tensor_parallel`` ranks inside one node) are exposed:
+  they sit between the matmuls that need them;
+* the optimizer step and the collectives of the optimizer and "other" phases after the last
+  reduction, exposed;
+* gradient accumulation, ``micro_batches`` M: M forward/backward passes, gradient
+  reductions (reduce-scatter, all-reduce) only in the last (``no_sync`` /
+  ``set_requires_gradient_sync(False)``), one optimizer step;
+* recomputation (activation checkpointing) is a phase of the trace: it costs its time inside
+  the backward of its unit;
+* a pipeline bubble when the record says the step is pipelined (``totals.pipeline``:
+  ``stages`` p, ``micro_batches`` m, ``virtual_stages`` v, ``schedule``, and
+  ``bubble_fraction`` when the audit computed it): that fraction, else (p-1)/(v m), of the
+  compute for 1F1B/interleaved/GPipe, none for zero-bubble; else 0. A pipeline audit's
+  composed stage (``totals.pipeline.per_stage``) holds one micro-step's ops and the step's
+  totals and collectives (each row with ``micro_steps``, how many micro-steps issue it): its
+  ops run m times, FSDP2's gathers in the first micro-step, reductions in the last, p2p and
+  TP collectives (the step's rows) exposed; its FLOPs and tokens are not multiplied again.
+
+The result is ``predictions.step_time`` (INTERFACE.md "Predicted step time"), with
+``modules[].predicted_seconds`` (inclusive, compute only, x M) and
+``collectives[].predicted_seconds`` (all calls of the row) filled in by :func:`attach_step_time`.
+
+Known limitations: one rank's step stands for all (no stragglers, no data loading); compute
+and communication kernels do not slow each other down when they overlap (SM and HBM
+contention costs real runs ~5-10%); a fake step's CPU attention kernel is priced as the
+kernel the part would run, not the one traced.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from ..formulas import steptime as st
+from ..units import fmt_ms
+from ..record.steady import first_step_state
+
+__all__ = ["predict_step_time", "attach_step_time", "op_seconds", "causal_mask_assumptions", "collective_row_seconds",
+           "predict_into"]
+
+_PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+#: Ops with which an optimizer makes its state on its first step (AdamW: exp_avg and
+#: exp_avg_sq by zeros_like, the step count by torch.tensor -> lift_fresh): a first-step
+#: record's optimizer phase is priced without them, as every later step runs.
+STATE_CREATION = ("aten.zeros_like.", "aten.zeros.", "aten.full.", "aten.full_like.", "aten.lift_fresh.",
+                  "aten.scalar_tensor.", "aten.ones_like.")
+#: Ops that launch no kernel on a GPU (allocation, metadata, views the schema does not mark):
+#: their recorded bytes are not traffic.
+NO_KERNEL = ("aten.empty.", "aten.empty_like.", "aten.empty_strided.", "aten.new_empty.",
+             "aten.new_empty_strided.", "aten._unsafe_view.", "aten.lift_fresh.", "aten.detach.",
+             "aten.alias.", "aten._reshape_alias.", "aten.set_.", "aten.resize_.",
+             "aten.is_same_size.", "aten._has_compatible_shallow_copy_type.")
+_GATHER_OPS = ("all_gather",)
+_REDUCE_OPS = ("reduce_scatter", "all_reduce")
+
+
+def _dtype_of(rec) -> str:
+    d = str(rec.meta.get("dtype") or "float32").replace("torch.", "")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(d, "fp32")
+
+
+def _compiled(rec, opts) -> bool:
+    return bool(opts.get("compiled")) or bool(rec.meta.get("compiled")) or _kernels(rec, opts) == "compiled"
+
+
+def _kernels(rec, opts) -> str:
+    """eager, compiled or te: ``options["kernels"]``, else the audit's ``--kernels``."""
+    audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
+    k = opts.get("kernels") or audit.get("kernels") or "eager"
+    return k if k in ("eager", "compiled", "te") else "eager"
+
+
+_BLOCK = re.compile(r"\.\d+(\.|$)")
+
+
+def fp8_row(row: dict) -> tuple:
+    """(row priced in fp8, bytes of its operand casts) for a matmul row of a transformer
+    block's linear layer under ``--precision fp8`` (Transformer Engine runs the blocks'
+    GEMMs in fp8 and keeps the embedding, the head and attention in 16 bits): each fp8 GEMM
+    reads its two operands in bf16 and writes them in fp8 first (2 + 1 B an element: TE's
+    cast-with-amax kernels), the GEMM itself at the part's dense fp8 peak."""
+    module = str(row.get("module") or "")
+    if row.get("kind") != "matmul" or not _BLOCK.search(module):
+        return row, 0.0
+    shapes, casts = [], 0.0
+    for sh in row.get("shapes") or ():
+        if "mnk" in sh and sh.get("dtype") in ("bf16", "fp16"):
+            b, m, n, k = sh["mnk"]
+            casts += 3.0 * int(sh.get("count") or 0) * b * (m * k + k * n)
+            sh = dict(sh, dtype="fp8")
+        shapes.append(sh)
+    return dict(row, shapes=shapes), casts
+
+
+def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled: bool = False,
+               cp: int = 1) -> dict:
+    """``{"seconds", "kind", "launch", "flops_rate"}`` of one ``record.ops`` row (all its calls):
+    kind is ``matmul``, ``attention``, ``memory_bound`` or ``free``; ``launch`` is the part of
+    the seconds that is launch floor above the kernels' own time.
+
+    Attention with an explicit mask the tracer took for the causal one (``mask_causal``: a
+    causal LM traced on fake tensors, where transformers builds the mask it skips on a GPU
+    with an all-ones padding mask, calling SDPA with ``is_causal=True``) is priced causal.
+
+    ``cp``: the context-parallel degree of the step. A rank's T/cp queries over the
+    all-gathered T keys (``sq x cp == sk``) ran under the kernel's causal flag (the standard
+    plan's attention; records made before it used a shifted mask, a masked kernel computing
+    every pair); on the GPU PyTorch's ``context_parallel`` and Transformer Engine run it as a
+    load-balanced causal ring, each rank half the pairs: priced causal."""
+    kind = row.get("kind")
+    count = int(row.get("count") or 0)
+    if count <= 0:
+        return {"seconds": 0.0, "kind": "free", "launch": 0.0}
+    launch = float(eff["launch_s"])
+    name = str(row.get("op", ""))
+    if kind in ("matmul", "attention"):
+        total = floor_extra = 0.0
+        priced = 0
+        for s in row.get("shapes") or ():
+            c = int(s.get("count") or 0)
+            dt = s.get("dtype") or default_dtype
+            if "mnk" in s:
+                b, m, n, k = s["mnk"]
+                raw = max(st.matmul_fraction(m, n, k, b, dt, gpu, eff)[0],
+                          st.memory_seconds(st.DTYPE_BYTES.get(dt, 4) * b * (m * k + k * n + m * n), gpu, eff,
+                                            floor=False))
+                t = max(raw, launch)
+            elif "attn" in s:
+                b, h, sq, sk, d, dv = s["attn"]
+                backward = "backward" in name
+                causal = bool(s.get("causal") or s.get("mask_causal")) or (cp > 1 and sq * cp == sk)
+                t = st.attention_seconds(b, h, sq, sk, d, dv, causal, backward, dt, gpu, eff=eff)
+                raw = t
+            else:
+                continue
+            total += c * t
+            floor_extra += c * max(0.0, t - raw)
+            priced += c
+        rest = count - priced
+        if rest > 0:         # no signature: from the row's FLOPs and bytes
+            share = rest / count
+            flops = float(row.get("flops_causal") if kind == "attention" else row.get("flops") or 0) * share
+            nbytes = float((row.get("bytes_read") or 0) + (row.get("bytes_written") or 0)) * share
+            if kind == "attention":
+                fwd, bwd = eff["attention"].get(eff["attention_kernel"], eff["attention"]["flash"])
+                back = "backward" in name or row.get("phase") == "backward"
+                frac = bwd * 1.25 if back else fwd     # math path's backward: 2x, a fused one 2.5x
+                frac = frac / 1.25 if back else frac
+                rate = st._peak(gpu, default_dtype, eff) * frac
+            else:
+                cube = (flops / rest / 2) ** (1 / 3) if flops > 0 else 1
+                c = max(int(cube), 1)
+                rate = 2.0 * c ** 3 / max(st.matmul_fraction(c, c, c, 1, default_dtype, gpu, eff)[0], 1e-30)
+            raw = max(flops / rate if rate else 0.0, st.memory_seconds(nbytes, gpu, eff, floor=False))
+            t = max(raw, rest * launch)
+            total += t
+            floor_extra += t - raw
+        return {"seconds": total, "kind": kind, "launch": floor_extra}
+    if name.startswith(NO_KERNEL):
+        return {"seconds": 0.0, "kind": "free", "launch": 0.0}
+    nbytes = float((row.get("bytes_read") or 0) + (row.get("bytes_written") or 0))
+    if compiled:            # chains fused: a row holds its chain's ends, the rest is inside
+        nbytes, kernels = float(row.get("fused_bytes") or 0), int(row.get("fused_kernels") or 0)
+    else:
+        kernels = count if nbytes else 0
+    if not kernels and not nbytes:
+        return {"seconds": 0.0, "kind": "free", "launch": 0.0}
+    raw = st.memory_seconds(nbytes, gpu, eff, floor=False)
+    t = max(raw, kernels * launch)
+    return {"seconds": t, "kind": "memory_bound", "launch": t - raw}
+
+
+def causal_mask_assumptions(ops) -> list:
+    """The assumptions line for attention whose explicit mask :func:`op_seconds` priced
+    causal (``mask_causal`` in a shape), with the bytes of those masks the forward calls took
+    (kept for backward by the CPU kernel, and counted so in the traced memory); else []."""
+    why, nbytes = set(), 0
+    for row in ops or ():
+        for s in row.get("shapes") or ():
+            if s.get("mask_causal"):
+                why.add(str(s["mask_causal"]))
+                if row.get("phase") == "forward":
+                    nbytes += int(s.get("mask_bytes") or 0) * int(s.get("count") or 0)
+    if not why:
+        return []
+    from ..units import fmt_bytes
+    return [f"the explicit mask of a causal LM ({'; '.join(sorted(why))}) priced causal, as transformers runs "
+            f"SDPA on a GPU with an all-ones padding mask (is_causal=True, no mask); fake tensors hold no "
+            f"values: a padded batch would run the mask, dense. The traced memory counts up to "
+            f"{fmt_bytes(nbytes)} of those masks, which that run would not build"]
+
+
+def collective_row_seconds(row: dict, gpu, eff: dict) -> tuple:
+    """``(seconds for all calls of the row, algorithm)``."""
+    count = max(int(row.get("count") or 1), 1)
+    size = float(row.get("algo_bytes") or row.get("bytes") or 0) / count
+    t, algo = st.collective_seconds(row.get("op", ""), size, int(row.get("group_size") or 1),
+                                    row.get("group_span"), gpu, eff)
+    return t * count, algo
+
+
+def _ancestors(name: str):
+    yield name
+    while name:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+        yield name
+
+
+def _unit_of(name, units) -> str | None:
+    for a in _ancestors(name or ""):
+        if a in units:
+            return a
+    return None
+
+
+def predict_step_time(rec, gpu, options=None) -> dict:
+    """The ``predictions.step_time`` dict of ``rec`` on ``gpu`` (a name or ``GPUSpec``).
+
+    ``options``: ``compiled`` (fuse elementwise chains), ``micro_batches`` (M, default the
+    record's ``totals.micro_batches`` or 1). Also returns, under private keys ``_modules``
+    and ``_collectives``, the per-module and per-collective-row seconds (see
+    :func:`attach_step_time`)."""
+    from ..formulas.hardware import get_gpu
+    opts = options or {}
+    gpu = get_gpu(gpu)
+    eff = st.efficiency(gpu)
+    dtype = _dtype_of(rec)
+    kernels = _kernels(rec, opts)
+    compiled = _compiled(rec, opts) or kernels == "te"      # TE's fused norm/activation/bias/RoPE
+    fusion_known = any("fused_kernels" in r for r in rec.ops or ())
+    unfusable = compiled and not fusion_known
+    compiled = compiled and fusion_known
+    t = rec.totals
+    audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
+    te = kernels == "te"
+    if te and "cudnn" in eff["attention"]:
+        eff = dict(eff, attention_kernel="cudnn")          # TE's cuDNN fused attention
+    # fp8 GEMMs where the part has fp8 tensor cores (Hopper, Blackwell); elsewhere they run 16-bit
+    fp8_asked = audit.get("precision") == "fp8"
+    fp8 = fp8_asked and bool(gpu.peak_flops.get("fp8"))
+    # Megatron's distributed optimizer (ZeRO-1) under te: each data-parallel replica updates
+    # 1/d of the parameters (its shard of the fp32 masters and moments)
+    zero1 = max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1
+    pricing = {"gpu": gpu, "eff": eff, "dtype": dtype, "cp": _cp_of(t), "fp8": fp8, "te": te,
+               "compiled": compiled, "zero1": zero1}
+    pipe = t.get("pipeline") if isinstance(t.get("pipeline"), dict) else None
+    # a pipeline audit's composed stage (``per_stage``): its ops are one micro-step's, its
+    # totals and collectives the whole step's (m micro-steps, each row with ``micro_steps``)
+    composed = pipe is not None and isinstance(pipe.get("per_stage"), list) and bool(pipe.get("micro_batches"))
+    if composed:
+        micro = max(int(pipe["micro_batches"]), 1)
+    else:
+        micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
+    cp = pricing["cp"]
+    # -- compute: every op row, by phase, kind and module ----------------------------------
+    by_phase = {p: 0.0 for p in _PHASES}
+    kinds = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "launch": 0.0}
+    kinds_once = dict(kinds)     # optimizer and "other": once per step, not per micro-batch
+    fusable = 0.0
+    mm_flops = mm_seconds = 0.0
+    mod_seconds: dict = {}
+    unit_compute: dict = {}      # (phase group, module) -> seconds
+    dtype_flops: dict = {}
+    made_state = first_step_state(rec) > 0
+    skipped = 0
+    for row in rec.ops or ():
+        if made_state and row.get("phase") == "optimizer" and str(row.get("op", "")).startswith(STATE_CREATION):
+            skipped += int(row.get("count") or 0)       # a steady step's optimizer has its state
+            continue
+        phase = row.get("phase") or "other"
+        row, got, fuse, cast_s = _price_row(row, phase, pricing)
+        secs = got["seconds"] + cast_s
+        if not secs:
+            continue
+        by_phase[phase if phase in by_phase else "other"] += secs
+        bucket = kinds if phase in ("forward", "backward", "recompute") else kinds_once
+        bucket["launch"] += got["launch"]
+        body = got["seconds"] - got["launch"]
+        if got["kind"] in bucket:
+            bucket[got["kind"]] += body
+        bucket["memory_bound"] += cast_s
+        if got["kind"] == "memory_bound" and not fuse and fusion_known and phase != "optimizer":
+            fused = op_seconds(row, gpu, eff, dtype, True, cp)["seconds"]
+            fusable += (got["seconds"] - fused) * (micro if bucket is kinds else 1)
+        if got["kind"] == "matmul":
+            mm_flops += float(row.get("flops") or 0)
+            mm_seconds += body
+            for s in row.get("shapes") or ():
+                dtype_flops[s.get("dtype")] = dtype_flops.get(s.get("dtype"), 0) + s.get("flops", 0)
+        module = row.get("module")
+        if module is not None and module != "(no module)":
+            for a in _ancestors(module):
+                mod_seconds[a] = mod_seconds.get(a, 0.0) + secs
+        group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else phase
+        key = (group, module if module not in (None, "(no module)") else "")
+        unit_compute[key] = unit_compute.get(key, 0.0) + secs
+
+    # -- communication: every collective row, and how it overlaps --------------------------
+    # Each row runs in every micro-step ("every": its seconds split evenly over them), in the
+    # first only (FSDP2's gathers a pipeline stage keeps until the last micro-batch) or in the
+    # last only (gradient reductions: no_sync / set_requires_gradient_sync(False) before it).
+    # A record of one micro-step (gradient accumulation): its rows are one micro-step's, the
+    # reductions the last's. A composed pipeline stage: its rows are the step's.
+    tp = int(t.get("tensor_parallel") or 1)
+    gpn = gpu.gpus_per_node or 8
+    coll_seconds = []
+    comm_total = 0.0
+    rows = [c for c in (rec.collectives or []) if isinstance(c, dict)]
+    for c in rows:
+        secs, algo = collective_row_seconds(c, gpu, eff)
+        coll_seconds.append((secs, algo))
+        comm_total += secs
+    names = [m.get("name") for m in rec.modules or ()]
+    order = {n: i for i, n in enumerate(names)}
+    units = {(c.get("module") if c.get("module") not in (None, "(no module)") else "")
+             for c in rows if c.get("op") in _GATHER_OPS and c.get("phase") == "forward"}
+    serial = 0.0                 # exposed in forward/backward (TP, p2p, the rest), per step
+    after_comm = 0.0             # optimizer / other phases: after the last reduction, once
+    pre = {"every": {"forward": {}, "backward": {}}, "first": {"forward": {}, "backward": {}}}
+    post: dict = {}              # unit -> its reductions in the last micro-step
+    post_every: dict = {}        # unit -> its reductions in every micro-step (a stage's CP K/V grads)
+    spread: list = []            # backward reductions with no unit (DDP buckets)
+    tail_comm = 0.0              # reductions of the root / no unit: after the last block
+    reduced_once = 0.0           # reductions (last micro-step only) of a one-micro-step record
+    tp_serial = 0.0              # tensor-parallel collectives of the step
+    for c, (secs, _) in zip(rows, coll_seconds):
+        phase, op = c.get("phase"), c.get("op")
+        r, nodes = st.group_layout(int(c.get("group_size") or 1), c.get("group_span"), gpn)
+        is_tp = tp > 1 and int(c.get("group_size") or 1) == tp and nodes == 1
+        group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else "after"
+        module = c.get("module") if c.get("module") not in (None, "(no module)") else ""
+        unit = _unit_of(module, units) if units else None
+        if composed:
+            steps = int(c.get("micro_steps") or (micro if op in ("send", "recv") or is_tp else 1))
+            every = steps >= micro
+            per_micro = secs / micro if every else secs
+        else:
+            every, per_micro = True, secs
+        if group == "after":
+            after_comm += secs
+        elif is_tp and te and op in ("all_gather", "reduce_scatter"):
+            tp_serial += secs if composed else micro * secs
+        elif is_tp:
+            serial += secs if composed else micro * secs
+        elif op in _GATHER_OPS and unit is not None:
+            where = pre["every" if every else "first"][group]
+            where[unit] = where.get(unit, 0.0) + per_micro
+        elif op in _REDUCE_OPS and group == "backward":
+            reduced_once += 0.0 if composed else secs
+            if composed and every and unit is not None and unit != "":
+                post_every[unit] = post_every.get(unit, 0.0) + per_micro
+            elif unit is not None and unit != "":
+                post[unit] = post.get(unit, 0.0) + secs
+            elif units:
+                tail_comm += secs
+            else:
+                spread.append(secs)
+        else:
+            serial += secs if composed else micro * secs
+
+    # TP collectives: exposed in eager PyTorch; under te the sequence-parallel all-gathers and
+    # reduce-scatters overlap the GEMMs they feed (Transformer Engine's userbuffers split them
+    # into chunks that run under the neighbouring GEMM's chunks; it overlaps no all-reduce, so
+    # TP without sequence parallelism stays exposed): exposed only beyond the matmul time
+    serial += max(0.0, tp_serial - micro * kinds["matmul"])
+    comm_step = comm_total if composed else micro * (comm_total - reduced_once - after_comm) + reduced_once + after_comm
+
+    def unit_time(group, unit):
+        """Compute of ``unit`` in ``group`` without the units nested in it."""
+        own = 0.0
+        for (g, m), s in unit_compute.items():
+            if g == group and _unit_of(m, units) == unit:
+                own += s
+        return own
+
+    ordered = sorted((u for u in units if u != ""), key=lambda u: order.get(u, 1 << 30))
+    fwd_total = sum(s for (g, _), s in unit_compute.items() if g == "forward")
+    bwd_total = sum(s for (g, _), s in unit_compute.items() if g == "backward")
+    after_total = sum(s for (g, _), s in unit_compute.items() if g not in ("forward", "backward"))
+    f_comp = {u: unit_time("forward", u) for u in ordered}
+    b_comp = {u: unit_time("backward", u) for u in ordered}
+
+    def micro_step(first: bool, last: bool) -> float:
+        """One micro-step: forward and backward with the gathers it issues, and the
+        reductions if it is the last."""
+        def gather(group, u):
+            g = pre["every"][group].get(u, 0.0)
+            return g + (pre["first"][group].get(u, 0.0) if first else 0.0)
+        if units:
+            f_units = [(gather("forward", ""), 0.0, 0.0)] if "" in units else []
+            f_units += [(gather("forward", u), f_comp[u], 0.0) for u in ordered]
+            fwd = st.overlap_timeline(f_units, tail_compute=fwd_total - sum(c for _, c, _ in f_units))
+            b_units = [(gather("backward", u), b_comp[u],
+                        post_every.get(u, 0.0) + (post.get(u, 0.0) if last else 0.0)) for u in reversed(ordered)]
+            b_rest = bwd_total - sum(c for _, c, _ in b_units)
+            tail = [(0.0, 0.0, tail_comm)] if tail_comm and last else []
+            bwd = st.overlap_timeline(b_units + tail, head_compute=b_rest)
+        else:
+            fwd = st.overlap_timeline([], head_compute=fwd_total)
+            if spread and last:
+                bwd = st.overlap_timeline([(0.0, bwd_total / len(spread), s) for s in spread])
+            else:
+                bwd = st.overlap_timeline([], head_compute=bwd_total)
+        return fwd["seconds"] + bwd["seconds"]
+
+    if micro > 1:
+        passes = micro_step(True, False) + (micro - 2) * micro_step(False, False) + micro_step(False, True)
+    else:
+        passes = micro_step(True, True)
+    compute_step = micro * (fwd_total + bwd_total) + after_total
+    seconds = passes + serial + after_total + after_comm
+
+    # -- pipeline bubble ---------------------------------------------------------------------
+    bubble = 0.0
+    assumptions = []
+    if pipe is not None and int(pipe.get("stages") or pipe.get("pp") or 1) > 1:
+        p = int(pipe.get("stages") or pipe.get("pp"))
+        m = max(int(pipe.get("micro_batches") or micro), 1)
+        v = max(int(pipe.get("virtual_stages") or 1), 1)
+        sched = str(pipe.get("schedule") or "1f1b")
+        frac = 0.0 if "zero" in sched else (p - 1) / (v * m)
+        if isinstance(pipe.get("bubble_fraction"), (int, float)):   # the layouts issue's own figure
+            frac = float(pipe["bubble_fraction"])
+        bubble = frac * micro * (fwd_total + bwd_total)
+        seconds += bubble
+        assumptions.append(f"pipeline {p} stages, {m} micro-batches, {sched}: bubble (p-1)/(v m) = {frac:.3f} "
+                           f"of the compute")
+        if composed:
+            assumptions.append(f"the bounding stage's step: {m} micro-steps of its traced one, FSDP2's gathers in "
+                               f"the first, gradient reductions in the last, p2p and TP collectives exposed")
+    exposed = max(0.0, seconds - compute_step - bubble)
+    # compute under collectives in flight runs slower (NCCL's CTAs and copies take SMs and HBM)
+    hidden = max(0.0, comm_step - exposed)
+    contention = float(eff.get("overlap_slowdown", 0.0)) * min(hidden, compute_step)
+    seconds += contention
+
+    # -- rates ---------------------------------------------------------------------------------
+    per_step = 1 if composed else micro      # a composed stage's totals are its step's already
+    flops = float((t.get("flops") or {}).get("total") or 0) * per_step
+    hflops = float(t.get("hardware_flops") or 0) * per_step
+    mdtype = max(dtype_flops, key=dtype_flops.get) if dtype_flops else dtype
+    peak = st._peak(gpu, mdtype, eff)
+    tokens = (t.get("tokens") or 0) * per_step
+    from ..record import counts_samples
+    # the step's global tokens / seconds / world size: a rank's tokens are its data-parallel
+    # shard's (T/cp of each sequence under cp), which tp x pp ranks process together
+    tok_rate = tokens / seconds / _model_parallel(t) if tokens and seconds and not counts_samples(t) else None
+    mfu = flops / seconds / peak if seconds and flops else None
+    hfu = hflops / seconds / peak if seconds and hflops else None
+    by_kind = {k: v * micro + kinds_once[k] for k, v in kinds.items()}
+    by_kind["comm_exposed"] = exposed
+    by_kind["comm_contention"] = contention
+    by_kind["bubble"] = bubble
+    phases = {p: v * (micro if p in ("forward", "backward", "recompute") else 1) for p, v in by_phase.items()}
+    if not phases.get("other"):
+        phases.pop("other", None)
+    mm_frac = mm_flops / mm_seconds / peak if mm_seconds else None
+
+    kernel = eff["attention_kernel"]
+    assumptions += [
+        f"{gpu.name}: dense {mdtype} peak {peak / 1e12:,.1f} TFLOP/s, HBM {gpu.bandwidth_bytes_per_s / 1e12:.2f} TB/s "
+        f"at {eff['memory_fraction']:.0%}, {eff['launch_s'] * 1e6:.0f} us launch floor per kernel",
+        f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k)) or dtype}); "
+        f"fp32 without TF32 (PyTorch's default)" if "fp32" in (dtype_flops or {dtype: 1}) else
+        f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k))})",
+        f"attention as {kernel} on {gpu.name} (SDPA's choice for 16-bit inputs there), whatever kernel "
+        f"the traced device ran",
+        _kernels_line(kernels, compiled, zero1, fp8),
+        f"collectives: NCCL ring/tree alpha-beta, NVLink {eff['nvlink_fraction']:.0%} and NICs "
+        f"{eff['network_fraction']:.0%} of peak, {gpu.gpus_per_node} GPUs and {gpu.nics_per_node} NICs per node, "
+        f"ranks placed node by node",
+        "FSDP all-gathers prefetched one unit ahead, reduce-scatters under the next backward; TP collectives "
+        + ("of sequence parallelism overlapped with the GEMMs (exposed beyond the matmul time), "
+           "all-reduces exposed" if te else "exposed")
+        + "; the optimizer after the last reduction",
+    ]
+    if eff.get("sustained_fraction", 1.0) != 1.0 or eff.get("overlap_slowdown"):
+        assumptions.append(f"sustained training: tensor-core work (GEMMs, attention) at "
+                           f"{float(eff.get('sustained_fraction', 1.0)):.3f} of the single-kernel figures; "
+                           f"compute under collectives in flight {float(eff.get('overlap_slowdown', 0.0)):.0%} "
+                           f"slower (NCCL's CTAs and copies)")
+    if unfusable:
+        assumptions.append("--compiled asked, but the record has no fusion chains (made before they were "
+                           "recorded): priced unfused")
+    if micro > 1:
+        assumptions.append(f"{micro} micro-batches: gradient reductions in the last only, one optimizer step")
+    if fp8_asked and not fp8:
+        assumptions.append(f"--precision fp8: {gpu.name} has no fp8 tensor cores; the GEMMs priced in bf16, "
+                           f"as Transformer Engine would have to run them there")
+    if skipped:
+        assumptions.append(f"a steady step: the traced first step's optimizer made its state ({skipped} "
+                           f"zero-fill and scalar kernels), which later steps do not; not priced")
+    if cp > 1:
+        assumptions.append(f"context parallel {cp}: each rank's T/{cp} queries over the all-gathered keys as a "
+                           f"load-balanced causal ring (half the pairs, as PyTorch's context_parallel and "
+                           f"Transformer Engine run it)")
+    assumptions += causal_mask_assumptions(rec.ops)
+    out = {
+        "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
+        "tokens_per_s_per_gpu": tok_rate, "mfu": mfu, "hfu": hfu,
+        "by_phase": phases, "by_kind": by_kind,
+        "comm_seconds": comm_step, "comm_exposed_seconds": exposed, "bubble_seconds": bubble,
+        "matmul_fraction_of_peak": mm_frac, "compiled": compiled,
+        "fusable_seconds": fusable,
+        "assumptions": assumptions,
+    }
+    out["bound"] = _bound(out, rows, coll_seconds)
+    out["_modules"] = {k: v * micro for k, v in mod_seconds.items()}
+    out["_collectives"] = coll_seconds
+    return out
+
+
+def _cp_of(totals) -> int:
+    """The context-parallel degree of the record's layout."""
+    return int((totals.get("parallel_dims") or {}).get("cp") or 1)
+
+
+def _price_row(row, phase, p) -> tuple:
+    """``(row as priced, op_seconds' dict, fused?, seconds of fp8 casts)`` of one op row under
+    the step's kernels (``p``, built by :func:`predict_step_time`): fp8 for the blocks' GEMMs,
+    model fusion (compiled, te) in the passes and TE's fused Adam in the optimizer, the
+    distributed optimizer's 1/d of the step."""
+    casts = 0.0
+    if p["fp8"]:
+        row, casts = fp8_row(row)
+    fuse = p["compiled"] and (phase in ("forward", "backward", "recompute") or (p["te"] and phase == "optimizer"))
+    got = op_seconds(row, p["gpu"], p["eff"], p["dtype"], fuse, p["cp"])
+    if phase == "optimizer" and p["zero1"] > 1:
+        got = {k: (v / p["zero1"] if isinstance(v, float) else v) for k, v in got.items()}
+    cast_s = st.memory_seconds(casts, p["gpu"], p["eff"], floor=False) if casts else 0.0
+    return row, got, fuse, cast_s
+
+
+def _kernels_line(kernels: str, fused: bool, zero1: int, fp8: bool) -> str:
+    """The assumptions line that says which kernels the step is priced as."""
+    if kernels == "te":
+        line = ("kernels te (Megatron-Core / NeMo with Transformer Engine): cuDNN fused attention, fused "
+                "norm/activation/bias/RoPE (elementwise chains one read and one write each), fused Adam")
+        line += f", distributed optimizer (each of {zero1} replicas steps 1/{zero1})" if zero1 > 1 else ""
+    elif fused:
+        line = ("kernels compiled (torch.compile of the model): elementwise chains fused, one read and one "
+                "write per chain; the optimizer step eager")
+    else:
+        line = "kernels eager: every elementwise op its own kernel (--kernels compiled or te fuse them)"
+    if fp8:
+        line += ("; fp8: the blocks' linear-layer GEMMs at the dense fp8 peak, their operands cast from bf16 "
+                 "first (3 B an element); embedding, head and attention in bf16")
+    return line
+
+
+def _model_parallel(totals) -> int:
+    """tp x pp of the record's layout: the ranks that share one data-parallel rank's tokens."""
+    dims = totals.get("parallel_dims") if isinstance(totals.get("parallel_dims"), dict) else {}
+    out = 1
+    for name in ("tp", "pp"):
+        try:
+            out *= max(int(dims.get(name) or 1), 1)
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+def _pct(x, total) -> str:
+    return f"{100 * x / total:.0f}%"
+
+
+def _bound(p: dict, rows, coll) -> str:
+    """One sentence: where the time goes, largest first."""
+    T = p["seconds"]
+    if not T:
+        return "nothing to time: the step has no ops"
+    k = p["by_kind"]
+    parts = []
+    mm = f"{_pct(k['matmul'], T)} matmul"
+    if p.get("matmul_fraction_of_peak"):
+        mm += f" at {p['matmul_fraction_of_peak']:.0%} of peak"
+    items = [(k["matmul"], mm), (k["attention"], f"{_pct(k['attention'], T)} attention")]
+    mb = f"{_pct(k['memory_bound'], T)} memory-bound elementwise"
+    if p.get("fusable_seconds") and p["fusable_seconds"] > 0.005 * T:
+        mb += f" (fusable: --compiled saves {_pct(p['fusable_seconds'], T)})"
+    items.append((k["memory_bound"], mb))
+    if k["comm_exposed"]:
+        ops = {}
+        for c, (s, _) in zip(rows, coll):
+            ops[c.get("op")] = ops.get(c.get("op"), 0) + s
+        top = max(ops, key=ops.get).replace("_", "-") if ops else "communication"
+        items.append((k["comm_exposed"], f"{_pct(k['comm_exposed'], T)} exposed communication (largest: {top})"))
+    items.append((k["launch"], f"{_pct(k['launch'], T)} launch overhead"))
+    if k.get("comm_contention"):
+        items.append((k["comm_contention"], f"{_pct(k['comm_contention'], T)} compute slowed by overlapped "
+                                            f"collectives"))
+    if k["bubble"]:
+        items.append((k["bubble"], f"{_pct(k['bubble'], T)} pipeline bubble"))
+    items.sort(key=lambda x: -x[0])
+    parts = [text for v, text in items if v > 0.005 * T]
+    return ", ".join(parts) or "no dominant cost"
+
+
+def attach_step_time(rec, gpu, options=None) -> dict:
+    """Predict and store: ``rec.predictions["step_time"]``, ``modules[].predicted_seconds``
+    and ``collectives[].predicted_seconds`` (and ``predicted_algorithm``). Returns the dict."""
+    pred = predict_step_time(rec, gpu, options)
+    mods = pred.pop("_modules")
+    colls = pred.pop("_collectives")
+    for m in rec.modules or ():
+        m["predicted_seconds"] = mods.get(m.get("name"), 0.0)
+    for c, (secs, algo) in zip([c for c in rec.collectives or [] if isinstance(c, dict)], colls):
+        c["predicted_seconds"] = secs
+        c["predicted_algorithm"] = algo
+    measured = rec.totals.get("step_seconds")
+    if measured and not str(rec.meta.get("device", "")).startswith(("fake", "meta", "cpu")):
+        pred["measured_seconds"] = measured
+        pred["predicted_over_measured"] = pred["seconds"] / measured
+    rec.predictions["step_time"] = pred
+    return pred
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def predict_into(rec, gpu, options=None, stages=None) -> None:
+    """:func:`attach_step_time` for a report: a failure becomes a record warning, never an
+    exception (a record from an older torchledger, a part without figures).
+
+    ``stages``: a pipeline audit's composed record of every distinct stage ({rank: record},
+    ``rec`` the bounding, highest-memory, one among them): each is priced, and the step is
+    the slowest stage's (every stage waits for it at each micro-batch); ``rec`` keeps its own
+    modules' and collectives' seconds, ``predictions.step_time`` is the slowest stage's."""
+    opts = options or {}
+    kw = {"compiled": opts.get("compiled"), "micro_batches": opts.get("micro_batches")}
+    try:
+        attach_step_time(rec, gpu, kw)
+        if stages:
+            _price_every_stage(rec, stages, gpu, kw)
+    except Exception as e:  # noqa: BLE001
+        rec.warnings.append(f"predicted step time unavailable: {type(e).__name__}: {e}")
+
+
+def _price_every_stage(rec, stages: dict, gpu, kw: dict) -> None:
+    """The step time of the slowest of ``stages`` into ``rec`` (see :func:`predict_into`)."""
+    own = rec.predictions["step_time"]
+    pipe = rec.totals.get("pipeline") if isinstance(rec.totals.get("pipeline"), dict) else {}
+    bounding = pipe.get("bounding_rank")
+    seconds = {}
+    preds = {}
+    for r, stage in stages.items():
+        preds[r] = own if stage is rec else predict_step_time(stage, gpu, kw)
+        seconds[r] = preds[r]["seconds"]
+    for row in pipe.get("per_stage") or ():
+        if row.get("rank") in seconds:
+            row["predicted_seconds"] = seconds[row["rank"]]
+    slowest = max(seconds, key=lambda r: (seconds[r], r == bounding))
+    if slowest == bounding or preds[slowest] is own:
+        own["assumptions"].append(f"pipeline: every distinct stage priced; the step is the slowest's, rank "
+                                  f"{slowest} ({fmt_ms(seconds[slowest])}), the bounding (highest-memory) stage")
+        return
+    pred = {k: v for k, v in preds[slowest].items() if not k.startswith("_")}
+    pred["assumptions"] = list(pred["assumptions"]) + [
+        f"pipeline: every distinct stage priced; the step is the slowest's, rank {slowest} "
+        f"({fmt_ms(seconds[slowest])}), not the bounding (highest-memory) rank {bounding} "
+        f"({fmt_ms(seconds.get(bounding, own['seconds']))}) whose record this is"]
+    for key in ("measured_seconds", "predicted_over_measured"):
+        if key in own:
+            pred[key] = own[key]
+    rec.predictions["step_time"] = pred
