@@ -520,7 +520,7 @@ def _experts_text(cfg, meta_cfg):
         return None, False
     d, L = cfg.d_model, cfg.n_layers
     extra = experts * (E - 1) // E                      # every expert but one per MoE layer
-    one = 3 * d * cfg.d_ff if cfg.mlp == "swiglu" else 2 * d * cfg.d_ff
+    one = 3 * d * cfg.d_ff if cfg.gated else 2 * d * cfg.d_ff
     d_attn = int(meta_cfg.get("d_attn") or d)
     head = d_attn // cfg.n_heads if cfg.n_heads else 0
     others = [0 if cfg.tie_embeddings else cfg.vocab_size * d, cfg.n_positions * d,
@@ -537,7 +537,7 @@ def _korthikanti_block(cfg) -> str:
     nothing): the tensors its MLP, attention and norms keep for backward differ in number
     and width, so the row's ratio is not the tracer's error alone."""
     parts = []
-    if cfg.mlp == "swiglu" or cfg.d_ff != 4 * cfg.d_model:
+    if cfg.mlp != "gelu" or cfg.d_ff != 4 * cfg.d_model:
         parts.append(f"its MLP is GELU's at 4d (this one: {cfg.mlp}, d_ff = {cfg.d_ff / cfg.d_model:.3g}d)")
     if cfg.n_kv_heads != cfg.n_heads:
         parts.append(f"its K/V heads are all {cfg.n_heads} (this one: {cfg.n_kv_heads})")
@@ -552,7 +552,7 @@ def _explain_12ld2(cfg, meta_cfg=None) -> str:
     parts.append("ignores norms and biases")
     if cfg.n_positions:
         parts.append(f"leaves out the {cfg.n_positions}x{cfg.d_model} position table")
-    if cfg.mlp == "swiglu" or cfg.d_ff != 4 * cfg.d_model:
+    if cfg.mlp != "gelu" or cfg.d_ff != 4 * cfg.d_model:
         parts.append(f"assumes a 4d GELU MLP (this one: {cfg.mlp}, d_ff={cfg.d_ff})")
     if cfg.n_kv_heads != cfg.n_heads:
         parts.append(f"assumes full K/V heads (this one: {cfg.n_kv_heads} of {cfg.n_heads})")

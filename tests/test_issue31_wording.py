@@ -1,0 +1,211 @@
+"""Report wording that told new users something false (issue 31, item 8), each on a tiny model of
+the shape that showed it:
+
+* "its 2th of the heads" under tensor parallelism (a tiny GPT-2 on --mesh tp=2);
+* "163M dense, 163M causal-halved" on a UNet's non-causal cross-attention (a UNet-like block
+  with multi-head cross-attention, and a bidirectional encoder for the 12LTd row);
+* Gemma-2's gated GeGLU MLP called "gelu" (a Gemma-like model with a config, and Gemma-2);
+* "(fusable: --compiled saves 81%)" where the percent was of the whole step and sat inside the
+  memory-bound item (a tiny GPT-2's step, launch-bound);
+* "(float32)" in the header and "measured in float32" under --precision bf16-mixed;
+* "attention as flash (SDPA's choice for 16-bit inputs)" for an fp32 step: PyTorch's
+  sdp_utils.cpp gives fp32 inputs the memory-efficient kernel (flash and cuDNN take fp16/bf16
+  only), or the math path, and the pricing now follows the claim.
+
+Every audit runs one step on fake tensors (timing steps off).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from torchledger.audit import run_audit
+from torchledger.cli import cli
+from torchledger.formulas import steptime as st
+from torchledger.formulas.hardware import get_gpu
+from torchledger.record import StepRecord
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "examples", "gpt2_tiny.py")
+
+MODELS = '''\
+import torch, torchledger
+from torch import nn
+import torch.nn.functional as F
+
+class CrossAttn(nn.Module):
+    # a UNet transformer block's cross-attention: image tokens attend the text, no mask, not causal
+    def __init__(self, c, ctx, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = nn.Linear(c, c), nn.Linear(ctx, c), nn.Linear(ctx, c), nn.Linear(c, c)
+    def forward(self, x, ctx):
+        B, C, H, W = x.shape
+        h = x.flatten(2).transpose(1, 2)                                        # [B, HW, C]
+        split = lambda t: t.unflatten(-1, (self.heads, -1)).transpose(1, 2)     # [B, heads, L, C/heads]
+        a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(ctx)), split(self.v(ctx)))
+        return x + self.o(a.transpose(1, 2).flatten(2)).transpose(1, 2).reshape(B, C, H, W)
+
+class TinyUNet(nn.Module):
+    def __init__(self, c=16, ctx=32):
+        super().__init__()
+        self.inp = nn.Conv2d(4, c, 3, padding=1)
+        self.down = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.attn = CrossAttn(2 * c, ctx)
+        self.up = nn.ConvTranspose2d(2 * c, c, 4, stride=2, padding=1)
+        self.out = nn.Conv2d(c, 4, 3, padding=1)
+    def forward(self, sample, encoder_hidden_states):
+        h = self.attn(F.silu(self.down(self.inp(sample))), encoder_hidden_states)
+        return self.out(F.silu(self.up(h)))
+
+def unet():
+    return torchledger.AuditSpec(TinyUNet(), {"sample": torch.randn(2, 4, 8, 8),
+                                              "encoder_hidden_states": torch.randn(2, 8, 32)},
+                                 loss_fn=lambda o, i: o.float().pow(2).mean())
+
+class UNet3D(TinyUNet):
+    # the same block calling SDPA on 3-D [B, L, C] tensors, as diffusers' single-head blocks can
+    def forward(self, sample, encoder_hidden_states):
+        h = F.silu(self.down(self.inp(sample)))
+        B, C, H, W = h.shape
+        x = h.flatten(2).transpose(1, 2)
+        a = F.scaled_dot_product_attention(self.attn.q(x), self.attn.k(encoder_hidden_states),
+                                           self.attn.v(encoder_hidden_states))
+        h = h + self.attn.o(a).transpose(1, 2).reshape(B, C, H, W)
+        return self.out(F.silu(self.up(h)))
+
+def unet3d():
+    spec = unet()
+    return torchledger.AuditSpec(UNet3D(), spec.inputs, loss_fn=spec.loss_fn)
+
+class EncoderBlock(nn.Module):
+    # a bidirectional (BERT/ViT-like) block: self-attention, is_causal=False
+    def __init__(self, d, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, d))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+class TinyEncoder(nn.Module):
+    def __init__(self, V=64, d=32, L=2):
+        super().__init__()
+        self.tok = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList([EncoderBlock(d) for _ in range(L)])
+        self.head = nn.Linear(d, V, bias=False)
+    def forward(self, ids, labels):
+        x = self.tok(ids)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+def encoder():
+    ids = torch.randint(0, 64, (2, 16))
+    return torchledger.AuditSpec(TinyEncoder(), {"ids": ids, "labels": ids})
+'''
+
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wording") / "models.py"
+    path.write_text(MODELS)
+    return str(path)
+
+
+def _audit(path, entry="audit_spec", **kw):
+    key = (path, entry, tuple(sorted(kw.items())))
+    if key not in _CACHE:
+        _CACHE[key] = run_audit(path, entry=entry, device="fake", steps=1, timing_steps=0, **kw).record
+    return _CACHE[key]
+
+
+def _cli(tmp_path, *args):
+    """``audit ARGS --format json`` then ``report`` of that record: (record, report text)."""
+    out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+    res = CliRunner().invoke(cli, ["audit", *args, "--steps", "1", "--format", "json", "--output", str(out)])
+    assert res.exit_code in (0, 1), res.output
+    rec = StepRecord.from_dict(json.loads(out.read_text()))
+    res = CliRunner().invoke(cli, ["report", str(out)])
+    assert res.exit_code == 0, res.output
+    return rec, res.output
+
+
+def _rows(rec):
+    return {r["quantity"]: r for r in (rec.predictions or {}).get("comparisons") or []}
+
+
+# --- Gemma's gated GeGLU is not "gelu" ---------------------------------------------------------------
+
+class _GemmaLikeConfig:
+    # what the shape recogniser reads off a Hugging Face config; Gemma names hidden_activation
+    model_type = "gemma2"
+    hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads = 32, 2, 4, 2
+    intermediate_size, vocab_size, head_dim, rms_norm_eps = 64, 128, 16, 1e-6
+
+    def __init__(self, act="gelu_pytorch_tanh", field="hidden_activation"):
+        setattr(self, field, act)
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self, d=32, ff=64, gated=True):
+        super().__init__()
+        if gated:
+            self.gate_proj = torch.nn.Linear(d, ff, bias=False)
+        self.up_proj = torch.nn.Linear(d, ff, bias=False)
+        self.down_proj = torch.nn.Linear(ff, d, bias=False)
+
+
+class _GemmaLike(torch.nn.Module):
+    def __init__(self, cfg, gated=True):
+        super().__init__()
+        self.config = cfg
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _GatedMLP(gated=gated)})
+                                           for _ in range(2)])
+
+
+@pytest.mark.parametrize("act, field, gated, kind", [
+    ("gelu_pytorch_tanh", "hidden_activation", True, "geglu"),   # Gemma, Gemma 2 and 3
+    ("gelu_new", "dense_act_fn", True, "geglu"),                 # T5 v1.1's gated-gelu
+    ("silu", "hidden_act", True, "swiglu"),                      # Llama, Mistral, Qwen
+    ("gelu_new", "hidden_act", False, "gelu"),                   # GPT-2's up/down MLP
+])
+def test_mlp_kind_from_structure_and_activation(act, field, gated, kind):
+    from torchledger.tracer.shape import model_config
+    model = _GemmaLike(_GemmaLikeConfig(act, field), gated=gated)
+    assert model_config(model)["mlp"] == kind
+
+
+def test_geglu_counts_three_matrices():
+    from torchledger.formulas.params import count_params
+    from torchledger.models import build_model
+    from torchledger.models.config import TransformerConfig
+    cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=48, mlp="geglu",
+                            norm="rmsnorm", bias=False, tie_embeddings=True)
+    assert cfg.gated
+    # per layer: attention 4 x 32 x 32 = 4,096, MLP 3 x 32 x 48 = 4,608, two norms 2 x 32 = 64;
+    # 2 layers = 17,536, + embedding 64 x 32 = 2,048 + final norm 32 = 19,616
+    assert count_params(cfg).total == 2 * (4 * 32 * 32 + 3 * 32 * 48 + 2 * 32) + 64 * 32 + 32 == 19_616
+    model = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 19_616
+    out = model.blocks[0].mlp(torch.ones(1, 2, 32))          # the GELU gate runs
+    assert out.shape == (1, 2, 32)
+
+
+def test_gemma2_is_named_geglu():
+    pytest.importorskip("transformers")
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from torchledger.tracer.shape import model_config
+    cfg = Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
+    assert model_config(Gemma2ForCausalLM(cfg))["mlp"] == "geglu"    # was "gelu"
