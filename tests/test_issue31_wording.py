@@ -27,7 +27,7 @@ from torchledger.audit import run_audit
 from torchledger.cli import cli
 from torchledger.formulas import steptime as st
 from torchledger.formulas.hardware import get_gpu
-from torchledger.record import StepRecord
+from torchledger.record import StepRecord, attention_ran_causal, compute_dtype
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "examples", "gpt2_tiny.py")
@@ -145,6 +145,54 @@ def _rows(rec):
     return {r["quantity"]: r for r in (rec.predictions or {}).get("comparisons") or []}
 
 
+# --- "its 2th of the heads" -------------------------------------------------------------------------
+
+def test_tensor_parallel_share_of_heads_has_no_ordinal(tmp_path):
+    rec, report = _cli(tmp_path, TINY, "--mesh", "tp=2")
+    assert rec.totals["tensor_parallel"] == 2
+    text = _rows(rec)["training FLOPs vs 6ND + 12LTd"]["explanation"]
+    assert "tensor parallel 2: N is this rank's part of the split weights, the attention term its share " \
+           "of the heads (1/2)" in text
+    assert "2th" not in report and "th of the heads" not in report
+
+
+# --- "163M dense, 163M causal-halved" on attention that never ran causal --------------------------
+
+def test_unet_cross_attention_says_it_ran_dense(models):
+    rec = _audit(models, "unet")
+    attn = rec.totals["attention_flops"]
+    # 2 samples x 2 heads x 16 queries (the 4x4 down-sampled image) x 8 keys x (16 + 16) head dims
+    # x 2 (multiply-add) = 32,768 forward; backward 2x: 98,304 in all, none of it causal
+    assert attn["dense"] == attn["causal"] == 3 * 2 * 2 * 2 * 16 * 8 * (16 + 16) == 98_304
+    assert attention_ran_causal(rec) is False
+    from torchledger.render.table import render_table
+    text = render_table(rec, [])
+    line = next(x for x in text.splitlines() if x.startswith("attention:"))
+    assert line.startswith("attention: 98.3K counted dense (no kernel ran causal: nothing to halve);")
+    assert "causal-halved" not in text        # the conventions line says "counted dense (no causal discount"
+    assert "attention counted dense (no causal discount" in text
+
+
+def test_bidirectional_encoder_has_no_causal_prediction(models):
+    rec = _audit(models, "encoder")
+    assert attention_ran_causal(rec) is False
+    row = _rows(rec)["training FLOPs vs 6ND + 12LTd"]
+    assert row["ratio"] == 1.0
+    assert row["explanation"].startswith("attention counted dense, as it ran (no kernel ran causal: "
+                                         "no causal-halved prediction applies)")
+
+
+def test_causal_decoder_still_gives_both_figures():
+    rec = _audit(TINY)
+    attn = rec.totals["attention_flops"]
+    # 2 layers x 4 sequences x 4 heads x 64 x 64 pairs x (16 + 16) x 2, forward; x 3 with backward
+    assert attn["dense"] == 3 * 2 * 4 * 4 * 64 * 64 * 32 * 2 == 25_165_824
+    assert attn["causal"] * 2 == attn["dense"] and attention_ran_causal(rec) is True
+    from torchledger.render.common import attention_text
+    assert attention_text(rec) == "25.2M counted dense, 12.6M with the causal kernels' masked half left out"
+    assert "causal-halved prediction" in _rows(rec)["training FLOPs vs 6ND + 12LTd"]["explanation"]
+
+
 # --- Gemma's gated GeGLU is not "gelu" ---------------------------------------------------------------
 
 class _GemmaLikeConfig:
@@ -209,3 +257,24 @@ def test_gemma2_is_named_geglu():
     cfg = Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
     assert model_config(Gemma2ForCausalLM(cfg))["mlp"] == "geglu"    # was "gelu"
+
+
+# --- --precision bf16-mixed: the compute dtype as measured ------------------------------------------
+
+def test_mixed_precision_header_and_activation_row(tmp_path):
+    rec, report = _cli(tmp_path, TINY, "--world-size", "2", "--precision", "bf16-mixed")
+    assert rec.meta["dtype"] == "float32" and not rec.meta.get("autocast")   # FSDP's policy, no autocast
+    assert compute_dtype(rec) == ("bfloat16", "--precision bf16-mixed")
+    head = report.splitlines()[0]
+    assert "(float32 weights, bfloat16 compute under --precision bf16-mixed)" in head, head
+    row = _rows(rec)["activation bytes vs Korthikanti (16-bit)"]["explanation"]
+    assert "measured in bfloat16 compute under --precision bf16-mixed (float32 weights)" in row
+    assert "measured in float32" not in report
+
+
+def test_fp32_says_float32():
+    rec = _audit(TINY)
+    assert compute_dtype(rec) == ("float32", "matmuls")
+    from torchledger.render.table import render_table
+    assert "(float32), torch" in render_table(rec, []).splitlines()[0]
+    assert "measured in float32;" in _rows(rec)["activation bytes vs Korthikanti (16-bit)"]["explanation"]

@@ -9,7 +9,7 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 """
 from __future__ import annotations
 
-from ..record import Finding, counts_samples
+from ..record import Finding, attention_ran_causal, compute_dtype, counts_samples
 from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
 from .compare_layout import korthikanti_layer, layout_static, layout_text, sequence_parallel
 from .compare_shape import ATTENTION_FREE, attention_free
@@ -275,10 +275,10 @@ def comparisons(record, p=None) -> list:
                 text += (f"; 6ND takes every weight at D = {t['tokens']:,} tokens, the encoder's "
                          f"saw {lengths.d_enc:,} rows, the decoder's {lengths.d_dec:,}")
         else:
-            text = f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
+            text = _dense_attention_text(record, p)
             if _tp(t) > 1:
                 text += (f"; tensor parallel {_tp(t)}: N is this rank's part of the split weights, "
-                         f"the attention term its {_tp(t)}th of the heads")
+                         f"the attention term its share of the heads (1/{_tp(t)})")
             if _cp(t) > 1:
                 T = _seq_len(record)
                 text += (f"; context parallel {_cp(t)}: this rank's {T:,} queries a sequence attend all "
@@ -334,10 +334,30 @@ def comparisons(record, p=None) -> list:
         block = _korthikanti_block(cfg) if cfg is not None else ""
         rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
                          p["activation_bytes_korthikanti_16bit"],
-                         layers + f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit "
+                         layers + f"{_measured_dtype(record)}; the formula assumes 16-bit "
                          f"activations and dropout masks; {block}{_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
+
+
+def _dense_attention_text(record, p) -> str:
+    """The 12LTd row's convention: counted dense, and the causal-halved prediction where the
+    step's attention ran causal (a decoder); where it ran and none was causal (an encoder, a
+    UNet's cross-attention) the halved figure is no reference and the row says so."""
+    if attention_ran_causal(record) is False:
+        return "attention counted dense, as it ran (no kernel ran causal: no causal-halved prediction applies)"
+    return f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
+
+
+def _measured_dtype(record) -> str:
+    """What the activation row was measured in: the compute dtype as the matmuls ran
+    (:func:`compute_dtype`), with autocast's or the precision plan's part named, not the
+    weights' dtype alone (float32 under ``--precision bf16-mixed``)."""
+    weights = str(record.meta.get("dtype") or "?")
+    compute, how = compute_dtype(record)
+    if compute == weights or how in ("weights", "matmuls"):
+        return f"measured in {compute}"
+    return f"measured in {compute} compute under {how} ({weights} weights)"
 
 
 def record_predictions(record) -> dict:
