@@ -23,6 +23,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from torchledger.analyzers.steptime import attention_kernels, predict_step_time
 from torchledger.audit import run_audit
 from torchledger.cli import cli
 from torchledger.formulas import steptime as st
@@ -259,6 +260,28 @@ def test_gemma2_is_named_geglu():
     assert model_config(Gemma2ForCausalLM(cfg))["mlp"] == "geglu"    # was "gelu"
 
 
+# --- "(fusable: --compiled saves 81%)": of what -------------------------------------------------------
+
+def test_fusable_is_the_steps_saving_and_says_so():
+    rec = _audit(TINY)
+    eager = predict_step_time(rec, "h100", {})
+    compiled = predict_step_time(rec, "h100", {"kernels": "compiled"})
+    # what fusion saves is exactly the step the compiled pricing predicts less
+    saved = eager["seconds"] - compiled["seconds"]
+    assert eager["fusable_seconds"] == pytest.approx(saved, rel=1e-9)
+    assert 0 <= eager["fusable_launch_seconds"] <= eager["fusable_seconds"]
+    pct = round(100 * saved / eager["seconds"])
+    assert pct >= 1
+    bound = eager["bound"]
+    assert f"; --compiled would save {pct}% of the step" in bound
+    assert "fusable:" not in bound
+    # this step is launch-bound: the saving is in the kernels fusion removes, and it says so
+    # even though the memory-bound item itself is under 0.5% of the step (once left out with it)
+    assert eager["fusable_launch_seconds"] > 0.9 * eager["fusable_seconds"]
+    assert bound.endswith(f"--compiled would save {pct}% of the step, in kernel launches")
+    assert "would save" not in compiled["bound"]
+
+
 # --- --precision bf16-mixed: the compute dtype as measured ------------------------------------------
 
 def test_mixed_precision_header_and_activation_row(tmp_path):
@@ -278,3 +301,110 @@ def test_fp32_says_float32():
     from torchledger.render.table import render_table
     assert "(float32), torch" in render_table(rec, []).splitlines()[0]
     assert "measured in float32;" in _rows(rec)["activation bytes vs Korthikanti (16-bit)"]["explanation"]
+
+
+# --- fp32 attention on a GPU: memory-efficient or math, not flash -------------------------------------
+
+def test_sdpa_kernel_rules_from_sdp_utils():
+    h100, v100 = get_gpu("h100"), get_gpu("v100")
+    assert st.sdpa_kernel("bf16", h100) == "flash"
+    assert st.sdpa_kernel("fp32", h100, d=64, dv=64) == "efficient"
+    # minimum_gemm_alignment: 4 elements for fp32 with tensor cores (sm80 on), 1 before
+    assert st.sdpa_kernel("fp32", h100, d=66, dv=66) == "math"
+    assert st.sdpa_kernel("fp32", v100, d=66, dv=66) == "efficient"
+    assert st.sdpa_kernel("fp16", v100, d=64) == "efficient"       # no flash on a V100
+
+
+def test_fp32_efficient_attention_by_hand():
+    gpu = get_gpu("h100")
+    eff = st.efficiency(gpu)
+    got = st.attention_seconds(8, 16, 4096, 4096, 128, 128, False, False, "fp32", gpu)
+    # FLOPs 2 x 8 x 16 x 4096 x 4096 x (128 + 128) = 1,099,511,627,776; the kernel runs 3xTF32:
+    # peak 494.7 / 3 = 164.9 TF/s; H100's efficient forward fraction 0.20 x 4096/(4096+256)
+    # x (128/128)^0.3 x sustained 0.82 = 0.15435: 1.0995e12 / (164.9e12 x 0.15435) = 43.2 ms
+    flops = 2 * 8 * 16 * 4096 * 4096 * 256
+    assert flops == 1_099_511_627_776
+    frac = eff["attention"]["efficient"][0] * 4096 / (4096 + eff["attention_seq_half"]) * eff["sustained_fraction"]
+    assert got == pytest.approx(flops / (gpu.peak_flops["tf32"] / 3 * frac), rel=1e-12)
+    assert got == pytest.approx(0.0432, rel=2e-3)
+    # the flash price it replaced: the fp32 peak at flash's fraction, another number
+    flash = st.attention_seconds(8, 16, 4096, 4096, 128, 128, False, False, "fp32", gpu, kernel="flash")
+    assert abs(flash - got) > 0.1 * got
+
+
+def test_fp32_math_path_priced_as_its_bmms():
+    gpu = get_gpu("h100")
+    eff = st.efficiency(gpu)
+    b, h, s, d = 2, 4, 1024, 66                     # head dim 66: no fused kernel takes it in fp32
+    got = st.attention_seconds(b, h, s, s, d, d, True, False, "fp32", gpu)
+    # Q K^T and P V at the matmul model, then the softmax over the 4 B x 8 x 1024 x 1024 scores
+    # (read S, write P: 67 MB); causal runs every pair on this path
+    parts = (st.matmul_seconds(s, s, d, b * h, "fp32", gpu, eff) + st.matmul_seconds(s, d, s, b * h, "fp32", gpu, eff)
+             + st.memory_seconds(4 * b * h * s * s * 2, gpu, eff))
+    assert got == pytest.approx(parts, rel=1e-12)
+
+
+def test_fp32_step_claims_and_prices_memory_efficient(models):
+    rec = _audit(models, "unet")
+    gpu = get_gpu("h100")
+    p = predict_step_time(rec, gpu, {})
+    line = next(a for a in p["assumptions"] if "attention as" in a)
+    assert line.startswith("fp32 attention as memory-efficient on H100 SXM (SDPA's choice for fp32 inputs, "
+                           "flash and cuDNN taking 16-bit only"), line
+    assert "16-bit inputs there" not in line
+    assert attention_kernels(rec.ops, gpu, st.efficiency(gpu)) == {"fp32": "efficient"}
+    # the attention time is the memory-efficient kernel's, call by call
+    eff = st.efficiency(gpu)
+    want = 0.0
+    for row in rec.ops:
+        for s in row.get("shapes") or ():
+            if "attn" in s:
+                back = "backward" in row["op"]
+                want += s["count"] * st.attention_seconds(*s["attn"], False, back, "fp32", gpu, kernel="efficient",
+                                                          eff=eff)
+    assert want > 0
+    assert p["by_kind"]["attention"] + _attention_launch(rec, gpu, eff) == pytest.approx(want, rel=1e-9)
+
+
+def _attention_launch(rec, gpu, eff):
+    """The launch-floor part of the attention rows (booked under launch overhead, not attention)."""
+    from torchledger.analyzers.steptime import op_seconds
+    return sum(op_seconds(r, gpu, eff)["launch"] for r in rec.ops if r.get("kind") == "attention")
+
+
+def test_traced_math_path_is_priced_and_named_as_math(models):
+    rec = _audit(models, "unet3d")
+    assert rec.meta["attention_kernels"] == ["SDPA math path (bmm + softmax)"]
+    gpu = get_gpu("h100")
+    assert attention_kernels(rec.ops, gpu, st.efficiency(gpu)) == {"fp32": "math"}
+    line = next(a for a in predict_step_time(rec, gpu, {})["assumptions"] if "attention as" in a)
+    assert line.startswith("fp32 attention as the math path on H100 SXM (as the traced device ran it"), line
+
+
+def test_bf16_step_keeps_flash():
+    gpu = get_gpu("h100")
+    ops = [{"kind": "attention", "op": "aten._scaled_dot_product_flash_attention.default", "count": 1,
+            "shapes": [{"attn": [1, 1, 64, 64, 64, 64], "dtype": "bf16", "count": 1, "flops": 1}]}]
+    assert attention_kernels(ops, gpu, st.efficiency(gpu)) == {"bf16": "flash"}
+    from torchledger.analyzers.steptime import attention_assumption
+    assert attention_assumption(ops, gpu, st.efficiency(gpu), "bf16") == (
+        "bf16 attention as flash on H100 SXM (SDPA's choice for 16-bit inputs there), whatever kernel the "
+        "traced device ran")
+
+
+def test_a_part_may_name_its_own_fp32_kernel():
+    # benchmarks/predict_cpu.py prices a host CPU, whose flash kernel takes fp32
+    from torchledger.formulas.hardware import GPUSpec
+    from torchledger.formulas.hardware_fields import HardwareFieldError, check_row
+    from torchledger.analyzers.steptime import attention_assumption
+    part = GPUSpec("host CPU", 0, 1e11, {"fp32": 1e12}, (), 8, None, None, 1, 1,
+                   {"attention_kernel_fp32": "flash"}, {})
+    eff = st.efficiency(part)
+    assert st.sdpa_kernel("fp32", part, eff, d=66) == "flash"
+    ops = [{"kind": "attention", "op": "x", "count": 1,
+            "shapes": [{"attn": [1, 1, 64, 64, 64, 64], "dtype": "fp32", "count": 1, "flops": 1}]}]
+    assert attention_assumption(ops, part, eff) == (
+        "fp32 attention as flash on host CPU (the part's own fp32 kernel, its attention_kernel_fp32), "
+        "whatever kernel the traced device ran")
+    with pytest.raises(HardwareFieldError, match="attention_kernel_fp32"):
+        check_row("p", {"efficiency": {"attention_kernel_fp32": "flush"}})
