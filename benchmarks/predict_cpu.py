@@ -59,7 +59,7 @@ def host_part():
     # has no waves to fill beyond its cores: small tiles, short K steps
     eff = {"matmul_peak_fraction": 1.0, "memory_fraction": 1.0, "launch_s": floor,
            "matmul_tiles": [[64, 64], [32, 32], [16, 16]], "matmul_k_tile": 16, "matmul_k_overhead": 0.5,
-           "matmul_min_intensity": 1.0, "attention_kernel": "flash", "attention": {"flash": [0.5, 0.5]},
+           "matmul_min_intensity": 1.0, "attention_kernel": "flash", "attention_kernel_fp32": "flash", "attention": {"flash": [0.5, 0.5]},
            "attention_seq_half": 0.0,
            # the rates above are this host's own, measured as it runs: no sustained-training
            # derate, no collectives to slow the compute, the CPU flash kernel's causal rate

@@ -139,11 +139,11 @@ def test_autocast_compute_dtype_in_header_and_notes():
     assert t.record.meta["autocast"] == {"device_type": "cpu", "dtype": "bfloat16"}
     text = t.report()
     assert text.splitlines()[0].startswith("torchledger step report: MLP on cpu "
-                                           "(float32 weights, autocast bfloat16 compute)")
+                                           "(float32 weights, bfloat16 compute under autocast)")
     assert "autocast: the step computes in bfloat16 (cpu autocast); parameters, gradients and " \
            "optimizer state stay float32" in text
     from torchledger.render import render
-    assert "dtype float32 weights, autocast bfloat16 compute" in render(t.record, [], "markdown")
+    assert "dtype float32 weights, bfloat16 compute under autocast" in render(t.record, [], "markdown")
 
 
 SLOW_COMPILE = """

@@ -196,7 +196,7 @@ def test_accelerate_bf16_autocast_is_seen():
     assert out.dtype == torch.float32       # accelerate casts the output back: only the probe knows
     assert t.record.meta["autocast"] == {"device_type": "cpu", "dtype": "bfloat16"}
     report = t.report()
-    assert "(float32 weights, autocast bfloat16 compute)" in report.splitlines()[0]
+    assert "(float32 weights, bfloat16 compute under autocast)" in report.splitlines()[0]
     assert "autocast: the step computes in bfloat16 (cpu autocast)" in report
 
 

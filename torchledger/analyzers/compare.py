@@ -9,7 +9,7 @@ are those of :mod:`.params`, :mod:`.flops`, :mod:`.memory` and :mod:`.activation
 """
 from __future__ import annotations
 
-from ..record import Finding, counts_samples
+from ..record import Finding, attention_ran_causal, compute_dtype, counts_samples
 from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
 from .compare_layout import korthikanti_layer, layout_static, layout_text, sequence_parallel
 from .compare_shape import ATTENTION_FREE, attention_free
@@ -275,10 +275,10 @@ def comparisons(record, p=None) -> list:
                 text += (f"; 6ND takes every weight at D = {t['tokens']:,} tokens, the encoder's "
                          f"saw {lengths.d_enc:,} rows, the decoder's {lengths.d_dec:,}")
         else:
-            text = f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
+            text = _dense_attention_text(record, p)
             if _tp(t) > 1:
                 text += (f"; tensor parallel {_tp(t)}: N is this rank's part of the split weights, "
-                         f"the attention term its {_tp(t)}th of the heads")
+                         f"the attention term its share of the heads (1/{_tp(t)})")
             if _cp(t) > 1:
                 T = _seq_len(record)
                 text += (f"; context parallel {_cp(t)}: this rank's {T:,} queries a sequence attend all "
@@ -334,10 +334,30 @@ def comparisons(record, p=None) -> list:
         block = _korthikanti_block(cfg) if cfg is not None else ""
         rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
                          p["activation_bytes_korthikanti_16bit"],
-                         layers + f"measured in {record.meta.get('dtype')}; the formula assumes 16-bit "
+                         layers + f"{_measured_dtype(record)}; the formula assumes 16-bit "
                          f"activations and dropout masks; {block}{_attention_storage(record)[1]}; "
                          "embeddings, LM head and loss are outside it"))
     return rows
+
+
+def _dense_attention_text(record, p) -> str:
+    """The 12LTd row's convention: counted dense, and the causal-halved prediction where the
+    step's attention ran causal (a decoder); where it ran and none was causal (an encoder, a
+    UNet's cross-attention) the halved figure is no reference and the row says so."""
+    if attention_ran_causal(record) is False:
+        return "attention counted dense, as it ran (no kernel ran causal: no causal-halved prediction applies)"
+    return f"attention counted dense; causal-halved prediction {p['flops_6nd_attention_causal']:,}"
+
+
+def _measured_dtype(record) -> str:
+    """What the activation row was measured in: the compute dtype as the matmuls ran
+    (:func:`compute_dtype`), with autocast's or the precision plan's part named, not the
+    weights' dtype alone (float32 under ``--precision bf16-mixed``)."""
+    weights = str(record.meta.get("dtype") or "?")
+    compute, how = compute_dtype(record)
+    if compute == weights or how in ("weights", "matmuls"):
+        return f"measured in {compute}"
+    return f"measured in {compute} compute under {how} ({weights} weights)"
 
 
 def record_predictions(record) -> dict:
@@ -520,7 +540,7 @@ def _experts_text(cfg, meta_cfg):
         return None, False
     d, L = cfg.d_model, cfg.n_layers
     extra = experts * (E - 1) // E                      # every expert but one per MoE layer
-    one = 3 * d * cfg.d_ff if cfg.mlp == "swiglu" else 2 * d * cfg.d_ff
+    one = 3 * d * cfg.d_ff if cfg.gated else 2 * d * cfg.d_ff
     d_attn = int(meta_cfg.get("d_attn") or d)
     head = d_attn // cfg.n_heads if cfg.n_heads else 0
     others = [0 if cfg.tie_embeddings else cfg.vocab_size * d, cfg.n_positions * d,
@@ -537,7 +557,7 @@ def _korthikanti_block(cfg) -> str:
     nothing): the tensors its MLP, attention and norms keep for backward differ in number
     and width, so the row's ratio is not the tracer's error alone."""
     parts = []
-    if cfg.mlp == "swiglu" or cfg.d_ff != 4 * cfg.d_model:
+    if cfg.mlp != "gelu" or cfg.d_ff != 4 * cfg.d_model:
         parts.append(f"its MLP is GELU's at 4d (this one: {cfg.mlp}, d_ff = {cfg.d_ff / cfg.d_model:.3g}d)")
     if cfg.n_kv_heads != cfg.n_heads:
         parts.append(f"its K/V heads are all {cfg.n_heads} (this one: {cfg.n_kv_heads})")
@@ -552,7 +572,7 @@ def _explain_12ld2(cfg, meta_cfg=None) -> str:
     parts.append("ignores norms and biases")
     if cfg.n_positions:
         parts.append(f"leaves out the {cfg.n_positions}x{cfg.d_model} position table")
-    if cfg.mlp == "swiglu" or cfg.d_ff != 4 * cfg.d_model:
+    if cfg.mlp != "gelu" or cfg.d_ff != 4 * cfg.d_model:
         parts.append(f"assumes a 4d GELU MLP (this one: {cfg.mlp}, d_ff={cfg.d_ff})")
     if cfg.n_kv_heads != cfg.n_heads:
         parts.append(f"assumes full K/V heads (this one: {cfg.n_kv_heads} of {cfg.n_heads})")

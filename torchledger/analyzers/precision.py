@@ -15,24 +15,12 @@ ignore the rule there (``ignore = ["TL-PREC-001"]``).
 """
 from __future__ import annotations
 
-from ..record import Finding
+from ..record import Finding, matmul_flops_by_dtype
 
 __all__ = ["check_precision", "matmul_flops_by_dtype", "intended_compute_dtype"]
 
 SIXTEEN_BIT = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
 _AUTOCAST = {"bfloat16": "bf16", "float16": "fp16"}
-
-
-def matmul_flops_by_dtype(rec) -> dict:
-    """{dtype: FLOPs} of the record's matmul rows, from their shapes' operand dtypes."""
-    out: dict = {}
-    for row in rec.ops or ():
-        if row.get("kind") != "matmul":
-            continue
-        for s in row.get("shapes") or ():
-            dt = s.get("dtype") or "?"
-            out[dt] = out.get(dt, 0) + int(s.get("flops") or 0)
-    return out
 
 
 def intended_compute_dtype(rec):

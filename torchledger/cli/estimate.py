@@ -152,7 +152,7 @@ def _component_formulas(cfg) -> dict:
     if not isinstance(cfg, TransformerConfig):
         return {"layers": "num_layers * dim^2", "final": "dim"}
     b = " + biases" if cfg.bias else ""
-    mats = 3 if cfg.mlp == "swiglu" else 2
+    mats = 3 if cfg.gated else 2
     norm = "d" if cfg.norm == "rmsnorm" else ("2d" if cfg.bias else "d")
     return {"embeddings": "V*d", "positions": "n_positions*d",
             "attention": f"L*(2*d^2 + 2*d*h_kv*d_h{b})", "mlp": f"L*({mats}*d*d_ff{b})",

@@ -42,13 +42,11 @@ def lint(ctx: click.Context, paths, fmt: str, fail_on: str) -> None:
         files = engine.python_files(paths)
     except engine.LintError as e:
         raise InputError(str(e)) from None
-    findings, errors = [], []
-    for path in files:              # one bad file is reported and skipped, never the whole tree
-        try:
-            findings += engine.lint_file(path)
-        except engine.LintError as e:
-            errors.append(str(e))
-            click.echo(f"torchledger: error: {e}", err=True)
+    failed: list = []               # one bad file is reported and skipped, never the whole tree
+    findings = engine.lint_paths(files, errors=failed)     # the tree at once: TL-LINT-003 sees its saves
+    errors = [str(e) for e in failed]
+    for e in errors:
+        click.echo(f"torchledger: error: {e}", err=True)
     if not files:
         click.echo(f"torchledger: no Python files under {', '.join(paths)}", err=True)
     if fmt == "json":

@@ -185,6 +185,12 @@ def _kernel(value, where):
     return value
 
 
+def _fp32_kernel(value, where):
+    if value is not None and value not in ATTENTION_KERNELS + ("math",):
+        _fail(where, f"null (SDPA's CUDA rule) or one of {', '.join(ATTENTION_KERNELS + ('math',))}", value)
+    return value
+
+
 def _flag(value, where):
     if not isinstance(value, bool):
         _fail(where, "true or false", value)
@@ -203,6 +209,7 @@ EFFICIENCY_FIELDS = {
     "matmul_k_overhead": lambda v, w: _real(v, w, 0.0, 1e4, low_open=False, example="2"),
     "launch_s": lambda v, w: _real(v, w, 0.0, 1.0, low_open=False, what="seconds", example="5e-6"),
     "attention_kernel": _kernel,
+    "attention_kernel_fp32": _fp32_kernel,
     "attention": _attention,
     "attention_seq_half": lambda v, w: _real(v, w, 0.0, 1e9, low_open=False, example="256"),
     "attention_causal_fraction": _fraction,

@@ -109,8 +109,8 @@ def _attention(cfg: TransformerConfig) -> tuple:
 
 
 def _mlp(cfg: TransformerConfig) -> tuple:
-    """(weights, biases) of one block's MLP: up + down (GELU) or gate + up + down (SwiGLU)."""
-    n_in = 2 if cfg.mlp == "swiglu" else 1          # projections d -> d_ff
+    """(weights, biases) of one block's MLP: up + down (GELU) or gate + up + down (SwiGLU, GeGLU)."""
+    n_in = 2 if cfg.gated else 1          # projections d -> d_ff
     weights = (n_in + 1) * cfg.d_model * cfg.d_ff
     biases = (n_in * cfg.d_ff + cfg.d_model) if cfg.bias else 0
     return weights, biases

@@ -30,7 +30,10 @@ The step-time model of ``audit --gpu NAME`` (issue 23). Each function takes shap
   cuDNN, memory-efficient), scaled down for short sequences (``S / (S + attention_seq_half)``),
   head dims below 128 and causal kernels (``attention_causal_fraction``: the FA papers'
   causal kernels run ~13% slower per executed FLOP); the math path is priced as its matmuls
-  and softmax instead.
+  and softmax instead. The kernel is SDPA's for the inputs' dtype (:func:`sdpa_kernel`, from
+  PyTorch's sdp_utils.cpp): flash (cuDNN under TE) for 16-bit inputs, memory-efficient for
+  fp32 (flash and cuDNN take 16-bit only; it runs 3xTF32, a third of the TF32 peak), the math
+  path for fp32 head dims it cannot align.
 
 * **Memory-bound** ops (:func:`memory_seconds`): bytes read + written over
   ``memory_fraction`` of the HBM bandwidth, never under the launch floor.
@@ -60,7 +63,7 @@ import math
 from typing import Mapping, Optional
 
 __all__ = ["DEFAULT_EFFICIENCY", "efficiency", "matmul_seconds", "matmul_fraction", "attention_seconds",
-           "memory_seconds", "collective_seconds", "group_layout", "bus_bandwidth", "peak_dtype",
+           "sdpa_kernel", "attention_peak", "SDPA_KERNEL_WHY", "memory_seconds", "collective_seconds", "group_layout", "bus_bandwidth", "peak_dtype",
            "overlap_timeline", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -94,6 +97,10 @@ DEFAULT_EFFICIENCY = {
     # The attention kernel SDPA picks for 16-bit inputs on this part, and each kernel's
     # fraction of dense peak at long sequences and head dim 128, [forward, backward].
     "attention_kernel": "flash",
+    # The kernel for fp32 inputs; None: SDPA's CUDA rule (sdpa_kernel: memory-efficient, the
+    # math path for head dims it cannot align). A part that is not a GPU (a host CPU, whose
+    # flash kernel takes fp32) names its own.
+    "attention_kernel_fp32": None,
     "attention": {
         # FlashAttention-2 paper (Dao 2023) Fig. 4-6: A100 fwd 70%, bwd ~60% of 312 TF/s.
         "flash": [0.65, 0.55],
@@ -276,6 +283,66 @@ def matmul_seconds(m: int, n: int, k: int, batch: int = 1, dtype: str = "bf16", 
     return max(compute, memory_seconds(nbytes, gpu, eff, floor=False), float(eff["launch_s"]))
 
 
+#: Why :func:`sdpa_kernel` picks what it picks, for the step time's assumptions line.
+SDPA_KERNEL_WHY = {
+    "16-bit": "SDPA's choice for 16-bit inputs there",
+    "efficient": ("SDPA's choice for fp32 inputs, flash and cuDNN taking 16-bit only: the memory-efficient "
+                  "kernel, 3xTF32 on tensor cores from sm80 at a third of the TF32 peak"),
+    "math": ("SDPA's fallback for fp32 inputs whose head dim is not a multiple of 4: bmm, softmax and bmm, "
+             "the scores written to HBM"),
+    "traced math": ("as the traced device ran it, its fused kernel having refused the call as a GPU's refuse "
+                    "3-D inputs: the bmms at the matmul rate"),
+}
+
+
+def sdpa_kernel(dtype: str, gpu, eff: Optional[Mapping] = None, d: Optional[int] = None,
+                dv: Optional[int] = None) -> str:
+    """The kernel PyTorch's SDPA runs on ``gpu`` for inputs of ``dtype`` (``select_sdp_backend``
+    in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: cuDNN or flash, then memory-
+    efficient, then math). 16-bit inputs: the part's ``attention_kernel`` (flash; cuDNN under
+    TE; memory-efficient on a V100, which flash does not support). fp32 inputs: flash and cuDNN
+    accept fp16/bf16 only (``check_dtypes_low_precision``), the memory-efficient kernel takes
+    fp32 on sm50 and later when both head dims are multiples of ``minimum_gemm_alignment``
+    (4 with tensor cores, sm80 on: a part with a TF32 figure; 1 before), else the math path.
+
+    >>> sdpa_kernel("fp32", get_gpu("h100"), d=64)     # 'efficient'
+    >>> sdpa_kernel("fp32", get_gpu("h100"), d=66)     # 'math'
+
+    Known limitations: a mask passed to a 16-bit call (flash takes none: SDPA runs the
+    memory-efficient kernel) and 3-D inputs (every fused kernel wants 4-D: math) are not seen."""
+    eff = eff or efficiency(gpu)
+    if dtype in ("bf16", "fp16", "fp8"):
+        return eff["attention_kernel"]
+    if eff.get("attention_kernel_fp32"):
+        return eff["attention_kernel_fp32"]
+    align = 4 if gpu.peak_flops.get("tf32") else 1
+    if any(x is not None and int(x) % align for x in (d, dv)):
+        return "math"
+    return "efficient"
+
+
+def attention_peak(gpu, dtype: str, kernel: str, eff: Mapping) -> float:
+    """The peak FLOP/s a fused attention kernel's fraction applies to: the dtype's, except the
+    memory-efficient kernel on fp32 inputs, which runs 3xTF32 on tensor cores where the part
+    has them (CUTLASS's ``OpMultiplyAddFastF32`` in its ``DefaultGemmType`` for sm80+: three
+    TF32 MMAs per fp32 product, a third of the TF32 peak; the fp32 SIMT peak before sm80)."""
+    if dtype == "fp32" and kernel == "efficient" and gpu.peak_flops.get("tf32"):
+        return float(gpu.peak_flops["tf32"]) / 3.0
+    return _peak(gpu, dtype, eff)
+
+
+def _math_attention_seconds(b, hq, sq, sk, d, dv, backward, dtype, gpu, eff) -> float:
+    """The math path: its bmms (forward Q K^T and P V; backward dV, dP, dQ, dK), each with its
+    memory roofline and launch floor, and the softmax over the score matrix it writes to HBM
+    (forward: read S, write P; backward: read P and dP, write dS). A causal call still runs
+    every pair (the mask is applied to the dense scores)."""
+    bh = b * hq
+    mms = ([(sk, dv, sq), (sq, sk, dv), (sq, d, sk), (sk, d, sq)] if backward else [(sq, sk, d), (sq, dv, sk)])
+    t = sum(matmul_seconds(m, n, k, bh, dtype, gpu, eff) for m, n, k in mms)
+    scores = DTYPE_BYTES.get(dtype, 4) * bh * sq * sk * (3 if backward else 2)
+    return t + memory_seconds(scores, gpu, eff)
+
+
 def attention_seconds(b: int, hq: int, sq: int, sk: int, d: int, dv: int, causal: bool, backward: bool,
                       dtype: str, gpu, kernel: Optional[str] = None, eff: Optional[Mapping] = None) -> float:
     """Seconds of one fused attention call (flash, cuDNN or memory-efficient) forward or backward.
@@ -285,9 +352,17 @@ def attention_seconds(b: int, hq: int, sq: int, sk: int, d: int, dv: int, causal
     (the kernels skip the masked blocks), x 2.5 for the backward (four score-sized matmuls plus
     the recomputed Q K^T); bytes: Q (sq x d), O (sq x dv), K (sk x d) and V (sk x dv) per head. Rate: the kernel's fraction of peak x S / (S + attention_seq_half) x (d/128)^0.3
     for head dims under 128 (FA2 paper: d=64 runs ~15-20% slower than d=128), x
-    ``attention_causal_fraction`` when causal (masked diagonal blocks, uneven rows)."""
+    ``attention_causal_fraction`` when causal (masked diagonal blocks, uneven rows).
+
+    ``kernel`` None: the one SDPA picks for ``dtype`` (:func:`sdpa_kernel`: flash for 16-bit
+    inputs, memory-efficient for fp32 at a third of the TF32 peak, :func:`attention_peak`);
+    ``"math"``: priced as its bmms and softmax (:func:`_math_attention_seconds`). NB: the
+    memory-efficient kernel on fp32 is given its 16-bit fraction of that peak (no published
+    fp32 figure)."""
     eff = eff or efficiency(gpu)
-    kernel = kernel or eff["attention_kernel"]
+    kernel = kernel or sdpa_kernel(dtype, gpu, eff, d, dv)
+    if kernel == "math":
+        return _math_attention_seconds(b, hq, sq, sk, d, dv, backward, dtype, gpu, eff)
     fwd, bwd = eff["attention"].get(kernel, eff["attention"]["flash"])
     flops = 2.0 * b * hq * sq * sk * (d + dv) * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
     s = min(sq, sk) if sq > 1 else sk
@@ -295,7 +370,7 @@ def attention_seconds(b: int, hq: int, sq: int, sk: int, d: int, dv: int, causal
     if causal:
         frac *= float(eff.get("attention_causal_fraction", 1.0))
     frac = max(frac * min(1.0, d / 128.0) ** 0.3 * float(eff.get("sustained_fraction", 1.0)), 1e-6)
-    compute = flops / (_peak(gpu, dtype, eff) * frac)
+    compute = flops / (attention_peak(gpu, dtype, kernel, eff) * frac)
     elt = DTYPE_BYTES.get(dtype, 2)
     io = elt * b * hq * (sq + sk) * (d + dv) * (2.5 if backward else 1.0)     # Q, O; K, V
     return max(compute, memory_seconds(io, gpu, eff, floor=False), float(eff["launch_s"]))

@@ -28,7 +28,7 @@ from ..rules import rules_in
 from .ast_tools import LOOPS, SCOPES, children, dotted, is_const, tail
 from .forward import check_forward_syncs
 from .misc import (check_checkpoint, check_model_moves, check_module_save,
-                   check_non_blocking, check_retain_graph, check_unsafe_load)
+                   check_non_blocking, check_retain_graph, check_unsafe_load, module_saves)
 from .loops import check_grads_never_cleared, check_kept_graph
 
 __all__ = ["RULES", "LintError", "lint_source", "lint_file", "lint_paths", "python_files"]
@@ -45,8 +45,11 @@ class LintError(ValueError):
 class Source:
     """One parsed file as the rules see it: tree, parents, import aliases, functions."""
 
-    def __init__(self, tree: ast.Module, path: str):
+    def __init__(self, tree: ast.Module, path: str, tree_saves=()):
         self.tree, self.path, self.cache = tree, path, {}
+        #: ``path:line`` of the whole-module ``torch.save`` calls in the other files linted
+        #: with this one (:func:`lint_paths`): what a bare ``torch.load`` here may be given
+        self.tree_saves = tuple(tree_saves)
         self.nodes, self.parents, i = [tree], {}, 0
         while i < len(self.nodes):                     # ast.walk, keeping each node's children
             node = self.nodes[i]
@@ -134,11 +137,18 @@ CHECKS = (check_kept_graph, check_grads_never_cleared, check_unsafe_load, check_
 
 
 # -- the engine ---------------------------------------------------------------------------------
-def lint_source(source: str, path: str = "<string>") -> list:
+def lint_source(source: str, path: str = "<string>", tree_saves=()) -> list:
     """Findings for one file's text, sorted by line. Raises :class:`LintError` when the text
     is not valid Python (the message names ``path:line``), or holds an expression nested too
     deeply to parse or check (thousands of chained ``.b`` or ``-``: RecursionError or
-    MemoryError inside Python), so that no file is ever reported clean after a partial check."""
+    MemoryError inside Python), so that no file is ever reported clean after a partial check.
+    ``tree_saves``: ``path:line`` of whole-module ``torch.save`` calls elsewhere in the tree
+    (TL-LINT-003 then warns that a bare ``torch.load`` here fails on torch >= 2.6)."""
+    return _lint(source, path, tree_saves)[0]
+
+
+def _lint(source: str, path: str, tree_saves=()) -> tuple:
+    """(findings, ``path:line`` of the file's own whole-module saves) of :func:`lint_source`."""
     try:
         tree = ast.parse(source, filename=path)
     except SyntaxError as e:
@@ -148,7 +158,7 @@ def lint_source(source: str, path: str = "<string>") -> list:
         raise LintError(f"{path}: not valid Python ({e})") from None
     except (RecursionError, MemoryError) as e:         # 3,000 chained `- - -` or `.b.b.b`
         raise _too_deep(path, e, "parse") from None
-    src, ignored = Source(tree, path), _suppressions(source)
+    src, ignored = Source(tree, path, tree_saves), _suppressions(source)
     found = {}
     for check in CHECKS:
         try:
@@ -162,7 +172,11 @@ def lint_source(source: str, path: str = "<string>") -> list:
             found.setdefault((line, rule, message), Finding(
                 rule=rule, severity=severity[0] if severity else RULES[rule][0], message=message,
                 location=f"{path}:{line}", hint=hint))
-    return [found[k] for k in sorted(found)]
+    try:
+        saves = [f"{path}:{c.lineno}" for c in module_saves(src)]
+    except (RecursionError, MemoryError) as e:
+        raise _too_deep(path, e, "check") from None
+    return [found[k] for k in sorted(found)], saves
 
 
 def _too_deep(path: str, e: BaseException, what: str) -> LintError:
@@ -206,12 +220,17 @@ def _suppressions(source: str) -> dict:
     return out
 
 
-def lint_file(path: str) -> list:
+def lint_file(path: str, tree_saves=()) -> list:
     """Findings for one file on disk (decoded as Python does, honouring a coding cookie).
 
     Only a regular file of at most ``SOURCE_MAX_BYTES`` is read (a FIFO named ``x.py`` is
     refused at once, never opened for a blocking read); anything else raises :class:`LintError`.
+    ``tree_saves`` as in :func:`lint_source`.
     """
+    return _lint(_read_source(path), path, tree_saves)[0]
+
+
+def _read_source(path: str) -> str:
     try:
         data = read_input(path, what="Python source", max_bytes=SOURCE_MAX_BYTES)
     except InputFileError as e:
@@ -222,7 +241,7 @@ def lint_file(path: str) -> list:
     except (SyntaxError, UnicodeDecodeError, LookupError) as e:
         raise LintError(f"{path}: cannot decode as Python source ({e})") from None
     # NB: universal newlines, as tokenize.open (and the interpreter) read the file
-    return lint_source(source.replace("\r\n", "\n").replace("\r", "\n"), path)
+    return source.replace("\r\n", "\n").replace("\r", "\n")
 
 
 _SKIP_DIRS = {"__pycache__", ".venv", "venv", "site-packages", "node_modules"}
@@ -254,17 +273,25 @@ def python_files(paths) -> list:
 
 def lint_paths(paths, errors=None) -> list:
     """Findings for every Python file under ``paths`` (files or directories), in file order.
+    A bare ``torch.load`` is judged against the whole tree: where another file pickles whole
+    modules (``torch.save(model, ...)``), TL-LINT-003 warns that the load fails on torch >= 2.6.
 
     A file that cannot be linted (unreadable, not a regular file, invalid Python) raises
     :class:`LintError`; with ``errors`` (a list) its error is appended there instead and the
     other files are still linted.
     """
-    out = []
+    results, saves = {}, []
     for path in python_files(paths):
         try:
-            out += lint_file(path)
+            results[path], own = _lint(_read_source(path), path)
         except LintError as e:
             if errors is None:
                 raise
             errors.append(e)
-    return out
+            continue
+        saves += own
+    for path, found in results.items():       # a bare load in a tree that pickles modules
+        others = [s for s in saves if s.rsplit(":", 1)[0] != path]
+        if others and any(f.rule == "TL-LINT-003" and f.severity == "info" for f in found):
+            results[path] = lint_file(path, others)
+    return [f for found in results.values() for f in found]

@@ -13,13 +13,58 @@ from .ast_tools import OPTIMIZER, dotted, is_const, kwarg, model_like, tail, wal
 from .loops import loop_effects, step_loop
 
 __all__ = ["check_unsafe_load", "check_non_blocking", "check_model_moves", "check_module_save",
-           "check_retain_graph", "check_checkpoint"]
+           "check_retain_graph", "check_checkpoint", "module_saves"]
+
+
+def module_saves(src) -> list:
+    """The file's ``torch.save(model, ...)`` calls: whole modules pickled (TL-LINT-007)."""
+    return [call for call in src.calls
+            if src.qualname(call.func) == "torch.save" and call.args
+            and isinstance(call.args[0], (ast.Name, ast.Attribute)) and model_like(dotted(call.args[0]))]
+
+
+def _loads_state_dict(src, call) -> bool:
+    """The load's result goes to ``load_state_dict`` (directly, or through the name it is
+    assigned to, ``ckpt["model"]`` included): a state dict, which weights_only=True loads."""
+    target = src.parents.get(call)
+    names = set()
+    if isinstance(target, ast.Assign):
+        names = {t.id for t in target.targets if isinstance(t, ast.Name)}
+    for c in src.calls:
+        if not (isinstance(c.func, ast.Attribute) and c.func.attr == "load_state_dict"):
+            continue
+        for arg in list(c.args) + [k.value for k in c.keywords]:
+            inside = list(ast.walk(arg))
+            if any(n is call for n in inside) or any(isinstance(n, ast.Name) and n.id in names for n in inside):
+                return True
+    return False
+
+
+def _whole_module_load(src, call):
+    """(warning, hint) for a bare ``torch.load`` in a file or tree that pickles whole modules
+    (:func:`module_saves` here, ``src.tree_saves`` in the other files linted with it), unless
+    the load feeds ``load_state_dict``: torch >= 2.6 loads with weights_only=True, which
+    refuses a pickled module (``UnpicklingError: Weights only load failed``)."""
+    here = [f"{src.path}:{c.lineno}" for c in module_saves(src)]
+    saves = here + [s for s in getattr(src, "tree_saves", ()) if s not in here]
+    if not saves or _loads_state_dict(src, call):
+        return None
+    where = ", ".join(saves[:3]) + (f" and {len(saves) - 3} more" if len(saves) > 3 else "")
+    return ("TL-LINT-003", call,
+            f"torch.load() without weights_only, where this code pickles whole modules (torch.save of "
+            f"a model at {where}): torch >= 2.6 loads with weights_only=True and fails on such a "
+            f"file (UnpicklingError: Weights only load failed); torch < 2.6 unpickles arbitrary objects",
+            "save model.state_dict() and load it into a built model with "
+            "model.load_state_dict(torch.load(path, weights_only=True)); for a module file you made "
+            "and trust, pass weights_only=False")
 
 
 def check_unsafe_load(src):
     """TL-LINT-003: ``torch.load(path)`` with ``weights_only=False`` (warning: it unpickles
     arbitrary objects on every torch version), or without ``weights_only`` (info: a portability
-    note, since torch >= 2.6 defaults to ``weights_only=True`` and only older versions unpickle)."""
+    note, since torch >= 2.6 defaults to ``weights_only=True`` and only older versions unpickle;
+    a warning where the file or tree pickles whole modules, which that default fails to load:
+    :func:`_whole_module_load`)."""
     for call in src.calls:
         if src.qualname(call.func) != "torch.load" or any(k.arg is None for k in call.keywords):
             continue
@@ -30,6 +75,8 @@ def check_unsafe_load(src):
                    "checkpoint can execute code when loaded",
                    "pass weights_only=True to load only tensors, dicts and primitives; allow "
                    "your own trusted classes with torch.serialization.add_safe_globals")
+        elif flag is None and (hit := _whole_module_load(src, call)) is not None:
+            yield hit
         elif flag is None:
             yield ("TL-LINT-003", call,
                    "torch.load() without weights_only: safe on torch >= 2.6 (its default is "
@@ -94,15 +141,12 @@ def check_model_moves(src):
 
 def check_module_save(src):
     """TL-LINT-007: ``torch.save(model, path)`` pickles the whole module."""
-    for call in src.calls:
-        if src.qualname(call.func) == "torch.save" and call.args \
-                and isinstance(call.args[0], (ast.Name, ast.Attribute)) \
-                and model_like(dotted(call.args[0])):
-            name = ast.unparse(call.args[0])
-            yield ("TL-LINT-007", call,
-                   f"torch.save({name}, ...) pickles the whole module: loading it needs the same "
-                   f"class at the same import path and weights_only=False",
-                   f"save {name}.state_dict() and rebuild the model before load_state_dict()")
+    for call in module_saves(src):
+        name = ast.unparse(call.args[0])
+        yield ("TL-LINT-007", call,
+               f"torch.save({name}, ...) pickles the whole module: loading it needs the same "
+               f"class at the same import path and weights_only=False",
+               f"save {name}.state_dict() and rebuild the model before load_state_dict()")
 
 
 def check_retain_graph(src):

@@ -17,9 +17,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-__all__ = ["TransformerConfig", "CruncherConfig", "PRESETS", "get_config", "preset_names"]
+__all__ = ["TransformerConfig", "CruncherConfig", "PRESETS", "get_config", "preset_names", "GATED_MLPS"]
 
-MLP_KINDS = ("gelu", "swiglu")
+MLP_KINDS = ("gelu", "swiglu", "geglu")
+#: Gated MLPs (GLU variants, Shazeer 2020): act(x W_gate) * (x W_up), then W_down, three
+#: d x d_ff matrices. SwiGLU gates with SiLU (Llama, Mistral, Qwen), GeGLU with GELU (Gemma,
+#: T5 v1.1's "gated-gelu").
+GATED_MLPS = ("swiglu", "geglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 
 
@@ -55,9 +59,10 @@ class TransformerConfig:
     n_kv_heads: Optional[int] = None
     """h_kv: key/value heads (grouped-query attention); None means h (multi-head)."""
     d_ff: Optional[int] = None
-    """MLP width; None means 4d for GELU and Llama's rounding of 8d/3 for SwiGLU."""
+    """MLP width; None means 4d for GELU and Llama's rounding of 8d/3 for a gated MLP."""
     mlp: str = "gelu"
-    """'gelu' (up, down: 2*d*d_ff) or 'swiglu' (gate, up, down: 3*d*d_ff)."""
+    """'gelu' (up, down: 2*d*d_ff), or a gated MLP (gate, up, down: 3*d*d_ff): 'swiglu'
+    (SiLU gate) or 'geglu' (GELU gate)."""
     norm: str = "layernorm"
     """'layernorm' (weight, plus bias when ``bias``) or 'rmsnorm' (weight only)."""
     bias: bool = True
@@ -99,6 +104,11 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP (three d x d_ff matrices): SwiGLU or GeGLU."""
+        return self.mlp in GATED_MLPS
 
     @property
     def kind(self) -> str:

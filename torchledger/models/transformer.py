@@ -80,15 +80,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
-        if self.swiglu:
+        self.gated, self.silu = cfg.gated, cfg.mlp == "swiglu"
+        if self.gated:
             self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x):
-        if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gated:     # SwiGLU (SiLU gate) or GeGLU (GELU gate, Gemma's tanh approximation)
+            g = self.gate_proj(x)
+            g = F.silu(g) if self.silu else F.gelu(g, approximate="tanh")
+            return self.down_proj(g * self.up_proj(x))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 

@@ -116,7 +116,7 @@ def find_decoder(model) -> Optional[Decoder]:
     if isinstance(model, Transformer):
         cfg = model.config
         return Decoder("torchledger", model.blocks, "blocks", "attn", "mlp", ("attn_norm", "mlp_norm"),
-                       cfg.mlp == "swiglu", "tok_emb", "norm", "lm_head", cfg.n_heads, cfg.n_kv_heads,
+                       cfg.gated, "tok_emb", "norm", "lm_head", cfg.n_heads, cfg.n_kv_heads,
                        cfg.d_ff, sequence_parallel=not cfg.n_positions)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

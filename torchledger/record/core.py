@@ -21,7 +21,8 @@ from typing import Any, Optional
 from .finding import EMPTY_SENTENCE, SEVERITIES, Finding, as_findings, is_empty  # noqa: F401  (re-exported)
 
 __all__ = ["StepRecord", "Finding", "SCHEMA", "CONVENTIONS", "TOKENS_GIVEN", "TOKENS_FROM_SPEC",
-           "SAMPLES_NOT_TOKENS", "counts_samples", "EMPTY_SENTENCE", "is_empty", "as_findings"]
+           "SAMPLES_NOT_TOKENS", "counts_samples", "EMPTY_SENTENCE", "is_empty", "as_findings",
+           "attention_ran_causal", "matmul_flops_by_dtype", "compute_dtype"]
 
 SCHEMA = "torchledger/1"
 
@@ -47,6 +48,59 @@ SAMPLES_NOT_TOKENS = "samples, not tokens"      # in the source when D is a batc
 def counts_samples(totals: dict) -> bool:
     """True when ``totals["tokens"]`` counts samples (the batch of an image-like input), not tokens."""
     return SAMPLES_NOT_TOKENS in str(totals.get("tokens_source") or "")
+
+
+def attention_ran_causal(record):
+    """Whether the step's attention ran causal: True when a kernel was told ``is_causal`` (the
+    record's causal count is below its dense one) or got an explicit mask the tracer took for
+    the causal one (``mask_causal`` in an op's shapes: a causal LM traced on fake tensors);
+    False when attention kernels ran and none was causal (an encoder, a UNet's cross-attention);
+    None when no attention kernel ran (attention written as matmuls, or none)."""
+    attn = (record.totals or {}).get("attention_flops") or {}
+    dense, causal = int(attn.get("dense") or 0), int(attn.get("causal") or 0)
+    if dense <= 0:
+        return None
+    if causal < dense:
+        return True
+    return any(s.get("mask_causal") for row in record.ops or () if row.get("kind") == "attention"
+               for s in row.get("shapes") or ())
+
+
+def matmul_flops_by_dtype(record, kinds=("matmul",)) -> dict:
+    """{dtype: FLOPs} of the record's rows of ``kinds`` (matmul; attention too where asked),
+    from their shapes' operand dtypes (``"bf16"``, ``"fp32"``, ...)."""
+    out: dict = {}
+    for row in record.ops or ():
+        if row.get("kind") not in kinds:
+            continue
+        for s in row.get("shapes") or ():
+            dt = s.get("dtype") or "?"
+            out[dt] = out.get(dt, 0) + int(s.get("flops") or 0)
+    return out
+
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8", "tf32": "float32"}
+
+
+def compute_dtype(record) -> tuple:
+    """(dtype, how) the step computed in, as measured: the dtype of most of its matmul and
+    attention FLOPs (``"bfloat16"`` under autocast or FSDP's MixedPrecisionPolicy, whose
+    weights stay float32), ``how`` naming what made it so (``"autocast"``, the audit's
+    ``"--precision bf16-mixed"``, or ``"matmuls"``); without traced shapes (older records),
+    autocast's dtype, else the weights' dtype with ``how`` ``"weights"``."""
+    meta = record.meta or {}
+    weights = str(meta.get("dtype") or "float32").replace("torch.", "")
+    cast = (meta.get("autocast") or {}).get("dtype") if isinstance(meta.get("autocast"), dict) else None
+    precision = (meta.get("audit") or {}).get("precision") if isinstance(meta.get("audit"), dict) else None
+    how = ("autocast" if cast else f"--precision {precision}" if precision and precision != "fp32"
+           else "matmuls")
+    by_dtype = {k: v for k, v in matmul_flops_by_dtype(record, ("matmul", "attention")).items()
+                if k in _DTYPE_NAMES and v}
+    if by_dtype:
+        return _DTYPE_NAMES[max(by_dtype, key=by_dtype.get)], how
+    if cast:
+        return str(cast), "autocast"
+    return weights, "weights"
 
 
 def _empty_totals() -> dict:

@@ -202,7 +202,7 @@ STEP_TIME = _Obj({"gpu": STR, "seconds": NONNEG, "micro_batches": COUNT,
                   **{k: _Null(NONNEG) for k in ("tokens_per_s_per_gpu", "mfu", "hfu", "measured_seconds",
                                                 "predicted_over_measured", "matmul_fraction_of_peak")},
                   **{k: NONNEG for k in ("comm_seconds", "comm_exposed_seconds", "bubble_seconds",
-                                         "fusable_seconds")},
+                                         "fusable_seconds", "fusable_launch_seconds")},
                   "by_phase": _Obj(other=NONNEG), "by_kind": _Obj(other=NONNEG), "bound": STR,
                   "assumptions": _List(STR)}, required=("gpu", "seconds"))
 PREDICTIONS = _Obj({"comparisons": _List(COMPARISON), "step_time": STEP_TIME},

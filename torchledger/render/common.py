@@ -5,17 +5,19 @@ version, or one loaded back from JSON, renders the same as a fresh one.
 """
 from __future__ import annotations
 
-from ..record import TOKENS_FROM_SPEC, TOKENS_GIVEN, Finding, counts_samples
+from ..record import (TOKENS_FROM_SPEC, TOKENS_GIVEN, Finding, attention_ran_causal, compute_dtype,
+                      counts_samples)
 from ..record.finding import EMPTY_SENTENCE, as_findings, is_empty  # noqa: F401  (re-exported)
 from ..units import fmt_bytes, fmt_count, fmt_mfu
 
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
            "totals_rows", "measured_static_bytes", "with_hint", "tokens_note", "attention_kernels",
-           "NO_ATTENTION_KERNEL", "run_notes", "mfu_line", "dtype_text"]
+           "NO_ATTENTION_KERNEL", "run_notes", "mfu_line", "dtype_text", "attention_text"]
 
-CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention dense "
-                    "(causal-halved beside it); element-wise FLOPs listed apart")
+CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention counted dense "
+                    "(no causal discount; causal kernels' halved count beside it); element-wise FLOPs "
+                    "listed apart")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 #: What each prediction key is compared with, when the analyzers attached no ``comparisons``.
@@ -55,17 +57,38 @@ def attention_kernels(record) -> str:
     return ", ".join(kernels) if kernels else NO_ATTENTION_KERNEL
 
 
-def dtype_text(meta) -> str:
-    """The parameters' dtype, and the compute dtype when autocast differs from it."""
-    dtype = meta.get("dtype") or "?"
-    cast = (meta.get("autocast") or {}).get("dtype")
-    return f"{dtype} weights, autocast {cast} compute" if cast and cast != dtype else dtype
+def dtype_text(record) -> str:
+    """The parameters' dtype, and the compute dtype as measured (:func:`compute_dtype`: the
+    dtype of most matmul FLOPs) with what set it, when it differs: ``float32 weights,
+    bfloat16 compute (--precision bf16-mixed)`` for FSDP's MixedPrecisionPolicy or autocast."""
+    dtype = (record.meta or {}).get("dtype") or "?"
+    compute, how = compute_dtype(record)
+    if dtype == "?" or compute == dtype:
+        return dtype
+    return f"{dtype} weights, {compute} compute " + ("as its matmuls ran" if how == "matmuls" else f"under {how}")
+
+
+def attention_text(record) -> str:
+    """The step's attention FLOPs as the totals state them: counted dense (the 6ND
+    convention), and the causal-halved count only where a kernel ran causal
+    (:func:`attention_ran_causal`); a UNet's or an encoder's attention says it ran dense."""
+    attn = (record.totals or {}).get("attention_flops") or {}
+    dense, causal = int(attn.get("dense") or 0), int(attn.get("causal") or 0)
+    ran = attention_ran_causal(record)
+    if ran is None:
+        return "0 (no attention kernel ran; attention written as matmuls is in the matmul count)"
+    if causal < dense:
+        return f"{fmt_count(dense)} counted dense, {fmt_count(causal)} with the causal kernels' masked half left out"
+    if ran:
+        return (f"{fmt_count(dense)} counted dense (the kernels took an explicit causal mask, not is_causal: "
+                f"nothing halved)")
+    return f"{fmt_count(dense)} counted dense (no kernel ran causal: nothing to halve)"
 
 
 def kernel_line(record) -> str:
     m = record.meta
     kernel = attention_kernels(record)
-    return (f"device {m.get('device', '?')}, dtype {dtype_text(m)}, torch {m.get('torch', '?')}; "
+    return (f"device {m.get('device', '?')}, dtype {dtype_text(record)}, torch {m.get('torch', '?')}; "
             f"attention kernel: {kernel}")
 
 
@@ -265,8 +288,7 @@ def totals_rows(record) -> list:
               f"{fmt_count(f['forward'])} / {fmt_count(f['backward'])} / {fmt_count(f['optimizer'])}"],
              ["FLOPs total (matmul-class)", f"{fmt_count(f['total'])} ({f['total']:,})"]]
     if attn.get("dense"):
-        rows.append(["attention FLOPs dense / causal-halved",
-                     f"{fmt_count(attn['dense'])} / {fmt_count(attn.get('causal', 0))}"])
+        rows.append(["attention FLOPs", attention_text(record)])
     rows.append(["element-wise FLOPs (not in total)",
                  fmt_count((t.get("elementwise_flops") or {}).get("total", 0))])
     if t.get("tokens"):

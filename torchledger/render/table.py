@@ -12,8 +12,8 @@ from ..record import counts_samples
 from ..units import fmt_bytes, fmt_count
 from .collectives import collective_lines
 from .steptime import fmt_seconds
-from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, dtype_text, is_empty,
-                     module_rows, run_notes, tokens_note)
+from .common import (CONVENTIONS_LINE, EMPTY_SENTENCE, as_findings, attention_kernels, attention_text, dtype_text,
+                     is_empty, module_rows, run_notes, tokens_note)
 
 __all__ = ["render_table"]
 
@@ -33,7 +33,7 @@ def render_table(record, findings=(), *, depth: int = 2, width: int = 100, **_op
     m = record.meta
     lines = [
         f"torchledger step report: {m.get('model') or 'model'} on {m.get('device', '?')}"
-        f" ({dtype_text(m)}), torch {m.get('torch', '?')}",
+        f" ({dtype_text(record)}), torch {m.get('torch', '?')}",
         f"attention kernel: {attention_kernels(record)}",
         f"conventions: {CONVENTIONS_LINE}",
         *run_notes(record),
@@ -107,14 +107,12 @@ def _num(x) -> str:
 def _totals_lines(record) -> list:
     t = record.totals
     f = t["flops"]
-    attn = t.get("attention_flops") or {"dense": 0, "causal": 0}
     elementwise = (t.get("elementwise_flops") or {}).get("total", 0)
     lines = [
         "",
         f"FLOPs: forward {fmt_count(f['forward'])}, backward {fmt_count(f['backward'])}, "
         f"optimizer {fmt_count(f['optimizer'])}, total {fmt_count(f['total'])} ({f['total']:,})",
-        f"attention: {fmt_count(attn['dense'])} dense, {fmt_count(attn['causal'])} causal-halved; "
-        f"element-wise (not in total): {fmt_count(elementwise)}",
+        f"attention: {attention_text(record)}; element-wise (not in total): {fmt_count(elementwise)}",
     ]
     note = tokens_note(t)               # where D came from (absent from older records)
     if t.get("tokens"):

@@ -50,7 +50,7 @@ from ..units import fmt_ms
 from ..record.steady import first_step_state
 
 __all__ = ["predict_step_time", "attach_step_time", "op_seconds", "causal_mask_assumptions", "collective_row_seconds",
-           "predict_into"]
+           "predict_into", "attention_kernels", "attention_assumption"]
 
 _PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 #: Ops with which an optimizer makes its state on its first step (AdamW: exp_avg and
@@ -153,14 +153,17 @@ def op_seconds(row: dict, gpu, eff: dict, default_dtype: str = "fp32", compiled:
         rest = count - priced
         if rest > 0:         # no signature: from the row's FLOPs and bytes
             share = rest / count
-            flops = float(row.get("flops_causal") if kind == "attention" else row.get("flops") or 0) * share
+            kernel = row_kernel(row, gpu, eff, default_dtype) if kind == "attention" else None
+            fused = kind == "attention" and kernel != "math"     # a fused causal kernel skips half
+            flops = float((row.get("flops_causal") if fused else row.get("flops")) or 0) * share
             nbytes = float((row.get("bytes_read") or 0) + (row.get("bytes_written") or 0)) * share
             if kind == "attention":
-                fwd, bwd = eff["attention"].get(eff["attention_kernel"], eff["attention"]["flash"])
-                back = "backward" in name or row.get("phase") == "backward"
-                frac = bwd * 1.25 if back else fwd     # math path's backward: 2x, a fused one 2.5x
-                frac = frac / 1.25 if back else frac
-                rate = st._peak(gpu, default_dtype, eff) * frac
+                if kernel == "math":               # bmm-bound, every pair: a matmul's rate
+                    rate = st.attention_peak(gpu, default_dtype, kernel, eff) * float(eff["matmul_peak_fraction"])
+                else:                              # the model count (2x forward) at the kernel's rate
+                    fwd, bwd = eff["attention"].get(kernel, eff["attention"]["flash"])
+                    back = "backward" in name or row.get("phase") == "backward"
+                    rate = st.attention_peak(gpu, default_dtype, kernel, eff) * (bwd if back else fwd)
             else:
                 cube = (flops / rest / 2) ** (1 / 3) if flops > 0 else 1
                 c = max(int(cube), 1)
@@ -202,6 +205,62 @@ def causal_mask_assumptions(ops) -> list:
             f"SDPA on a GPU with an all-ones padding mask (is_causal=True, no mask); fake tensors hold no "
             f"values: a padded batch would run the mask, dense. The traced memory counts up to "
             f"{fmt_bytes(nbytes)} of those masks, which that run would not build"]
+
+
+MATH_PATH = "(attention, SDPA math path)"    # the tracer's name for the math path's bmm rows
+
+
+def row_kernel(row: dict, gpu, eff: dict, default_dtype: str = "fp32") -> str:
+    """The kernel an attention row without shapes is priced as: the math path where the traced
+    device ran it (its bmm rows: every fused kernel refused the call there, 3-D inputs for one,
+    and a GPU refuses them too), else SDPA's choice for the step's dtype."""
+    if MATH_PATH in str(row.get("op", "")):
+        return "math"
+    return st.sdpa_kernel(default_dtype, gpu, eff)
+
+
+def attention_kernels(ops, gpu, eff: dict, default_dtype: str = "fp32") -> dict:
+    """{dtype: kernel} that :func:`op_seconds` prices the step's attention calls as: SDPA's
+    choice for their input dtype on ``gpu`` (:func:`~torchledger.formulas.steptime.sdpa_kernel`:
+    flash for 16-bit, memory-efficient or math for fp32)."""
+    out: dict = {}
+    for row in ops or ():
+        if row.get("kind") != "attention":
+            continue
+        shapes = [s for s in row.get("shapes") or () if "attn" in s]
+        for s in shapes:
+            dt = s.get("dtype") or default_dtype
+            kernel = st.sdpa_kernel(dt, gpu, eff, s["attn"][4], s["attn"][5])
+            if out.get(dt) != "math":                  # a math call among fused ones: say so
+                out[dt] = kernel
+        if not shapes:
+            kernel = row_kernel(row, gpu, eff, default_dtype)
+            if out.get(default_dtype) != "math":
+                out[default_dtype] = kernel
+    return out
+
+
+def attention_assumption(ops, gpu, eff: dict, default_dtype: str = "fp32") -> str:
+    """The assumptions line for attention: the kernel each input dtype is priced as and why
+    (:data:`~torchledger.formulas.steptime.SDPA_KERNEL_WHY`), whatever the traced device ran."""
+    kernels = attention_kernels(ops, gpu, eff, default_dtype)
+    if not kernels:
+        return (f"attention (none in the step) would run as {eff['attention_kernel']} on {gpu.name} for "
+                f"16-bit inputs")
+    parts = []
+    traced_math = any(MATH_PATH in str(r.get("op", "")) for r in ops or ())
+    for dt in sorted(kernels):
+        kernel = kernels[dt]
+        if kernel == "math" and traced_math:
+            why = st.SDPA_KERNEL_WHY["traced math"]
+        elif dt in ("bf16", "fp16", "fp8"):
+            why = st.SDPA_KERNEL_WHY["16-bit"]
+        else:
+            why = st.SDPA_KERNEL_WHY.get(kernel) if not eff.get("attention_kernel_fp32") else None
+            why = why or "the part's own fp32 kernel, its attention_kernel_fp32"
+        name = {"efficient": "memory-efficient", "math": "the math path"}.get(kernel, kernel)
+        parts.append(f"{dt} attention as {name} on {gpu.name} ({why})")
+    return " and ".join(parts) + ", whatever kernel the traced device ran"
 
 
 def collective_row_seconds(row: dict, gpu, eff: dict) -> tuple:
@@ -270,7 +329,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     by_phase = {p: 0.0 for p in _PHASES}
     kinds = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "launch": 0.0}
     kinds_once = dict(kinds)     # optimizer and "other": once per step, not per micro-batch
-    fusable = 0.0
+    fusable = fusable_launch = 0.0      # what --compiled's fusion saves: all of it, its launch part
     mm_flops = mm_seconds = 0.0
     mod_seconds: dict = {}
     unit_compute: dict = {}      # (phase group, module) -> seconds
@@ -294,8 +353,10 @@ def predict_step_time(rec, gpu, options=None) -> dict:
             bucket[got["kind"]] += body
         bucket["memory_bound"] += cast_s
         if got["kind"] == "memory_bound" and not fuse and fusion_known and phase != "optimizer":
-            fused = op_seconds(row, gpu, eff, dtype, True, cp)["seconds"]
-            fusable += (got["seconds"] - fused) * (micro if bucket is kinds else 1)
+            fused = op_seconds(row, gpu, eff, dtype, True, cp)
+            times = micro if bucket is kinds else 1
+            fusable += (got["seconds"] - fused["seconds"]) * times
+            fusable_launch += (got["launch"] - fused["launch"]) * times
         if got["kind"] == "matmul":
             mm_flops += float(row.get("flops") or 0)
             mm_seconds += body
@@ -470,15 +531,13 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         phases.pop("other", None)
     mm_frac = mm_flops / mm_seconds / peak if mm_seconds else None
 
-    kernel = eff["attention_kernel"]
     assumptions += [
         f"{gpu.name}: dense {mdtype} peak {peak / 1e12:,.1f} TFLOP/s, HBM {gpu.bandwidth_bytes_per_s / 1e12:.2f} TB/s "
         f"at {eff['memory_fraction']:.0%}, {eff['launch_s'] * 1e6:.0f} us launch floor per kernel",
         f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k)) or dtype}); "
         f"fp32 without TF32 (PyTorch's default)" if "fp32" in (dtype_flops or {dtype: 1}) else
         f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k))})",
-        f"attention as {kernel} on {gpu.name} (SDPA's choice for 16-bit inputs there), whatever kernel "
-        f"the traced device ran",
+        attention_assumption(rec.ops, gpu, eff, dtype),
         _kernels_line(kernels, compiled, zero1, fp8),
         f"collectives: NCCL ring/tree alpha-beta, NVLink {eff['nvlink_fraction']:.0%} and NICs "
         f"{eff['network_fraction']:.0%} of peak, {gpu.gpus_per_node} GPUs and {gpu.nics_per_node} NICs per node, "
@@ -515,7 +574,7 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         "by_phase": phases, "by_kind": by_kind,
         "comm_seconds": comm_step, "comm_exposed_seconds": exposed, "bubble_seconds": bubble,
         "matmul_fraction_of_peak": mm_frac, "compiled": compiled,
-        "fusable_seconds": fusable,
+        "fusable_seconds": fusable, "fusable_launch_seconds": max(0.0, min(fusable_launch, fusable)),
         "assumptions": assumptions,
     }
     out["bound"] = _bound(out, rows, coll_seconds)
@@ -589,10 +648,7 @@ def _bound(p: dict, rows, coll) -> str:
     if p.get("matmul_fraction_of_peak"):
         mm += f" at {p['matmul_fraction_of_peak']:.0%} of peak"
     items = [(k["matmul"], mm), (k["attention"], f"{_pct(k['attention'], T)} attention")]
-    mb = f"{_pct(k['memory_bound'], T)} memory-bound elementwise"
-    if p.get("fusable_seconds") and p["fusable_seconds"] > 0.005 * T:
-        mb += f" (fusable: --compiled saves {_pct(p['fusable_seconds'], T)})"
-    items.append((k["memory_bound"], mb))
+    items.append((k["memory_bound"], f"{_pct(k['memory_bound'], T)} memory-bound elementwise"))
     if k["comm_exposed"]:
         ops = {}
         for c, (s, _) in zip(rows, coll):
@@ -607,7 +663,26 @@ def _bound(p: dict, rows, coll) -> str:
         items.append((k["bubble"], f"{_pct(k['bubble'], T)} pipeline bubble"))
     items.sort(key=lambda x: -x[0])
     parts = [text for v, text in items if v > 0.005 * T]
-    return ", ".join(parts) or "no dominant cost"
+    return (", ".join(parts) or "no dominant cost") + _fusable_text(p)
+
+
+def _fusable_text(p: dict) -> str:
+    """What fusing the elementwise chains (--compiled) saves, as a share of the whole step and
+    split into its two parts, each of the step too: the chains' HBM traffic (the memory-bound
+    time above) and their kernels' launches (in the launch overhead above). Records made before
+    the split give the whole alone."""
+    T, saved = p["seconds"], p.get("fusable_seconds") or 0.0
+    if not saved or saved <= 0.005 * T:
+        return ""
+    text = f"; --compiled would save {_pct(saved, T)} of the step"
+    launch = p.get("fusable_launch_seconds")
+    if not isinstance(launch, (int, float)):
+        return text + " (fusing the elementwise chains)"
+    parts = [(saved - launch, "elementwise HBM traffic"), (launch, "kernel launches")]
+    shown = [(v, name) for v, name in parts if v > 0.005 * T]
+    if len(shown) == 1:
+        return text + f", in {shown[0][1]}"
+    return text + ", " + " and ".join(f"{_pct(v, T)} in {name}" for v, name in shown)
 
 
 def attach_step_time(rec, gpu, options=None) -> dict:

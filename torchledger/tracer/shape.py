@@ -56,11 +56,9 @@ def _from_attrs(cfg, model):
     V = _first(cfg, "vocab_size")
     if not all(isinstance(x, int) for x in (d, L, h, V)):
         return None
-    act = str(_first(cfg, "hidden_act", "activation_function", default="")).lower()
+    act = str(_first(cfg, "hidden_act", "hidden_activation", "activation_function", "dense_act_fn",
+                     default="")).lower()
     model_type = str(getattr(cfg, "model_type", ""))
-    swiglu = act in ("silu", "swish") and model_type not in ("gpt2",)
-    if not act and not model_type:          # nanoGPT-style: no activation named
-        swiglu = False
     ff = _first(cfg, "intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim")
     # T5's head_dim is an alias of d_kv (its attribute_map)
     head_dim = _first(cfg, "head_dim", "attention_head_dim", "d_kv")
@@ -68,8 +66,6 @@ def _from_attrs(cfg, model):
     # x V at v_head_dim; their config's head_dim is the rope part alone
     nope, rope, v_dim = (getattr(cfg, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     mla = all(isinstance(x, int) and x > 0 for x in (nope, rope, v_dim))
-    if getattr(cfg, "is_gated_act", False):     # T5 v1.1 "gated-gelu": wi_0, wi_1, wo
-        swiglu = True
     norm = "rmsnorm" if (hasattr(cfg, "rms_norm_eps") and not hasattr(cfg, "layer_norm_epsilon")) else "layernorm"
     out = {
         "kind": "transformer",
@@ -78,7 +74,7 @@ def _from_attrs(cfg, model):
         "vocab_size": V, "d_model": d, "n_layers": L, "n_heads": h,
         "n_kv_heads": _first(cfg, "num_key_value_heads", default=h),
         "d_ff": ff if isinstance(ff, int) else 4 * d,
-        "mlp": "swiglu" if swiglu else "gelu", "norm": norm,
+        "mlp": _mlp_kind(cfg, model, act, model_type), "norm": norm,
         "bias": bool(_first(cfg, "attention_bias", "bias", default=model_type == "gpt2")),
         "tie_embeddings": bool(_first(cfg, "tie_word_embeddings", default=True)),
         "n_positions": _learned_positions(cfg, model, V),
@@ -95,6 +91,37 @@ def _from_attrs(cfg, model):
     out.update(_experts(model, cfg))
     out.update(_mixer(model, cfg))
     return out
+
+
+#: Children of a gated MLP's module: Llama/Gemma/Qwen's gate_proj, T5 v1.1's wi_0 + wi_1,
+#: Phi-3's fused gate_up_proj, torchtitan's w1 + w2 + w3.
+_GATES = ({"gate_proj"}, {"wi_0", "wi_1"}, {"gate_up_proj"}, {"w1", "w2", "w3"})
+
+
+def _gated_structure(model) -> bool:
+    """A module of ``model`` holds a gated MLP's projections (:data:`_GATES`, as children or,
+    for stacked experts such as Mixtral's, as its own parameters)."""
+    if model is None or not hasattr(model, "named_modules"):
+        return False
+    for _, module in model.named_modules():
+        names = {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
+        if any(g <= names for g in _GATES):
+            return True
+    return False
+
+
+def _mlp_kind(cfg, model, act: str, model_type: str) -> str:
+    """'swiglu', 'geglu' or 'gelu' (two matrices, whatever their activation): gated when the
+    model's modules hold a gate (:func:`_gated_structure`: Gemma names GELU and gates), or the
+    config says so (T5's ``is_gated_act``) or names SiLU (every such Hugging Face model gates);
+    the gate's activation from the config's name (``hidden_act``, Gemma's
+    ``hidden_activation``, T5's ``dense_act_fn``): GELU's variants make GeGLU (Gemma, T5
+    v1.1), anything else SwiGLU."""
+    gated = (_gated_structure(model) or bool(getattr(cfg, "is_gated_act", False))
+             or (act in ("silu", "swish") and model_type not in ("gpt2",)))
+    if not gated:
+        return "gelu"
+    return "geglu" if "gelu" in act else "swiglu"
 
 
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
