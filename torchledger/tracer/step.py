@@ -139,7 +139,7 @@ class StepTracer:
         self.seq_len_read = None
         if self.seq_len is None:
             undo(model.register_forward_pre_hook(self._model_input, with_kwargs=True).remove)
-        life.saved_tensors_hooks(self._pack_hook, _unpack)
+        life.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         undo(register_optimizer_step_pre_hook(self._opt_pre).remove)
@@ -204,6 +204,7 @@ class StepTracer:
         self.optimizer_steps = 0
         self._output_caches: list = []
         self._pack_hook = self._pack     # one bound method: lifecycle finds it on the hook stack
+        self._unpack_hook = self._unpack
 
     def __exit__(self, exc_type, exc, tb):
         life, interrupt, errors = self._life, None, []
@@ -250,7 +251,7 @@ class StepTracer:
         self._output_caches, self._cuda_marks = [], []
         # the saved-tensor hook, a bound method of this tracer kept on it: a reference cycle that
         # only a full collection would free, and with it the record once a Ledger drops it
-        self._pack_hook = None
+        self._pack_hook = self._unpack_hook = None
 
     # -- what exists before the step ---------------------------------------------------------
     def _register_persistent(self, model) -> None:
@@ -343,8 +344,10 @@ class StepTracer:
         Python's gc never frees it, and the graph of a forward that is never backpropagated
         (an eval forward without no_grad) would live for the rest of the process (torch's
         ``saved_tensors_hooks`` docs: return ``x.detach()``). Autograd gives the unpacked
-        tensor its history back; the detach shares storage and version counter, and is not
-        recorded (``mode.quiet``). Any other saved tensor closes no cycle and is kept as it
+        tensor its history back; the detach shares storage and version counter. It is recorded,
+        under grad mode as the op that saved it ran: without hooks autograd keeps such an output
+        as ``tensor_data()``, the same detach (a dispatch mode sees it), so the step's views
+        count the same with the hooks on and off. Any other saved tensor closes no cycle and is kept as it
         is: a weight or an input has no ``grad_fn``, and a saved input's ``grad_fn`` is an
         older node, which never reaches the node saving it. The node being made is the
         newest on this thread (its sequence number is one below the counter), so only a
@@ -356,15 +359,24 @@ class StepTracer:
                 return t
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
-        mode = self.mode
-        mode.quiet += 1
         try:
-            return t.detach()
+            with _enable_grad():
+                return t.detach()
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
             return t
-        finally:
-            mode.quiet -= 1
+
+    def _unpack(self, t):
+        """A saved tensor back to autograd. One autograd keeps as it is without hooks (an input,
+        a leaf) it re-wraps with a detach because a hook gave it (``SavedVariable::unpack``):
+        the dispatch mode leaves that one out (``LedgerMode._unpack_detach``). A saved output
+        (detached by ``_pack``) is re-wrapped with or without hooks: recorded."""
+        try:
+            if t.requires_grad and self.mode is not None:
+                self.mode.unpacked = t
+        except Exception as e:
+            self._warn(f"saved-tensor unpack hook: {type(e).__name__}: {e}")
+        return t
 
     def _model_input(self, model, args, kwargs):
         """T off the model's first call, by the audit's rule (one inference of T for both)."""
@@ -466,11 +478,8 @@ class StepTracer:
 
 
 _current_node = torch._C._current_autograd_node
+_enable_grad = torch.enable_grad
 _get_sequence_nr = torch._C._autograd._get_sequence_nr
-
-
-def _unpack(t):
-    return t
 
 
 def _inner_optimizer(optimizer):
