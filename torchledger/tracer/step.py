@@ -29,6 +29,7 @@ from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, PLAIN, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
 from .outputs import output_cache
+from .selective import selective_checkpoint_hook
 
 __all__ = ["StepTracer", "active_tracer"]
 
@@ -148,6 +149,9 @@ class StepTracer:
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                 undo(p.register_post_accumulate_grad_hook(self._grad_ready).remove)
         attention_hook(self.mode, life, self._ours)
+        unseen = selective_checkpoint_hook(self.note_saved, life, self._ours)   # SAC's kept outputs
+        if unseen:
+            self._warn(unseen)
         pipeline_p2p_hook(self.mode.p2p_tags, life, self._ours, self.scope.index_of, self._warn)  # PP stages
         install_distributed(self, life)      # a distributed step only: FSDP's gathered parameters
         if self.cuda is not None and self.memory_history:
@@ -321,6 +325,14 @@ class StepTracer:
 
     # -- hooks (never raise into the user's step) ------------------------------------------
     def _pack(self, t):
+        self.note_saved(t)
+        return self._detached(t)
+
+    def note_saved(self, t) -> None:
+        """Count ``t`` as kept for backward: an activation when saved in forward (keyed by its
+        storage's lifetime: once however many ops keep it), else recomputation's. Autograd's
+        saved tensors come through ``_pack``; the outputs a selective-checkpoint policy keeps
+        through ``selective.selective_checkpoint_hook``."""
         try:
             forward = _current_node() is None
             for s in self._storages(t, "saved tensor"):
@@ -333,7 +345,6 @@ class StepTracer:
                     self._saved[k] = (s.nbytes(), self.scope.top, "forward" if forward else "recompute")
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
-        return self._detached(t)
 
     def _detached(self, t):
         """What autograd keeps for a saved tensor: ``t`` without its autograd history when
