@@ -37,6 +37,8 @@ def hook_state():
         if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else False,
         "active": active_tracer() is not None,
         "sdpa": torch.nn.functional.scaled_dot_product_attention,
+        "rms_norm": torch.nn.functional.rms_norm,          # patched while a fake step is traced
+        "dropout": torch.nn.functional.dropout,
         "selective_checkpoint": _selective_checkpoint_dispatch(),
         "storage_resize": torch.UntypedStorage.resize_,      # patched while a distributed step is traced
         "sigint": signal.getsignal(signal.SIGINT),

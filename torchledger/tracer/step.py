@@ -29,6 +29,7 @@ from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, PLAIN, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
 from .outputs import output_cache
+from .gpu_kernels import gpu_kernel_hook
 from .selective import selective_checkpoint_hook
 
 __all__ = ["StepTracer", "active_tracer"]
@@ -149,6 +150,10 @@ class StepTracer:
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                 undo(p.register_post_accumulate_grad_hook(self._grad_ready).remove)
         attention_hook(self.mode, life, self._ours)
+        self.gpu_kernels = {}
+        if self._params and _is_fake(getattr(self._params[0], "_local_tensor", self._params[0])):
+            # a fake step (a DTensor's local shard, under a simulated world) describes a GPU run
+            gpu_kernel_hook(life, self._ours, self.gpu_kernels)
         unseen = selective_checkpoint_hook(self.note_saved, life, self._ours)   # SAC's kept outputs
         if unseen:
             self._warn(unseen)
