@@ -37,12 +37,22 @@ def hook_state():
         if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else False,
         "active": active_tracer() is not None,
         "sdpa": torch.nn.functional.scaled_dot_product_attention,
+        "rms_norm": torch.nn.functional.rms_norm,          # patched while a fake step is traced
+        "dropout": torch.nn.functional.dropout,
+        "selective_checkpoint": _selective_checkpoint_dispatch(),
         "storage_resize": torch.UntypedStorage.resize_,      # patched while a distributed step is traced
         "sigint": signal.getsignal(signal.SIGINT),
         "lock": _lifecycle().LOCK.locked(),
         "mode_flag": _python_dispatch._is_in_torch_dispatch_mode,
         "compile_stance": _compile_stance(),
     }
+
+
+def _selective_checkpoint_dispatch():
+    """The selective-checkpoint forward mode's dispatch (patched while a step is traced)."""
+    from torch.utils import checkpoint
+    mode = getattr(checkpoint, "_CachingTorchDispatchMode", None)
+    return getattr(mode, "__torch_dispatch__", None)
 
 
 def _compile_stance():

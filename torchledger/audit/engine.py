@@ -163,9 +163,6 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
             r.meta["audit"].update(precision=layout.precision, kernels=layout.kernels)
         if plan_notes:
             r.meta["audit"]["plan"] = list(plan_notes)
-            if spec.parallelize is None:
-                from ..parallel.plan import plan_warnings
-                r.warnings.extend(w for w in plan_warnings(layout) if w not in r.warnings)
         if world is not None:        # simulated: rank 0 of n (the report says so)
             (n, shape), _ = world
             r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)

@@ -121,8 +121,6 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
             "kernels": layout.kernels}
         stage_rec.totals.update(rank=r * per_rank, world_size=n, mesh=list(shape))
         stage_rec.meta["device"] = "fake (cpu)"
-    from ..parallel.plan import plan_warnings
-    rec.warnings.extend(w for w in plan_warnings(layout) if w not in rec.warnings)
     run = AuditRun([rec], None, "fake", path)
     run.snapshot, run.untraced_seconds = None, []
     run.stage_records = composed

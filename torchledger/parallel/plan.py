@@ -54,20 +54,7 @@ from .hf_mla import (fused_attention, is_latent_attention, latent_tp_plan, sum_r
                      use_fused_latent_attention)
 from .layout import PARAMS_16
 
-__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "plan_warnings",
-           "make_optimizer"]
-
-#: What the record cannot see under a plan option (``record.warnings``).
-SELECTIVE_OP_UNSEEN = ("activation bytes under --checkpointing selective-op are a lower bound: the "
-                       "outputs its policy saves are held in PyTorch's selective-checkpoint storage, "
-                       "outside the saved-tensor hooks the tracer counts (its recompute FLOPs are "
-                       "measured); compare with --checkpointing full or none")
-
-
-def plan_warnings(layout) -> list:
-    """Lines for ``record.warnings`` about what a plan hides from the tracer."""
-    return [SELECTIVE_OP_UNSEEN] if layout is not None and layout.checkpointing == "selective-op" else []
-
+__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "make_optimizer"]
 
 class PlanError(ValueError):
     """The standard plan cannot apply this layout to this model: one line for the user."""

@@ -114,6 +114,10 @@ def run_notes(record) -> list:
         where = ", ".join(compiled.get("modules") or []) or "compiled functions"
         lines.append(f"torch.compile ({where}; {compiled.get('calls', 0)} call(s) of compiled code): "
                      f"{compiled.get('note') or 'the traced step ran eagerly'}")
+    gpu = meta.get("gpu_kernels") or {}
+    if gpu:
+        lines.append("fake tensors run the GPU's kernels where CPU's keep other tensors for backward: "
+                     + "; ".join(f"{v.get('note', k)} x{v.get('calls', 0)}" for k, v in gpu.items()))
     cast = meta.get("autocast") or {}
     if cast.get("dtype"):
         lines.append(f"autocast: the step computes in {cast['dtype']} ({cast.get('device_type', '?')} "

@@ -429,4 +429,15 @@ def _meta(tracer, model, mode, failed) -> dict:
             "model": type(model).__name__ if model is not None else None,
             "step_index": tracer.step_index, "ops": mode.n_ops,
             "attention_kernels": kernels or None, "failed": failed,
-            "phases": sorted({PHASES[ph] for _, ph in mode.phase_changes}, key=PHASES.index)}
+            "phases": sorted({PHASES[ph] for _, ph in mode.phase_changes}, key=PHASES.index),
+            **_gpu_kernels(tracer)}
+
+
+def _gpu_kernels(tracer) -> dict:
+    """``{"gpu_kernels": {name: {"calls", "note"}}}`` where a fake step ran a GPU kernel in place
+    of CPU's path (``gpu_kernels.py``), else nothing."""
+    applied = getattr(tracer, "gpu_kernels", None)
+    if not applied:
+        return {}
+    from .gpu_kernels import KERNEL_NOTES
+    return {"gpu_kernels": {k: {"calls": n, "note": KERNEL_NOTES[k]} for k, n in sorted(applied.items())}}

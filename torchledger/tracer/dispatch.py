@@ -53,6 +53,7 @@ def _recomputing(node) -> bool:
     hooks = _top_saved_hooks(False)
     return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook")
 _aten = torch.ops.aten
+_DETACH = _aten.detach.default
 _COPY_OPS = {_aten.clone.default, _aten._to_copy.default, _aten.copy_.default}
 _GATHER_OPS = {_aten.index.Tensor, _aten.index_select.default}
 _PERMUTE_OPS = {_aten.transpose.int, _aten.permute.default, _aten.t.default}
@@ -187,7 +188,8 @@ class LedgerMode(TorchDispatchMode):
         self.derived_params: dict = {}   # lifetime of a cast/copy of a parameter -> the parameter's storage
         self.gathered_params: dict = {}  # FSDP2: storage of a parameter's unsharded buffer -> numel
         self.tensor_parallel = 1         # the largest global/local split of a weight at a matmul
-        self.quiet = 0               # > 0: the tracer's own ops (the saved-tensor detach), not recorded
+        self.quiet = 0               # > 0: the tracer's own ops, not recorded
+        self.unpacked = None         # a saved tensor the unpack hook just gave autograd (``_unpack_detach``)
         self.collectives: dict = {}  # (op, group size, group span, phase, module, location) -> [count, sent, received, algo, bus]
         self.on_collective = None    # callback(op, func, args, kwargs, out) after a collective (dist_memory)
         self.collective_ids = lookup()   # ids of c10d / functional-collective ops (collectives.py)
@@ -200,7 +202,8 @@ class LedgerMode(TorchDispatchMode):
         **kwargs)`` (the modes below it next); attached to a FakeTensorMode (``attach``),
         ``run`` is that mode's own ``dispatch``."""
         kwargs = kwargs or _NO_KWARGS       # shared, never written: no dict made per op
-        if id(func) in _PASSTHROUGH or self.quiet:   # metadata queries (fake tensors ask prim.device often)
+        if (id(func) in _PASSTHROUGH or self.quiet   # metadata queries (fake tensors ask prim.device often)
+                or (self.unpacked is not None and self._unpack_detach(func, args))):
             if func is _PRIM_DEVICE and self._fake is not None and len(args) == 1 and type(args[0]) is self._fake:
                 # NB: FakeTensorMode's own answer (fake_tensor._device_handler), given here: a 7B
                 # fake step asks ~14,000 times, and each trip through FakeTensorMode.dispatch costs
@@ -279,6 +282,17 @@ class LedgerMode(TorchDispatchMode):
                 self._inside = False
 
         life.patch_instance(fake_mode, "dispatch", dispatch)
+
+    def _unpack_detach(self, func, args) -> bool:
+        """The op is the detach autograd makes of the saved tensor the tracer's unpack hook just
+        returned (``StepTracer._unpack``): an op of the tracer's, not the step's. Autograd
+        issues it because a hook is installed (``SavedVariable::unpack`` re-wraps the hook's
+        result; without hooks it returns a saved input as it is), so it is not recorded: the
+        views and copies of a traced step are those of the same step with no saved-tensor hooks
+        (Llama-2-7B fake: 968 such detaches otherwise counted as backward views). Any other
+        op ends the wait."""
+        t, self.unpacked = self.unpacked, None
+        return func is _DETACH and bool(args) and args[0] is t
 
     def _error(self, func, e) -> None:
         if len(self.errors) < 20:

@@ -30,6 +30,8 @@ from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, PLAIN, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
 from .outputs import output_cache
+from .gpu_kernels import gpu_kernel_hook
+from .selective import selective_checkpoint_hook
 
 __all__ = ["StepTracer", "active_tracer"]
 
@@ -140,7 +142,7 @@ class StepTracer:
         self.seq_len_read = None
         if self.seq_len is None:
             undo(model.register_forward_pre_hook(self._model_input, with_kwargs=True).remove)
-        life.saved_tensors_hooks(self._pack_hook, _unpack)
+        life.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         undo(register_optimizer_step_pre_hook(self._opt_pre).remove)
@@ -149,6 +151,13 @@ class StepTracer:
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                 undo(p.register_post_accumulate_grad_hook(self._grad_ready).remove)
         attention_hook(self.mode, life, self._ours)
+        self.gpu_kernels = {}
+        if self._params and _is_fake(getattr(self._params[0], "_local_tensor", self._params[0])):
+            # a fake step (a DTensor's local shard, under a simulated world) describes a GPU run
+            gpu_kernel_hook(life, self._ours, self.gpu_kernels)
+        unseen = selective_checkpoint_hook(self.note_saved, life, self._ours)   # SAC's kept outputs
+        if unseen:
+            self._warn(unseen)
         pipeline_p2p_hook(self.mode.p2p_tags, life, self._ours, self.scope.index_of, self._warn)  # PP stages
         install_distributed(self, life)      # a distributed step only: FSDP's gathered parameters
         if self.cuda is not None and self.memory_history:
@@ -205,6 +214,7 @@ class StepTracer:
         self.optimizer_steps = 0
         self._output_caches: list = []
         self._pack_hook = self._pack     # one bound method: lifecycle finds it on the hook stack
+        self._unpack_hook = self._unpack
 
     def __exit__(self, exc_type, exc, tb):
         life, interrupt, errors = self._life, None, []
@@ -251,7 +261,7 @@ class StepTracer:
         self._output_caches, self._cuda_marks = [], []
         # the saved-tensor hook, a bound method of this tracer kept on it: a reference cycle that
         # only a full collection would free, and with it the record once a Ledger drops it
-        self._pack_hook = None
+        self._pack_hook = self._unpack_hook = None
 
     # -- what exists before the step ---------------------------------------------------------
     def _register_persistent(self, model) -> None:
@@ -321,6 +331,14 @@ class StepTracer:
 
     # -- hooks (never raise into the user's step) ------------------------------------------
     def _pack(self, t):
+        self.note_saved(t)
+        return self._detached(t)
+
+    def note_saved(self, t) -> None:
+        """Count ``t`` as kept for backward: an activation when saved in forward (keyed by its
+        storage's lifetime: once however many ops keep it), else recomputation's. Autograd's
+        saved tensors come through ``_pack``; the outputs a selective-checkpoint policy keeps
+        through ``selective.selective_checkpoint_hook``."""
         try:
             forward = _current_node() is None
             for s in self._storages(t, "saved tensor"):
@@ -333,7 +351,6 @@ class StepTracer:
                     self._saved[k] = (s.nbytes(), self.scope.top, "forward" if forward else "recompute")
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
-        return self._detached(t)
 
     def _detached(self, t):
         """What autograd keeps for a saved tensor: ``t`` without its autograd history when
@@ -344,8 +361,10 @@ class StepTracer:
         Python's gc never frees it, and the graph of a forward that is never backpropagated
         (an eval forward without no_grad) would live for the rest of the process (torch's
         ``saved_tensors_hooks`` docs: return ``x.detach()``). Autograd gives the unpacked
-        tensor its history back; the detach shares storage and version counter, and is not
-        recorded (``mode.quiet``). Any other saved tensor closes no cycle and is kept as it
+        tensor its history back; the detach shares storage and version counter. It is recorded,
+        under grad mode as the op that saved it ran: without hooks autograd keeps such an output
+        as ``tensor_data()``, the same detach (a dispatch mode sees it), so the step's views
+        count the same with the hooks on and off. Any other saved tensor closes no cycle and is kept as it
         is: a weight or an input has no ``grad_fn``, and a saved input's ``grad_fn`` is an
         older node, which never reaches the node saving it. The node being made is the
         newest on this thread (its sequence number is one below the counter), so only a
@@ -357,15 +376,24 @@ class StepTracer:
                 return t
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
-        mode = self.mode
-        mode.quiet += 1
         try:
-            return t.detach()
+            with _enable_grad():
+                return t.detach()
         except Exception as e:
             self._warn(f"saved-tensor hook: {type(e).__name__}: {e}")
             return t
-        finally:
-            mode.quiet -= 1
+
+    def _unpack(self, t):
+        """A saved tensor back to autograd. One autograd keeps as it is without hooks (an input,
+        a leaf) it re-wraps with a detach because a hook gave it (``SavedVariable::unpack``):
+        the dispatch mode leaves that one out (``LedgerMode._unpack_detach``). A saved output
+        (detached by ``_pack``) is re-wrapped with or without hooks: recorded."""
+        try:
+            if t.requires_grad and self.mode is not None:
+                self.mode.unpacked = t
+        except Exception as e:
+            self._warn(f"saved-tensor unpack hook: {type(e).__name__}: {e}")
+        return t
 
     def _model_input(self, model, args, kwargs):
         """T off the model's first call, by the audit's rule (one inference of T for both)."""
@@ -467,11 +495,8 @@ class StepTracer:
 
 
 _current_node = torch._C._current_autograd_node
+_enable_grad = torch.enable_grad
 _get_sequence_nr = torch._C._autograd._get_sequence_nr
-
-
-def _unpack(t):
-    return t
 
 
 def _inner_optimizer(optimizer):

@@ -1,0 +1,176 @@
+"""What a fake step keeps for backward is what the GPU's kernels keep (issue 30 item 2).
+
+Fake tensors take CPU's dispatch; where CUDA runs another path that keeps other tensors
+(``tracer/gpu_kernels.py``: rms_norm, dropout), the fake step runs the CUDA path. Each case
+is a tiny model with the bytes worked by hand from derivatives.yaml; real CPU tensors keep
+CPU's path (what that run really keeps).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torchledger
+from torchledger.render.common import run_notes
+
+BF16 = torch.bfloat16
+ROWS, D = 8, 64          # 8 rows of 64: a bf16 row is 128 B, an fp32 row 256 B
+
+
+class Net(nn.Module):
+    """``first`` on a (8, 64) input, then a bias-free linear (which keeps its input: the
+    first's output, 8 x 64 x 2 = 1,024 B in bf16)."""
+
+    def __init__(self, first: nn.Module, dtype=BF16):
+        super().__init__()
+        self.first = first
+        self.lin = nn.Linear(D, D, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.lin(self.first(x)).float().sum()
+
+
+def _trace(make, fake: bool, dtype=BF16):
+    mode = FakeTensorMode() if fake else None
+    if mode is not None:
+        mode.__enter__()
+    try:
+        torch.manual_seed(0)
+        model = make()
+        x = torch.randn(ROWS, D, dtype=dtype, requires_grad=True)
+        with torchledger.trace(model) as t:
+            model(x).backward()
+    finally:
+        if mode is not None:
+            mode.__exit__(None, None, None)
+    rec = t.record
+    return rec, {m["name"]: m["activation_bytes"] for m in rec.modules}
+
+
+def _ops(rec) -> set:
+    return {o["op"] for o in rec.ops}
+
+
+# -- rms_norm ---------------------------------------------------------------------------------
+def test_rms_norm_keeps_what_the_fused_kernel_keeps():
+    """CUDA's _fused_rms_norm keeps the bf16 input and an fp32 rstd a row:
+    8 x 64 x 2 + 8 x 4 = 1,024 + 32 = 1,056 B."""
+    rec, act = _trace(lambda: Net(nn.RMSNorm(D, dtype=BF16)), fake=True)
+    assert act["first"] == ROWS * D * 2 + ROWS * 4
+    assert act["lin"] == ROWS * D * 2
+    assert {"aten._fused_rms_norm.default", "aten._fused_rms_norm_backward.default"} <= _ops(rec)
+    assert not {"aten.pow.Tensor_Scalar", "aten.rsqrt.default"} & _ops(rec)     # no composite
+    assert rec.meta["gpu_kernels"]["rms_norm"]["calls"] == 1
+    assert any("rms_norm as CUDA's fused kernel" in line and "x1" in line for line in run_notes(rec))
+
+
+def test_rms_norm_on_real_cpu_keeps_the_composite():
+    """A real CPU step runs CPU's composite, which keeps the fp32 upcast input and the fp32
+    normalised product, and rstd: 8 x 64 x 4 x 2 + 8 x 4 = 4,128 B (4x the GPU's bytes)."""
+    rec, act = _trace(lambda: Net(nn.RMSNorm(D, dtype=BF16)), fake=False)
+    assert act["first"] == ROWS * D * 4 * 2 + ROWS * 4
+    assert "gpu_kernels" not in rec.meta
+    assert "aten._fused_rms_norm.default" not in _ops(rec)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_with_fp32_weight_takes_the_composite_on_cuda_too():
+    """rms_norm_symint: a weight of another dtype than the input falls back to the composite
+    (CUDA as CPU): fp32 upcast and fp32 product kept, 4,128 B."""
+    rec, act = _trace(lambda: Net(nn.RMSNorm(D, dtype=torch.float32)), fake=True)
+    assert act["first"] == ROWS * D * 4 * 2 + ROWS * 4
+    assert "gpu_kernels" not in rec.meta
+
+
+def test_rms_norm_gradients_have_the_parameters_shapes():
+    rec, _ = _trace(lambda: Net(nn.RMSNorm(D, dtype=BF16)), fake=True)
+    # weight gradients: 64 (norm) + 64 x 64 (lin), bf16
+    assert rec.totals["grad_bytes"] == (D + D * D) * 2
+
+
+# -- dropout ----------------------------------------------------------------------------------
+def test_dropout_keeps_a_one_byte_mask():
+    """CUDA's native_dropout keeps a bool mask: 8 x 64 x 1 = 512 B (the linear keeps the
+    dropped-out input, 1,024 B)."""
+    rec, act = _trace(lambda: Net(nn.Dropout(0.1)), fake=True)
+    assert act["first"] == ROWS * D
+    assert {"aten.native_dropout.default", "aten.native_dropout_backward.default"} <= _ops(rec)
+    assert rec.meta["gpu_kernels"]["dropout"]["calls"] == 1
+
+
+def test_dropout_on_real_cpu_keeps_its_noise():
+    """CPU multiplies by a noise tensor of the input's dtype and keeps it: 8 x 64 x 2 = 1,024 B."""
+    _, act = _trace(lambda: Net(nn.Dropout(0.1)), fake=False)
+    assert act["first"] == ROWS * D * 2
+
+
+@pytest.mark.parametrize("inplace, training", [(True, True), (False, False)])
+def test_dropout_unchanged_in_place_and_in_eval(inplace, training):
+    """In place, CUDA multiplies by the noise as CPU does; in eval, dropout does nothing."""
+    class Doubled(nn.Module):          # dropout_ needs a non-leaf: x * 2 keeps nothing sized
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1, inplace=inplace)
+
+        def forward(self, x):
+            return self.drop(x * 2)
+
+    def make():
+        net = Net(Doubled())
+        net.first.train(training)
+        return net
+    rec, act = _trace(make, fake=True)
+    assert "gpu_kernels" not in rec.meta
+    assert act["first"] == (ROWS * D * 2 if inplace else 0)      # in place: the noise; eval: nothing
+
+
+# -- the same on both devices -----------------------------------------------------------------
+@pytest.mark.parametrize("act_fn", [nn.GELU(), nn.GELU("tanh"), nn.SiLU()], ids=["gelu", "gelu-tanh", "silu"])
+@pytest.mark.parametrize("fake", [False, True], ids=["cpu", "fake"])
+def test_gelu_and_silu_keep_their_input_on_both(act_fn, fake):
+    """derivatives.yaml: gelu and silu keep ``self`` on every device (one kernel each on CPU
+    and CUDA): 8 x 64 x 2 = 1,024 B; nothing substituted."""
+    rec, act = _trace(lambda: Net(act_fn), fake=fake)
+    assert act["first"] == ROWS * D * 2
+    assert "gpu_kernels" not in rec.meta
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["cpu", "fake"])
+def test_layer_norm_keeps_input_mean_and_rstd(fake):
+    """native_layer_norm keeps input, mean and rstd on both devices. NB: CUDA's kernel makes mean
+    and rstd fp32 (acc type) where CPU's (and the fake kernel) makes them in a 16-bit input's
+    dtype when the weights are 16-bit too: 8 x 2 x 4 = 64 B on a GPU, 8 x 2 x 2 = 32 B here,
+    4 B a row of each norm, left as CPU has it (gpu_kernels.py)."""
+    rec, act = _trace(lambda: Net(nn.LayerNorm(D, dtype=BF16)), fake=fake)
+    assert act["first"] == ROWS * D * 2 + ROWS * 2 * 2
+    assert "gpu_kernels" not in rec.meta
+
+
+def test_rms_norm_through_a_whole_model():
+    """llama-tiny's five RMSNorms in bf16 on fake tensors, 2 x 16 tokens: each keeps its input
+    and rstd, 32 x 64 x 2 + 32 x 4 = 4,224 B (CPU's composite: 16,512)."""
+    from torchledger.models import build_model, example_inputs, get_config
+    cfg = get_config("llama-tiny")
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        for m in model.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None:
+                    m._parameters[name] = nn.Parameter(p.detach().to(BF16))
+        inputs = example_inputs(cfg, 2, 16)
+        with torchledger.trace(model) as t:
+            model(**inputs).backward()
+    rows = {m["name"]: m["activation_bytes"] for m in t.record.modules}
+    for name in ("blocks.0.attn_norm", "blocks.1.mlp_norm", "norm"):
+        assert rows[name] == 32 * 64 * 2 + 32 * 4
+    assert t.record.meta["gpu_kernels"]["rms_norm"]["calls"] == 2 * cfg.n_layers + 1
+
+
+def test_functions_restored_after_the_step():
+    before = (F.rms_norm, F.dropout)
+    _trace(lambda: Net(nn.RMSNorm(D, dtype=BF16)), fake=True)
+    assert (F.rms_norm, F.dropout) == before

@@ -1,0 +1,94 @@
+"""On fake tensors, the kernels a GPU runs where CPU's keep other tensors for backward.
+
+A fake step takes CPU's dispatch (fake tensors are CPU tensors without data), yet it describes
+a GPU run (``audit --gpu``). Where PyTorch takes another path on CUDA than on CPU, and that
+path keeps other tensors for backward, the step runs the CUDA path on fake tensors while it is
+traced, as the latent-attention plan runs the memory-efficient kernel (``parallel.hf_mla``).
+From ``tools/autograd/derivatives.yaml`` and the kernels (PyTorch 2.13):
+
+- ``F.rms_norm`` (``nn.RMSNorm``): on CUDA ``rms_norm`` calls ``_fused_rms_norm`` (weight
+  absent or of the input's dtype, not channels-last, not complex), whose autograd keeps the
+  input and rstd (fp32, one a row): 2 B an element in bf16. CPU has no such kernel: the
+  composite upcasts to fp32 and keeps the upcast input and the normalised product, 8 B an
+  element, 4x. Here: ``_fused_rms_norm`` below autograd (one op, as on the GPU) and
+  ``_fused_rms_norm_backward`` in backward.
+- ``F.dropout`` in training, 0 < p < 1, not in place: on CUDA ``native_dropout``, which keeps a
+  bool mask (1 B an element); on CPU the input times a noise tensor of the input's dtype, kept
+  (4 B an element in fp32, 2 in bf16). Here: ``native_dropout``. In place, both devices
+  multiply by the noise: unchanged.
+
+The same on both (checked, not changed): ``gelu`` and ``silu`` keep their input,
+``_softmax``/``_log_softmax`` their output, ``native_layer_norm`` input, mean and rstd (CUDA
+keeps mean and rstd in fp32 where CPU keeps them in a 16-bit input's dtype when the weights
+are 16-bit too: 4 B a row of each norm, left as CPU has it), SDPA (see ``tracer.build``).
+
+Known limitations: only calls through ``torch.nn.functional`` are seen (``torch.rms_norm``
+called directly keeps CPU's path); a DTensor input keeps CPU's path.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gpu_kernel_hook", "KERNEL_NOTES"]
+
+#: What each substitution means, for the record's notes (``meta["gpu_kernels"]``).
+KERNEL_NOTES = {
+    "rms_norm": "rms_norm as CUDA's fused kernel (_fused_rms_norm: keeps the input and an fp32 rstd a row, "
+                "where CPU's composite keeps fp32 copies)",
+    "dropout": "dropout as CUDA's native_dropout (keeps a 1-byte mask, where CPU keeps a noise tensor of "
+               "the input's dtype)",
+}
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``_fused_rms_norm`` with its CUDA autograd (derivatives.yaml): keeps input, rstd, weight."""
+
+    @staticmethod
+    def forward(ctx, x, shape, weight, eps):
+        with torch._C._AutoDispatchBelowAutograd():     # else CPU's composite decomposes it
+            out, rstd = torch.ops.aten._fused_rms_norm(x, list(shape), weight, eps)
+        ctx.shape = list(shape)
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2]]
+        gx, gw = torch.ops.aten._fused_rms_norm_backward(grad, x, ctx.shape, rstd, weight, mask)
+        return gx, None, gw if mask[1] else None, None
+
+
+def _fused_rms_norm_applies(x, weight, fake) -> bool:
+    """``rms_norm_symint``'s conditions for the fused kernel, on a plain fake tensor."""
+    return (type(x) is fake and (weight is None or (type(weight) in (fake, torch.nn.Parameter)
+                                                     and weight.dtype == x.dtype))
+            and not x.is_complex() and x.dim() > 0
+            and (x.dim() not in (4, 5) or x.is_contiguous()))     # channels-last: the composite
+
+
+def gpu_kernel_hook(life, ours, applied: dict) -> None:
+    """Patch ``F.rms_norm`` and ``F.dropout`` (through ``life``, undone with the step) to run the
+    CUDA path on fake tensors of the step's thread; ``applied`` counts each substitution."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    rms_norm, dropout = F.rms_norm, F.dropout
+
+    def gpu_rms_norm(input, normalized_shape, weight=None, eps=None):
+        if ours() and _fused_rms_norm_applies(input, weight, FakeTensor):
+            applied["rms_norm"] = applied.get("rms_norm", 0) + 1
+            shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+            return _FusedRMSNorm.apply(input, shape, weight, eps)
+        return rms_norm(input, normalized_shape, weight, eps)
+
+    def gpu_dropout(input, p=0.5, training=True, inplace=False):
+        if (training and not inplace and 0 < p < 1 and type(input) is FakeTensor and input.numel() > 0
+                and ours()):
+            applied["dropout"] = applied.get("dropout", 0) + 1
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return dropout(input, p, training, inplace)
+
+    for name, new, old in (("rms_norm", gpu_rms_norm, rms_norm), ("dropout", gpu_dropout, dropout)):
+        new.__wrapped__, new.__doc__ = old, old.__doc__
+        life.patch(F, name, new)
