@@ -17,8 +17,8 @@ A block may carry a marker, an HTML comment on the line just above its fence:
   ``python tests/test_docs_commands.py --slow``: a block of a minute or more, or one that
   another test already runs (``torchrun``'s ranks); WHY says which.
 
-``python tests/test_docs_commands.py [--slow] [PAGE...]`` runs the same walk outside pytest
-and prints each command with its time.
+``python tests/test_docs_commands.py [--slow] [--verbose] [PAGE...]`` runs the same walk
+outside pytest and prints each command with its time (and with ``--verbose`` its output).
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def outside_paths(text: str) -> list:
     return bad
 
 
-def walk(page: str, slow: bool, log=None) -> list:
+def walk(page: str, slow: bool, log=None, verbose=False) -> list:
     """Run a page's commands in a fresh copy; the failures as text (empty: all passed)."""
     cmds = [c for c in page_commands(page) if c.marker is None or (slow and c.marker == "slow")]
     failures = []
@@ -174,6 +174,8 @@ def walk(page: str, slow: bool, log=None) -> list:
                 rc, tail = "timeout", ""
             if log:
                 log(f"{time.perf_counter() - t0:7.1f} s  exit {rc}  {page}:{c.line}  {c.text}")
+                if verbose and rc != "timeout":
+                    log(r.stdout + r.stderr)
             if rc != c.expect:
                 failures.append(f"{page}:{c.line}: `{c.text}` exited {rc}, expected {c.expect}\n{tail}")
     return failures
@@ -301,10 +303,10 @@ def test_links_between_pages_resolve():
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    slow = "--slow" in argv
-    chosen = [a for a in argv if a != "--slow"] or pages()
+    slow, verbose = "--slow" in argv, "--verbose" in argv
+    chosen = [a for a in argv if a not in ("--slow", "--verbose")] or pages()
     bad = []
     for p in chosen:
-        bad += walk(p, slow, log=print)
+        bad += walk(p, slow, log=lambda line: print(line, flush=True), verbose=verbose)
     print("\n\n".join(bad) if bad else "all commands gave the exit status their pages expect")
     sys.exit(1 if bad else 0)
