@@ -662,8 +662,8 @@ def test_sarif_of_a_cpu_audit_locates_every_result_and_keeps_its_rules(tmp_path)
 
 
 def test_readme_states_each_commands_fail_on_default(tmp_path):
-    """README's exit-code sentence names the default of every command that has --fail-on."""
-    text = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    """docs/audit.md's exit-code sentence names the default of every command that has --fail-on."""
+    text = " ".join(open(os.path.join(ROOT, "docs", "audit.md"), encoding="utf-8").read().split())
     sentence = text[text.index("Exit codes everywhere"):].split(". ")[0]
     write(tmp_path, "warn.py", "import torch\nx = torch.load('a.pt', weights_only=False)\n")  # a warning only
     assert run("lint", str(tmp_path / "warn.py")).exit_code == 1              # lint fails on it

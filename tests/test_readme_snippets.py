@@ -1,5 +1,5 @@
-"""README's integration snippets run as written (each in a fresh process, in a temporary
-folder), and give the figures the README quotes beside them."""
+"""The integration snippets of docs/integrations.md run as written (each in a fresh process, in
+a temporary folder), and give the figures the page quotes beside them."""
 from __future__ import annotations
 
 import csv
@@ -16,10 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def snippet(section: str) -> str:
-    """The first ``python`` code block after the heading ``section``."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    """The first ``python`` code block after the heading ``section`` of docs/integrations.md."""
+    with open(os.path.join(ROOT, "docs", "integrations.md"), encoding="utf-8") as f:
         text = f.read()
-    start = text.index(f"\n### {section}\n")
+    start = text.index(f"\n## {section}\n")
     match = re.compile(r"```python\n(.*?)```", re.S).search(text, start)
     assert match, f"no python block under {section}"
     return match.group(1)
@@ -42,7 +42,7 @@ def test_hf_trainer_snippet(tmp_path):
     assert [os.path.basename(p) for p in records] == ["step_000001.json", "step_000003.json"]
     for path in records:
         t = json.load(open(path))["totals"]
-        # the README: 5,701,632 FLOPs, 32 tokens, 178,176 per token = 6N + 12LTd
+        # the page: 5,701,632 FLOPs, 32 tokens, 178,176 per token = 6N + 12LTd
         # (N = 28,672, L = 2, T = 8, d = 32): 6*28,672 + 12*2*8*32 = 172,032 + 6,144
         assert (t["flops"]["total"], t["tokens"]) == (5_701_632, 32)
         assert t["flops"]["total"] // t["tokens"] == 6 * 28_672 + 12 * 2 * 8 * 32 == 178_176

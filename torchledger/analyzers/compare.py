@@ -36,7 +36,7 @@ def _config(record):
         return None
 
 
-#: Hugging Face model types whose parameters the decoder formula (ACCOUNTING section 6)
+#: Hugging Face model types whose parameters the decoder formula (docs/counting.md)
 #: describes exactly. Others (q/k/v-only biases, multi-query with fused projections, experts,
 #: encoder-decoder stacks, parallel blocks) get the 12Ld^2 approximation only, never an
 #: "exact" row that is not.
@@ -362,7 +362,7 @@ def _measured_dtype(record) -> str:
 
 def record_predictions(record) -> dict:
     """``record.predictions`` as a finished record stores it: :func:`predictions` with
-    INTERFACE.md's keys always present and the :func:`comparisons` rows. A prediction never costs
+    the record format's keys (docs/record-format.md) always present and the :func:`comparisons` rows. A prediction never costs
     the user the measurement: an error becomes a line in ``record.warnings``."""
     try:
         p = predictions(record)

@@ -1,6 +1,6 @@
 """Training compute and time: C = 6ND, the attention term, days and GPU-hours.
 
-Conventions (ACCOUNTING.md section 3):
+Conventions (docs/counting.md):
   - FLOP = one multiply or one add, so a multiply-add is 2 FLOPs and a [B,D] x [D,K]
     matmul is 2*B*D*K.
   - N is the number of parameters that take part in matmuls (see

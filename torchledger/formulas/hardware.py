@@ -1,6 +1,6 @@
 """Accelerator specs for the closed forms: memory, bandwidth, dense peak FLOP/s per dtype.
 
-The built-in table is ACCOUNTING.md section 4 plus the parts of issue 23 (dense math only:
+The built-in table: vendor datasheets, one row per part (dense math only:
 a datasheet's "with sparsity" figure is twice the dense one and is never used here; every
 row says where its figures come from in ``GPUSpec.sources``). Units: memory in bytes with
 GB = 1e9 (vendor units), bandwidth in bytes/s, peaks in FLOP/s. A dtype the part has no

@@ -1,6 +1,6 @@
 """Inference: KV-cache size and the bandwidth-bound decode step.
 
-KV cache (ACCOUNTING.md section 8): per token, every layer stores one key and one value
+KV cache: per token, every layer stores one key and one value
 vector per KV head::
 
     bytes_per_token = 2 * L * h_kv * d_h * bytes_per_value
@@ -19,7 +19,7 @@ N_matmul is the parameters that multiply (the LM head counts, the embedding look
 not; :mod:`torchledger.formulas.params`). The batch at which compute time catches up
 with memory time is the *critical batch*: memory time / compute time at batch 1.
 Llama 3 8B, bf16, H100: 16.1 GB / 3.35 TB/s = 4.79 ms vs 15.2 us -> ~209 tokens/s at
-batch 1; critical batch 4.79 ms / 15.17 us = 316 (ACCOUNTING rounds 4.79 / 15.2 to ~315).
+batch 1; critical batch 4.79 ms / 15.17 us = 316 (4.79 / 15.2 rounds to ~315).
 
 Known limitations:
   - the KV cache read per step (grows with context and batch) and attention FLOPs are not

@@ -1,7 +1,7 @@
 """Static training memory: bytes per parameter by optimizer and precision, ZeRO sharding.
 
 "Static" is what lives for the whole run whatever the batch: parameters, gradients, fp32
-master weights and optimizer state (ACCOUNTING.md section 5). Activations are separate
+master weights and optimizer state (docs/counting.md). Activations are separate
 (:mod:`torchledger.formulas.activations`). Units: bytes; GB = 1e9, GiB = 2**30.
 
 Precisions:

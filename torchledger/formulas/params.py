@@ -2,7 +2,7 @@
 
 The count follows ``torchledger/models/transformer.py`` tensor by tensor, so it equals
 ``sum(p.numel() for p in build_model(cfg, device="meta").parameters())`` (tests check every
-preset and random configs). Notation as in ACCOUNTING.md section 6: V vocab, d hidden,
+preset and random configs). Notation: V vocab, d hidden,
 L layers, h / h_kv query / KV heads, d_h = d / h, d_ff MLP width.
 
 Conventions:
@@ -138,7 +138,7 @@ def _count_transformer(cfg: TransformerConfig) -> ParamCount:
 
 
 def _count_cruncher(cfg: CruncherConfig) -> ParamCount:
-    # num_layers x (dim x dim) weights, then a (dim x 1) head; no biases (ACCOUNTING sec 11).
+    # num_layers x (dim x dim) weights, then a (dim x 1) head; no biases (docs/counting.md).
     breakdown = {"layers": cfg.num_layers * cfg.dim * cfg.dim, "final": cfg.dim}
     total = sum(breakdown.values())
     return ParamCount(total=total, breakdown=breakdown, matmul=total,

@@ -5,7 +5,7 @@ Two config classes cover every reference model:
 * :class:`TransformerConfig`: a decoder-only Transformer. GPT-2 (learned positions,
   LayerNorm with bias, GELU MLP of 4d, biases, tied LM head) and Llama/Mistral (RoPE,
   RMSNorm, SwiGLU, grouped-query attention, no biases, untied head) are two settings of it.
-* :class:`CruncherConfig`: the course's deep linear model (ACCOUNTING.md section 11).
+* :class:`CruncherConfig`: the course's deep linear model (docs/counting.md).
 
 Hyperparameters of the presets are those of the public model configs (HF ``config.json``
 of each model). Both classes validate in ``__post_init__`` and name the offending field in

@@ -1,4 +1,4 @@
-"""The course's deep linear model "Cruncher" (ACCOUNTING.md section 11).
+"""The course's deep linear model "Cruncher" (docs/counting.md).
 
 ``num_layers`` x Linear(dim, dim) then Linear(dim, 1); weights ``randn(in, out) / sqrt(in)``,
 no bias; forward is ``x @ w`` per layer and the output is squeezed.

@@ -2,7 +2,7 @@
 plan and the pipeline schedule (``--virtual-stages``, ``--micro-batches``, ``--global-batch``,
 ``--schedule``, ``--checkpointing``, ``--precision``).
 
-Dimension names (INTERFACE.md): ``dp`` shards (FSDP2, torchtitan's dp_shard),
+Dimension names (docs/layouts.md): ``dp`` shards (FSDP2, torchtitan's dp_shard),
 ``dp_replicate`` replicates (DDP; HSDP together with ``dp``), ``cp`` context parallel,
 ``tp`` tensor parallel, ``pp`` pipeline stages, ``ep`` expert parallel (MoE models). Their product is the
 world size. The mesh is made in torchtitan's order, outermost first: pp, dp_replicate, dp,

@@ -595,6 +595,15 @@ def _to_dtype(model, dtype) -> None:
                 m._buffers[name] = b.to(dtype)
 
 
+def _autocast_device(module) -> str:
+    """The device type autocast must name for ``module``'s step: ``cuda`` for a model on a CUDA
+    device (``--device cuda``; autocast("cpu") would leave its matmuls in fp32), else ``cpu``
+    (fake and meta steps run CPU kernels)."""
+    for p in module.parameters():
+        return "cuda" if p.device.type == "cuda" else "cpu"
+    return "cpu"
+
+
 def _autocast_forward(model, dtype) -> None:
     """Autocast around every call of ``model``, entered by a forward pre-hook and left by a
     forward hook that runs even when forward raises: it belongs to the module's call, not to
@@ -604,7 +613,7 @@ def _autocast_forward(model, dtype) -> None:
     entered = []
 
     def enter(module, args):
-        ctx = torch.autocast("cpu", dtype=dtype)
+        ctx = torch.autocast(_autocast_device(module), dtype=dtype)
         ctx.__enter__()
         entered.append(ctx)
 

@@ -127,7 +127,7 @@ class StepRecord:
     """Everything measured about one training step, as plain data.
 
     Fields are dicts and lists of plain values so that ``to_dict`` is the JSON shape of
-    INTERFACE.md and new fields can be added without breaking old files (readers use
+    docs/record-format.md and new fields can be added without breaking old files (readers use
     ``.get(key, default)``).
     """
 

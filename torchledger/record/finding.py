@@ -30,7 +30,7 @@ class Finding:
     """One verdict: what rule fired, how bad, where, and what to do about it."""
 
     rule: str
-    """Stable rule id (documented in the README), e.g. ``TL-COPY-001``."""
+    """Stable rule id (documented in docs/findings.md), e.g. ``TL-COPY-001``."""
     severity: str
     """'error', 'warning' or 'info'."""
     message: str

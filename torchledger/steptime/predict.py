@@ -31,7 +31,7 @@ framework schedules them:
   ops run m times, FSDP2's gathers in the first micro-step, reductions in the last, p2p and
   TP collectives (the step's rows) exposed; its FLOPs and tokens are not multiplied again.
 
-The result is ``predictions.step_time`` (INTERFACE.md "Predicted step time"), with
+The result is ``predictions.step_time`` (docs/step-time.md, docs/record-format.md), with
 ``modules[].predicted_seconds`` (inclusive, compute only, x M) and
 ``collectives[].predicted_seconds`` (all calls of the row) filled in by :func:`attach_step_time`.
 

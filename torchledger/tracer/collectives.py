@@ -35,7 +35,7 @@ adds up. Hand check: all-reduce of 1,024 fp32 at n = 4: bytes 4,096, bus 4,096 x
 6,144.
 
 Known limitations: ``reduce``, ``gather`` and ``scatter`` (rooted, rare in training) keep
-those names (beyond INTERFACE.md's seven) and are recorded with the root's view (sent =
+those names (beyond the seven of the record format) and are recorded with the root's view (sent =
 input, received = output); bytes of a collective run asynchronously count when it is issued,
 not when ``wait()`` returns; a collective whose process group cannot be resolved is not
 recorded (the record's warnings name it: "op not recorded: ..."); collectives that never

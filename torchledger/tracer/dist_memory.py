@@ -79,7 +79,7 @@ def install_distributed(tracer, life) -> None:
     _count_api_calls(tracer, life, mode)
 
 
-#: ``torch.distributed`` functions -> the collective they issue (INTERFACE.md's plain names).
+#: ``torch.distributed`` functions -> the collective they issue (the record format's plain names).
 _API = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
         "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
         "broadcast": "broadcast", "all_to_all_single": "all_to_all", "all_to_all": "all_to_all",

@@ -1,4 +1,4 @@
-"""The leaky training loop of ACCOUNTING.md section 10 ("memory grows slowly step after step"):
+"""A leaky training loop, whose memory grows slowly step after step:
 every loss is kept with its autograd graph, and gradients are never cleared."""
 import torch
 from torch import nn
