@@ -45,18 +45,20 @@ def audit_spec():
                                          "labels": ids})
 '''
 
-# H100 SXM, fp32 (no autocast): 67 TF/s; flash [0.38 fwd, 0.30 bwd] x 2048 / (2048 + 256) x the
-# sustained fraction s (fitted: read from the defaults); b 1, 4 heads, S 2048, d = dv = 128 (head
-# dim 512 / 4), one layer. At s = 0.79:
+# H100 SXM, fp32 (no autocast): SDPA runs the memory-efficient kernel for fp32 inputs (flash and
+# cuDNN take 16-bit only), as 3xTF32 on tensor cores: 494.7 / 3 = 164.9 TF/s, at its fractions
+# [0.20 fwd, 0.16 bwd] x 2048 / (2048 + 256) x the sustained fraction s (fitted: read from the
+# defaults); b 1, 4 heads, S 2048, d = dv = 128 (head dim 512 / 4), one layer. At s = 0.82:
 #   causal forward FLOPs 2 x 1 x 4 x 2048^2 x 256 / 2 = 2^32 = 4,294,967,296 at
-#     67e12 x 0.38 x 0.88889 x 0.79 x 0.87 (causal kernel) = 15.554 TF/s -> 0.27613 ms
-#   causal backward 2.5 x 2^32 at 67e12 x 0.30 x 0.88889 x 0.79 x 0.87 = 12.280 TF/s -> 0.87440 ms
-#   dense (what the traced step ran): 2 x 2^32 forward at 67e12 x 0.38 x 0.88889 x 0.79 =
-#     17.879 TF/s -> 0.48046 ms; backward 2.5 x 2^33 at 14.115 TF/s -> 1.52146 ms
+#     164.9e12 x 0.20 x 0.88889 x 0.82 x 0.87 (causal kernel) = 20.93 TF/s -> 0.20537 ms
+#   causal backward 2.5 x 2^32 at 164.9e12 x 0.16 x 0.88889 x 0.82 x 0.87 = 16.74 TF/s -> 0.64177 ms
+#   dense (what the traced step ran): 2 x 2^32 forward at 164.9e12 x 0.20 x 0.88889 x 0.82 =
+#     24.04 TF/s -> 0.35734 ms; backward 2.5 x 2^33 at 19.24 TF/s -> 1.11668 ms
 SUSTAINED = DEFAULT_EFFICIENCY["sustained_fraction"]
-_FWD, _BWD = 67e12 * 0.38 * 2048 / 2304 * SUSTAINED, 67e12 * 0.30 * 2048 / 2304 * SUSTAINED
-CAUSAL_S = 2 ** 32 / (_FWD * 0.87) + 2.5 * 2 ** 32 / (_BWD * 0.87)      # 1.15053 ms at s = 0.79
-DENSE_S = 2 ** 33 / _FWD + 2.5 * 2 ** 33 / _BWD                          # 2.00192 ms at s = 0.79
+_PEAK = 494.7e12 / 3
+_FWD, _BWD = _PEAK * 0.20 * 2048 / 2304 * SUSTAINED, _PEAK * 0.16 * 2048 / 2304 * SUSTAINED
+CAUSAL_S = 2 ** 32 / (_FWD * 0.87) + 2.5 * 2 ** 32 / (_BWD * 0.87)      # 0.84713 ms at s = 0.82
+DENSE_S = 2 ** 33 / _FWD + 2.5 * 2 ** 33 / _BWD                          # 1.47401 ms at s = 0.82
 
 
 def _audit(tmp_path, name, source):

@@ -176,7 +176,7 @@ def test_step_time_of_the_stage_is_its_m_micro_steps(interleaved):
     # bubble (p - 1) / (v m) = 1 / 8 of the 4 micro-steps' forward and backward
     compute = sum(p["by_phase"].get(k, 0) for k in ("forward", "backward", "recompute"))
     assert p["bubble_seconds"] == pytest.approx(compute / 8)
-    assert p["mfu"] == pytest.approx(rec.totals["flops"]["total"] / p["seconds"] / st._peak(h100, "fp32", eff))
+    assert p["mfu"] == pytest.approx(rec.totals["flops"]["total"] / p["seconds"] / st.dense_peak(h100, "fp32", eff))
     # the step's global tokens / s / world size: dp=2 ranks of 4 x 2 x 32 tokens over 4 GPUs,
     # each pp pair processing one dp rank's tokens: 256 / s / 2
     assert p["tokens_per_s_per_gpu"] == pytest.approx(rec.totals["tokens"] / p["seconds"] / 2)

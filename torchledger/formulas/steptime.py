@@ -63,7 +63,7 @@ import math
 from typing import Mapping, Optional
 
 __all__ = ["DEFAULT_EFFICIENCY", "efficiency", "matmul_seconds", "matmul_fraction", "attention_seconds",
-           "sdpa_kernel", "attention_peak", "SDPA_KERNEL_WHY", "memory_seconds", "collective_seconds", "group_layout", "bus_bandwidth", "peak_dtype",
+           "sdpa_kernel", "attention_peak", "SDPA_KERNEL_WHY", "memory_seconds", "collective_seconds", "group_layout", "bus_bandwidth", "peak_dtype", "dense_peak",
            "overlap_timeline", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -221,7 +221,7 @@ def peak_dtype(dtype: str, eff: Mapping) -> str:
     return dtype if dtype in DTYPE_BYTES else "fp32"
 
 
-def _peak(gpu, dtype: str, eff: Mapping) -> float:
+def dense_peak(gpu, dtype: str, eff: Mapping) -> float:
     col = peak_dtype(dtype, eff)
     peak = gpu.peak_flops.get(col)
     if not peak and col in ("bf16", "fp16", "fp8"):     # no figure for the column: its 16-bit one
@@ -240,7 +240,7 @@ def matmul_fraction(m: int, n: int, k: int, batch: int, dtype: str, gpu, eff: Op
     factors. See the module docstring for the model and a hand check."""
     eff = eff or efficiency(gpu)
     sms = gpu.sm_count or 100
-    peak = _peak(gpu, dtype, eff) * float(eff["matmul_peak_fraction"])
+    peak = dense_peak(gpu, dtype, eff) * float(eff["matmul_peak_fraction"])
     kt = int(eff["matmul_k_tile"])
     over = float(eff["matmul_k_overhead"])
     best = (math.inf, None)
@@ -328,7 +328,7 @@ def attention_peak(gpu, dtype: str, kernel: str, eff: Mapping) -> float:
     TF32 MMAs per fp32 product, a third of the TF32 peak; the fp32 SIMT peak before sm80)."""
     if dtype == "fp32" and kernel == "efficient" and gpu.peak_flops.get("tf32"):
         return float(gpu.peak_flops["tf32"]) / 3.0
-    return _peak(gpu, dtype, eff)
+    return dense_peak(gpu, dtype, eff)
 
 
 def _math_attention_seconds(b, hq, sq, sk, d, dv, backward, dtype, gpu, eff) -> float:

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass, field
 
 from ..formulas import steptime as st
 from ..units import fmt_ms
+from ..record import counts_samples
 from ..record.steady import first_step_state
 
 __all__ = ["predict_step_time", "attach_step_time", "op_seconds", "causal_mask_assumptions", "collective_row_seconds",
@@ -65,6 +67,7 @@ NO_KERNEL = ("aten.empty.", "aten.empty_like.", "aten.empty_strided.", "aten.new
              "aten.alias.", "aten._reshape_alias.", "aten.set_.", "aten.resize_.",
              "aten.is_same_size.", "aten._has_compatible_shallow_copy_type.")
 _GATHER_OPS = ("all_gather",)
+_KINDS = ("matmul", "attention", "memory_bound", "launch")
 _REDUCE_OPS = ("reduce_scatter", "all_reduce")
 
 
@@ -292,17 +295,54 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     ``options``: ``compiled`` (fuse elementwise chains), ``micro_batches`` (M, default the
     record's ``totals.micro_batches`` or 1). Also returns, under private keys ``_modules``
     and ``_collectives``, the per-module and per-collective-row seconds (see
-    :func:`attach_step_time`)."""
-    from ..formulas.hardware import get_gpu
-    opts = options or {}
-    gpu = get_gpu(gpu)
+    :func:`attach_step_time`).
+
+    In order: the step's kernels and layout (:func:`_pricing`), every op row priced
+    (:func:`_price_ops`), every collective placed on the schedule (:func:`_place_collectives`),
+    the micro-steps' overlap (:func:`_passes`), the pipeline bubble (:func:`_bubble`), the
+    contention of compute under collectives, then the rates and the summary."""
+    from ..formulas.hardware import get_gpu      # the hardware table reads its override file on first use
+    ctx = _pricing(rec, get_gpu(gpu), options or {})
+    micro = ctx["micro"]
+    comp = _price_ops(rec, ctx)
+    comm = _place_collectives(rec, ctx)
+    # TP collectives: exposed in eager PyTorch; under te the sequence-parallel all-gathers and
+    # reduce-scatters overlap the GEMMs they feed (Transformer Engine's userbuffers split them
+    # into chunks that run under the neighbouring GEMM's chunks; it overlaps no all-reduce, so
+    # TP without sequence parallelism stays exposed): exposed only beyond the matmul time
+    serial = comm.serial + max(0.0, comm.tp_serial - micro * comp.kinds["matmul"])
+    if ctx["composed"]:
+        comm_step = comm.total
+    else:
+        comm_step = micro * (comm.total - comm.reduced_once - comm.after) + comm.reduced_once + comm.after
+    fwd_total, bwd_total, after_total = comp.group_total("forward"), comp.group_total("backward"), comp.after_total()
+    passes = _passes(comp, comm, micro)
+    compute_step = micro * (fwd_total + bwd_total) + after_total
+    seconds = passes + serial + after_total + comm.after
+    bubble, assumptions = _bubble(ctx, micro * (fwd_total + bwd_total))
+    seconds += bubble
+    exposed = max(0.0, seconds - compute_step - bubble)
+    # compute under collectives in flight runs slower (NCCL's CTAs and copies take SMs and HBM)
+    hidden = max(0.0, comm_step - exposed)
+    contention = float(ctx["eff"].get("overlap_slowdown", 0.0)) * min(hidden, compute_step)
+    seconds += contention
+    out = _summary(rec, ctx, comp, seconds, {"comm_exposed": exposed, "comm_contention": contention,
+                                              "bubble": bubble}, comm_step)
+    out["assumptions"] = assumptions + _assumptions(rec, ctx, comp)
+    out["bound"] = _bound(out, comm.rows, comm.seconds)
+    out["_modules"] = {k: v * micro for k, v in comp.mod_seconds.items()}
+    out["_collectives"] = comm.seconds
+    return out
+
+
+def _pricing(rec, gpu, opts: dict) -> dict:
+    """The step's kernels, precision and layout as priced: what :func:`_price_row` reads for
+    every op (gpu, eff, dtype, cp, fp8, te, compiled, zero1) and what the schedule reads
+    (the pipeline, whether the record is a composed stage, the micro-batches)."""
     eff = st.efficiency(gpu)
-    dtype = _dtype_of(rec)
     kernels = _kernels(rec, opts)
     compiled = _compiled(rec, opts) or kernels == "te"      # TE's fused norm/activation/bias/RoPE
     fusion_known = any("fused_kernels" in r for r in rec.ops or ())
-    unfusable = compiled and not fusion_known
-    compiled = compiled and fusion_known
     t = rec.totals
     audit = rec.meta.get("audit") if isinstance(rec.meta.get("audit"), dict) else {}
     te = kernels == "te"
@@ -310,12 +350,9 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         eff = dict(eff, attention_kernel="cudnn")          # TE's cuDNN fused attention
     # fp8 GEMMs where the part has fp8 tensor cores (Hopper, Blackwell); elsewhere they run 16-bit
     fp8_asked = audit.get("precision") == "fp8"
-    fp8 = fp8_asked and bool(gpu.peak_flops.get("fp8"))
     # Megatron's distributed optimizer (ZeRO-1) under te: each data-parallel replica updates
     # 1/d of the parameters (its shard of the fp32 masters and moments)
     zero1 = max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1
-    pricing = {"gpu": gpu, "eff": eff, "dtype": dtype, "cp": _cp_of(t), "fp8": fp8, "te": te,
-               "compiled": compiled, "zero1": zero1}
     pipe = t.get("pipeline") if isinstance(t.get("pipeline"), dict) else None
     # a pipeline audit's composed stage (``per_stage``): its ops are one micro-step's, its
     # totals and collectives the whole step's (m micro-steps, each row with ``micro_steps``)
@@ -324,263 +361,315 @@ def predict_step_time(rec, gpu, options=None) -> dict:
         micro = max(int(pipe["micro_batches"]), 1)
     else:
         micro = int(opts.get("micro_batches") or t.get("micro_batches") or audit.get("micro_batches") or 1)
-    cp = pricing["cp"]
-    # -- compute: every op row, by phase, kind and module ----------------------------------
-    by_phase = {p: 0.0 for p in _PHASES}
-    kinds = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "launch": 0.0}
-    kinds_once = dict(kinds)     # optimizer and "other": once per step, not per micro-batch
-    fusable = fusable_launch = 0.0      # what --compiled's fusion saves: all of it, its launch part
-    mm_flops = mm_seconds = 0.0
-    mod_seconds: dict = {}
-    unit_compute: dict = {}      # (phase group, module) -> seconds
-    dtype_flops: dict = {}
+    return {"gpu": gpu, "eff": eff, "dtype": _dtype_of(rec), "cp": _cp_of(t),
+            "fp8": fp8_asked and bool(gpu.peak_flops.get("fp8")), "fp8_asked": fp8_asked, "te": te,
+            "kernels": kernels, "compiled": compiled and fusion_known, "fusion_known": fusion_known,
+            "unfusable": compiled and not fusion_known, "zero1": zero1, "pipe": pipe, "composed": composed,
+            "micro": micro}
+
+
+@dataclass
+class _Compute:
+    """The step's op rows priced: seconds by phase and kind (forward/backward/recompute kinds
+    per micro-batch, the optimizer's and "other" once), per module and per schedule unit."""
+
+    by_phase: dict = field(default_factory=lambda: {p: 0.0 for p in _PHASES})
+    kinds: dict = field(default_factory=lambda: dict.fromkeys(_KINDS, 0.0))
+    kinds_once: dict = field(default_factory=lambda: dict.fromkeys(_KINDS, 0.0))
+    fusable: float = 0.0         # what --compiled's fusion saves: all of it, and its launch part
+    fusable_launch: float = 0.0
+    mm_flops: float = 0.0
+    mm_seconds: float = 0.0
+    mod_seconds: dict = field(default_factory=dict)
+    unit_compute: dict = field(default_factory=dict)     # (phase group, module) -> seconds
+    dtype_flops: dict = field(default_factory=dict)
+    skipped: int = 0
+
+    def group_total(self, group: str) -> float:
+        return sum(s for (g, _), s in self.unit_compute.items() if g == group)
+
+    def after_total(self) -> float:
+        return sum(s for (g, _), s in self.unit_compute.items() if g not in ("forward", "backward"))
+
+
+def _price_ops(rec, ctx: dict) -> _Compute:
+    """Every op row of ``rec`` priced (:func:`_price_row`) and tallied (:func:`_tally`); a
+    first step's optimizer-state creation skipped, as every later step runs."""
+    comp = _Compute()
     made_state = first_step_state(rec) > 0
-    skipped = 0
     for row in rec.ops or ():
         if made_state and row.get("phase") == "optimizer" and str(row.get("op", "")).startswith(STATE_CREATION):
-            skipped += int(row.get("count") or 0)       # a steady step's optimizer has its state
+            comp.skipped += int(row.get("count") or 0)       # a steady step's optimizer has its state
             continue
         phase = row.get("phase") or "other"
-        row, got, fuse, cast_s = _price_row(row, phase, pricing)
-        secs = got["seconds"] + cast_s
-        if not secs:
-            continue
-        by_phase[phase if phase in by_phase else "other"] += secs
-        bucket = kinds if phase in ("forward", "backward", "recompute") else kinds_once
-        bucket["launch"] += got["launch"]
-        body = got["seconds"] - got["launch"]
-        if got["kind"] in bucket:
-            bucket[got["kind"]] += body
-        bucket["memory_bound"] += cast_s
-        if got["kind"] == "memory_bound" and not fuse and fusion_known and phase != "optimizer":
-            fused = op_seconds(row, gpu, eff, dtype, True, cp)
-            times = micro if bucket is kinds else 1
-            fusable += (got["seconds"] - fused["seconds"]) * times
-            fusable_launch += (got["launch"] - fused["launch"]) * times
-        if got["kind"] == "matmul":
-            mm_flops += float(row.get("flops") or 0)
-            mm_seconds += body
-            for s in row.get("shapes") or ():
-                dtype_flops[s.get("dtype")] = dtype_flops.get(s.get("dtype"), 0) + s.get("flops", 0)
-        module = row.get("module")
-        if module is not None and module != "(no module)":
-            for a in _ancestors(module):
-                mod_seconds[a] = mod_seconds.get(a, 0.0) + secs
-        group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else phase
-        key = (group, module if module not in (None, "(no module)") else "")
-        unit_compute[key] = unit_compute.get(key, 0.0) + secs
+        row, got, fuse, cast_s = _price_row(row, phase, ctx)
+        if got["seconds"] + cast_s:
+            _tally(comp, row, phase, got, fuse, cast_s, ctx)
+    return comp
 
-    # -- communication: every collective row, and how it overlaps --------------------------
-    # Each row runs in every micro-step ("every": its seconds split evenly over them), in the
-    # first only (FSDP2's gathers a pipeline stage keeps until the last micro-batch) or in the
-    # last only (gradient reductions: no_sync / set_requires_gradient_sync(False) before it).
-    # A record of one micro-step (gradient accumulation): its rows are one micro-step's, the
-    # reductions the last's. A composed pipeline stage: its rows are the step's.
-    tp = int(t.get("tensor_parallel") or 1)
-    gpn = gpu.gpus_per_node or 8
-    coll_seconds = []
-    comm_total = 0.0
+
+def _tally(comp: _Compute, row, phase: str, got: dict, fuse: bool, cast_s: float, ctx: dict) -> None:
+    """Add one priced op row to the step's tallies."""
+    secs = got["seconds"] + cast_s
+    comp.by_phase[phase if phase in comp.by_phase else "other"] += secs
+    bucket = comp.kinds if phase in ("forward", "backward", "recompute") else comp.kinds_once
+    bucket["launch"] += got["launch"]
+    body = got["seconds"] - got["launch"]
+    if got["kind"] in bucket:
+        bucket[got["kind"]] += body
+    bucket["memory_bound"] += cast_s
+    if got["kind"] == "memory_bound" and not fuse and ctx["fusion_known"] and phase != "optimizer":
+        fused = op_seconds(row, ctx["gpu"], ctx["eff"], ctx["dtype"], True, ctx["cp"])
+        times = ctx["micro"] if bucket is comp.kinds else 1
+        comp.fusable += (got["seconds"] - fused["seconds"]) * times
+        comp.fusable_launch += (got["launch"] - fused["launch"]) * times
+    if got["kind"] == "matmul":
+        comp.mm_flops += float(row.get("flops") or 0)
+        comp.mm_seconds += body
+        for s in row.get("shapes") or ():
+            comp.dtype_flops[s.get("dtype")] = comp.dtype_flops.get(s.get("dtype"), 0) + s.get("flops", 0)
+    module = row.get("module")
+    if module is not None and module != "(no module)":
+        for a in _ancestors(module):
+            comp.mod_seconds[a] = comp.mod_seconds.get(a, 0.0) + secs
+    group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else phase
+    key = (group, module if module not in (None, "(no module)") else "")
+    comp.unit_compute[key] = comp.unit_compute.get(key, 0.0) + secs
+
+
+@dataclass
+class _Comm:
+    """The step's collectives priced and placed: exposed serially, gathered before a unit
+    (every micro-step or the first), reduced after one (the last micro-step or every one),
+    spread over the backward (DDP's buckets), or after the passes."""
+
+    rows: list
+    seconds: list                # (seconds, algorithm) per row
+    total: float
+    units: set                   # the FSDP units (modules whose forward all-gathers)
+    order: dict                  # module name -> its place in the record
+    serial: float = 0.0          # exposed in forward/backward (TP, p2p, the rest), per step
+    after: float = 0.0           # optimizer / other phases: after the last reduction, once
+    pre: dict = field(default_factory=lambda: {"every": {"forward": {}, "backward": {}},
+                                               "first": {"forward": {}, "backward": {}}})
+    post: dict = field(default_factory=dict)         # unit -> its reductions in the last micro-step
+    post_every: dict = field(default_factory=dict)   # unit -> its reductions in every micro-step
+    spread: list = field(default_factory=list)       # backward reductions with no unit (DDP buckets)
+    tail: float = 0.0            # reductions of the root / no unit: after the last block
+    reduced_once: float = 0.0    # reductions (last micro-step only) of a one-micro-step record
+    tp_serial: float = 0.0       # tensor-parallel collectives of the step (under te)
+
+
+def _place_collectives(rec, ctx: dict) -> _Comm:
+    """Every collective row priced and placed on the schedule.
+
+    Each row runs in every micro-step ("every": its seconds split evenly over them), in the
+    first only (FSDP2's gathers a pipeline stage keeps until the last micro-batch) or in the
+    last only (gradient reductions: no_sync / set_requires_gradient_sync(False) before it).
+    A record of one micro-step (gradient accumulation): its rows are one micro-step's, the
+    reductions the last's. A composed pipeline stage: its rows are the step's."""
+    gpu, eff = ctx["gpu"], ctx["eff"]
     rows = [c for c in (rec.collectives or []) if isinstance(c, dict)]
-    for c in rows:
-        secs, algo = collective_row_seconds(c, gpu, eff)
-        coll_seconds.append((secs, algo))
-        comm_total += secs
-    names = [m.get("name") for m in rec.modules or ()]
-    order = {n: i for i, n in enumerate(names)}
+    priced = [collective_row_seconds(c, gpu, eff) for c in rows]
     units = {(c.get("module") if c.get("module") not in (None, "(no module)") else "")
              for c in rows if c.get("op") in _GATHER_OPS and c.get("phase") == "forward"}
-    serial = 0.0                 # exposed in forward/backward (TP, p2p, the rest), per step
-    after_comm = 0.0             # optimizer / other phases: after the last reduction, once
-    pre = {"every": {"forward": {}, "backward": {}}, "first": {"forward": {}, "backward": {}}}
-    post: dict = {}              # unit -> its reductions in the last micro-step
-    post_every: dict = {}        # unit -> its reductions in every micro-step (a stage's CP K/V grads)
-    spread: list = []            # backward reductions with no unit (DDP buckets)
-    tail_comm = 0.0              # reductions of the root / no unit: after the last block
-    reduced_once = 0.0           # reductions (last micro-step only) of a one-micro-step record
-    tp_serial = 0.0              # tensor-parallel collectives of the step
-    for c, (secs, _) in zip(rows, coll_seconds):
-        phase, op = c.get("phase"), c.get("op")
-        r, nodes = st.group_layout(int(c.get("group_size") or 1), c.get("group_span"), gpn)
-        is_tp = tp > 1 and int(c.get("group_size") or 1) == tp and nodes == 1
-        group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else "after"
-        module = c.get("module") if c.get("module") not in (None, "(no module)") else ""
-        unit = _unit_of(module, units) if units else None
-        if composed:
-            steps = int(c.get("micro_steps") or (micro if op in ("send", "recv") or is_tp else 1))
-            every = steps >= micro
-            per_micro = secs / micro if every else secs
-        else:
-            every, per_micro = True, secs
-        if group == "after":
-            after_comm += secs
-        elif is_tp and te and op in ("all_gather", "reduce_scatter"):
-            tp_serial += secs if composed else micro * secs
-        elif is_tp:
-            serial += secs if composed else micro * secs
-        elif op in _GATHER_OPS and unit is not None:
-            where = pre["every" if every else "first"][group]
-            where[unit] = where.get(unit, 0.0) + per_micro
-        elif op in _REDUCE_OPS and group == "backward":
-            reduced_once += 0.0 if composed else secs
-            if composed and every and unit is not None and unit != "":
-                post_every[unit] = post_every.get(unit, 0.0) + per_micro
-            elif unit is not None and unit != "":
-                post[unit] = post.get(unit, 0.0) + secs
-            elif units:
-                tail_comm += secs
-            else:
-                spread.append(secs)
-        else:
-            serial += secs if composed else micro * secs
+    comm = _Comm(rows=rows, seconds=priced, total=sum(s for s, _ in priced), units=units,
+                 order={m.get("name"): i for i, m in enumerate(rec.modules or ())})
+    tp = int(rec.totals.get("tensor_parallel") or 1)
+    for c, (secs, _) in zip(rows, priced):
+        _place(comm, c, secs, tp, ctx)
+    return comm
 
-    # TP collectives: exposed in eager PyTorch; under te the sequence-parallel all-gathers and
-    # reduce-scatters overlap the GEMMs they feed (Transformer Engine's userbuffers split them
-    # into chunks that run under the neighbouring GEMM's chunks; it overlaps no all-reduce, so
-    # TP without sequence parallelism stays exposed): exposed only beyond the matmul time
-    serial += max(0.0, tp_serial - micro * kinds["matmul"])
-    comm_step = comm_total if composed else micro * (comm_total - reduced_once - after_comm) + reduced_once + after_comm
+
+def _place(comm: _Comm, c: dict, secs: float, tp: int, ctx: dict) -> None:
+    """Place one collective row (see :func:`_place_collectives`)."""
+    micro, composed = ctx["micro"], ctx["composed"]
+    phase, op = c.get("phase"), c.get("op")
+    r, nodes = st.group_layout(int(c.get("group_size") or 1), c.get("group_span"), ctx["gpu"].gpus_per_node or 8)
+    is_tp = tp > 1 and int(c.get("group_size") or 1) == tp and nodes == 1
+    group = "forward" if phase == "forward" else "backward" if phase in ("backward", "recompute") else "after"
+    module = c.get("module") if c.get("module") not in (None, "(no module)") else ""
+    unit = _unit_of(module, comm.units) if comm.units else None
+    if composed:
+        steps = int(c.get("micro_steps") or (micro if op in ("send", "recv") or is_tp else 1))
+        every = steps >= micro
+        per_micro = secs / micro if every else secs
+    else:
+        every, per_micro = True, secs
+    exposed = secs if composed else micro * secs        # a serial collective's time in the step
+    if group == "after":
+        comm.after += secs
+    elif is_tp and ctx["te"] and op in ("all_gather", "reduce_scatter"):
+        comm.tp_serial += exposed
+    elif is_tp:
+        comm.serial += exposed
+    elif op in _GATHER_OPS and unit is not None:
+        where = comm.pre["every" if every else "first"][group]
+        where[unit] = where.get(unit, 0.0) + per_micro
+    elif op in _REDUCE_OPS and group == "backward":
+        comm.reduced_once += 0.0 if composed else secs
+        if composed and every and unit is not None and unit != "":
+            comm.post_every[unit] = comm.post_every.get(unit, 0.0) + per_micro
+        elif unit is not None and unit != "":
+            comm.post[unit] = comm.post.get(unit, 0.0) + secs
+        elif comm.units:
+            comm.tail += secs
+        else:
+            comm.spread.append(secs)
+    else:
+        comm.serial += exposed
+
+
+def _passes(comp: _Compute, comm: _Comm, micro: int) -> float:
+    """The forward and backward passes of the step's micro-steps with their gathers and
+    reductions overlapped unit by unit (``formulas.steptime.overlap_timeline``): the first
+    micro-step gathers what the others keep, the last reduces."""
+    units = comm.units
+    ordered = sorted((u for u in units if u != ""), key=lambda u: comm.order.get(u, 1 << 30))
+    fwd_total, bwd_total = comp.group_total("forward"), comp.group_total("backward")
 
     def unit_time(group, unit):
         """Compute of ``unit`` in ``group`` without the units nested in it."""
-        own = 0.0
-        for (g, m), s in unit_compute.items():
-            if g == group and _unit_of(m, units) == unit:
-                own += s
-        return own
+        return sum(s for (g, m), s in comp.unit_compute.items() if g == group and _unit_of(m, units) == unit)
 
-    ordered = sorted((u for u in units if u != ""), key=lambda u: order.get(u, 1 << 30))
-    fwd_total = sum(s for (g, _), s in unit_compute.items() if g == "forward")
-    bwd_total = sum(s for (g, _), s in unit_compute.items() if g == "backward")
-    after_total = sum(s for (g, _), s in unit_compute.items() if g not in ("forward", "backward"))
     f_comp = {u: unit_time("forward", u) for u in ordered}
     b_comp = {u: unit_time("backward", u) for u in ordered}
 
+    def gather(group, u, first):
+        g = comm.pre["every"][group].get(u, 0.0)
+        return g + (comm.pre["first"][group].get(u, 0.0) if first else 0.0)
+
     def micro_step(first: bool, last: bool) -> float:
-        """One micro-step: forward and backward with the gathers it issues, and the
-        reductions if it is the last."""
-        def gather(group, u):
-            g = pre["every"][group].get(u, 0.0)
-            return g + (pre["first"][group].get(u, 0.0) if first else 0.0)
         if units:
-            f_units = [(gather("forward", ""), 0.0, 0.0)] if "" in units else []
-            f_units += [(gather("forward", u), f_comp[u], 0.0) for u in ordered]
+            f_units = [(gather("forward", "", first), 0.0, 0.0)] if "" in units else []
+            f_units += [(gather("forward", u, first), f_comp[u], 0.0) for u in ordered]
             fwd = st.overlap_timeline(f_units, tail_compute=fwd_total - sum(c for _, c, _ in f_units))
-            b_units = [(gather("backward", u), b_comp[u],
-                        post_every.get(u, 0.0) + (post.get(u, 0.0) if last else 0.0)) for u in reversed(ordered)]
+            b_units = [(gather("backward", u, first), b_comp[u],
+                        comm.post_every.get(u, 0.0) + (comm.post.get(u, 0.0) if last else 0.0))
+                       for u in reversed(ordered)]
             b_rest = bwd_total - sum(c for _, c, _ in b_units)
-            tail = [(0.0, 0.0, tail_comm)] if tail_comm and last else []
+            tail = [(0.0, 0.0, comm.tail)] if comm.tail and last else []
             bwd = st.overlap_timeline(b_units + tail, head_compute=b_rest)
         else:
             fwd = st.overlap_timeline([], head_compute=fwd_total)
-            if spread and last:
-                bwd = st.overlap_timeline([(0.0, bwd_total / len(spread), s) for s in spread])
+            if comm.spread and last:
+                bwd = st.overlap_timeline([(0.0, bwd_total / len(comm.spread), s) for s in comm.spread])
             else:
                 bwd = st.overlap_timeline([], head_compute=bwd_total)
         return fwd["seconds"] + bwd["seconds"]
 
     if micro > 1:
-        passes = micro_step(True, False) + (micro - 2) * micro_step(False, False) + micro_step(False, True)
-    else:
-        passes = micro_step(True, True)
-    compute_step = micro * (fwd_total + bwd_total) + after_total
-    seconds = passes + serial + after_total + after_comm
+        return micro_step(True, False) + (micro - 2) * micro_step(False, False) + micro_step(False, True)
+    return micro_step(True, True)
 
-    # -- pipeline bubble ---------------------------------------------------------------------
-    bubble = 0.0
-    assumptions = []
-    if pipe is not None and int(pipe.get("stages") or pipe.get("pp") or 1) > 1:
-        p = int(pipe.get("stages") or pipe.get("pp"))
-        m = max(int(pipe.get("micro_batches") or micro), 1)
-        v = max(int(pipe.get("virtual_stages") or 1), 1)
-        sched = str(pipe.get("schedule") or "1f1b")
-        frac = 0.0 if "zero" in sched else (p - 1) / (v * m)
-        if isinstance(pipe.get("bubble_fraction"), (int, float)):   # the layouts issue's own figure
-            frac = float(pipe["bubble_fraction"])
-        bubble = frac * micro * (fwd_total + bwd_total)
-        seconds += bubble
-        assumptions.append(f"pipeline {p} stages, {m} micro-batches, {sched}: bubble (p-1)/(v m) = {frac:.3f} "
-                           f"of the compute")
-        if composed:
-            assumptions.append(f"the bounding stage's step: {m} micro-steps of its traced one, FSDP2's gathers in "
-                               f"the first, gradient reductions in the last, p2p and TP collectives exposed")
-    exposed = max(0.0, seconds - compute_step - bubble)
-    # compute under collectives in flight runs slower (NCCL's CTAs and copies take SMs and HBM)
-    hidden = max(0.0, comm_step - exposed)
-    contention = float(eff.get("overlap_slowdown", 0.0)) * min(hidden, compute_step)
-    seconds += contention
 
-    # -- rates ---------------------------------------------------------------------------------
-    per_step = 1 if composed else micro      # a composed stage's totals are its step's already
+def _bubble(ctx: dict, passes_compute: float) -> tuple:
+    """``(seconds, assumptions)`` of the pipeline bubble: the record's own bubble fraction (the
+    schedule's, from the layouts) or (p-1)/(v m), of the passes' compute."""
+    pipe, micro = ctx["pipe"], ctx["micro"]
+    if pipe is None or int(pipe.get("stages") or pipe.get("pp") or 1) <= 1:
+        return 0.0, []
+    p = int(pipe.get("stages") or pipe.get("pp"))
+    m = max(int(pipe.get("micro_batches") or micro), 1)
+    v = max(int(pipe.get("virtual_stages") or 1), 1)
+    sched = str(pipe.get("schedule") or "1f1b")
+    frac = 0.0 if "zero" in sched else (p - 1) / (v * m)
+    if isinstance(pipe.get("bubble_fraction"), (int, float)):   # the layouts issue's own figure
+        frac = float(pipe["bubble_fraction"])
+    assumptions = [f"pipeline {p} stages, {m} micro-batches, {sched}: bubble (p-1)/(v m) = {frac:.3f} "
+                   f"of the compute"]
+    if ctx["composed"]:
+        assumptions.append(f"the bounding stage's step: {m} micro-steps of its traced one, FSDP2's gathers in "
+                           f"the first, gradient reductions in the last, p2p and TP collectives exposed")
+    return frac * passes_compute, assumptions
+
+
+def _summary(rec, ctx: dict, comp: _Compute, seconds: float, extra: dict, comm_step: float) -> dict:
+    """The prediction's figures: rates (tokens/s/GPU, MFU, HFU against the peak of the dtype
+    the matmuls ran in), time by phase and kind."""
+    t, micro, gpu, eff = rec.totals, ctx["micro"], ctx["gpu"], ctx["eff"]
+    per_step = 1 if ctx["composed"] else micro      # a composed stage's totals are its step's already
     flops = float((t.get("flops") or {}).get("total") or 0) * per_step
     hflops = float(t.get("hardware_flops") or 0) * per_step
-    mdtype = max(dtype_flops, key=dtype_flops.get) if dtype_flops else dtype
-    peak = st._peak(gpu, mdtype, eff)
+    peak = st.dense_peak(gpu, _matmul_dtype(comp, ctx), eff)
     tokens = (t.get("tokens") or 0) * per_step
-    from ..record import counts_samples
     # the step's global tokens / seconds / world size: a rank's tokens are its data-parallel
     # shard's (T/cp of each sequence under cp), which tp x pp ranks process together
     tok_rate = tokens / seconds / _model_parallel(t) if tokens and seconds and not counts_samples(t) else None
-    mfu = flops / seconds / peak if seconds and flops else None
-    hfu = hflops / seconds / peak if seconds and hflops else None
-    by_kind = {k: v * micro + kinds_once[k] for k, v in kinds.items()}
-    by_kind["comm_exposed"] = exposed
-    by_kind["comm_contention"] = contention
-    by_kind["bubble"] = bubble
-    phases = {p: v * (micro if p in ("forward", "backward", "recompute") else 1) for p, v in by_phase.items()}
+    by_kind = {k: v * micro + comp.kinds_once[k] for k, v in comp.kinds.items()}
+    by_kind.update(extra)
+    phases = {p: v * (micro if p in ("forward", "backward", "recompute") else 1) for p, v in comp.by_phase.items()}
     if not phases.get("other"):
         phases.pop("other", None)
-    mm_frac = mm_flops / mm_seconds / peak if mm_seconds else None
+    return {
+        "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
+        "tokens_per_s_per_gpu": tok_rate, "mfu": flops / seconds / peak if seconds and flops else None,
+        "hfu": hflops / seconds / peak if seconds and hflops else None,
+        "by_phase": phases, "by_kind": by_kind,
+        "comm_seconds": comm_step, "comm_exposed_seconds": extra["comm_exposed"], "bubble_seconds": extra["bubble"],
+        "matmul_fraction_of_peak": comp.mm_flops / comp.mm_seconds / peak if comp.mm_seconds else None,
+        "compiled": ctx["compiled"], "fusable_seconds": comp.fusable,
+        "fusable_launch_seconds": max(0.0, min(comp.fusable_launch, comp.fusable)),
+    }
 
-    assumptions += [
+
+def _matmul_dtype(comp: _Compute, ctx: dict) -> str:
+    """The dtype most of the matmul FLOPs ran in (the record's dtype without matmul shapes)."""
+    return max(comp.dtype_flops, key=comp.dtype_flops.get) if comp.dtype_flops else ctx["dtype"]
+
+
+def _assumptions(rec, ctx: dict, comp: _Compute) -> list:
+    """What the prediction assumes, one line each: the part, the matmul dtypes, the attention
+    kernel, the kernels, the collectives and their overlap, and the run's particulars."""
+    gpu, eff, dtype = ctx["gpu"], ctx["eff"], ctx["dtype"]
+    mdtype = _matmul_dtype(comp, ctx)
+    peak = st.dense_peak(gpu, mdtype, eff)
+    dtype_flops = comp.dtype_flops
+    out = [
         f"{gpu.name}: dense {mdtype} peak {peak / 1e12:,.1f} TFLOP/s, HBM {gpu.bandwidth_bytes_per_s / 1e12:.2f} TB/s "
         f"at {eff['memory_fraction']:.0%}, {eff['launch_s'] * 1e6:.0f} us launch floor per kernel",
         f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k)) or dtype}); "
         f"fp32 without TF32 (PyTorch's default)" if "fp32" in (dtype_flops or {dtype: 1}) else
         f"matmuls at the traced dtypes ({', '.join(sorted(k for k in dtype_flops if k))})",
         attention_assumption(rec.ops, gpu, eff, dtype),
-        _kernels_line(kernels, compiled, zero1, fp8),
+        _kernels_line(ctx["kernels"], ctx["compiled"], ctx["zero1"], ctx["fp8"]),
         f"collectives: NCCL ring/tree alpha-beta, NVLink {eff['nvlink_fraction']:.0%} and NICs "
         f"{eff['network_fraction']:.0%} of peak, {gpu.gpus_per_node} GPUs and {gpu.nics_per_node} NICs per node, "
         f"ranks placed node by node",
         "FSDP all-gathers prefetched one unit ahead, reduce-scatters under the next backward; TP collectives "
         + ("of sequence parallelism overlapped with the GEMMs (exposed beyond the matmul time), "
-           "all-reduces exposed" if te else "exposed")
+           "all-reduces exposed" if ctx["te"] else "exposed")
         + "; the optimizer after the last reduction",
     ]
+    return out + _particulars(rec, ctx, comp)
+
+
+def _particulars(rec, ctx: dict, comp: _Compute) -> list:
+    """The assumptions lines only some runs have (sustained factors, fusion, micro-batches,
+    fp8 without fp8 tensor cores, the first step's optimizer state, cp, causal masks)."""
+    eff, gpu, micro, cp = ctx["eff"], ctx["gpu"], ctx["micro"], ctx["cp"]
+    out = []
     if eff.get("sustained_fraction", 1.0) != 1.0 or eff.get("overlap_slowdown"):
-        assumptions.append(f"sustained training: tensor-core work (GEMMs, attention) at "
-                           f"{float(eff.get('sustained_fraction', 1.0)):.3f} of the single-kernel figures; "
-                           f"compute under collectives in flight {float(eff.get('overlap_slowdown', 0.0)):.0%} "
-                           f"slower (NCCL's CTAs and copies)")
-    if unfusable:
-        assumptions.append("--compiled asked, but the record has no fusion chains (made before they were "
-                           "recorded): priced unfused")
+        out.append(f"sustained training: tensor-core work (GEMMs, attention) at "
+                   f"{float(eff.get('sustained_fraction', 1.0)):.3f} of the single-kernel figures; "
+                   f"compute under collectives in flight {float(eff.get('overlap_slowdown', 0.0)):.0%} "
+                   f"slower (NCCL's CTAs and copies)")
+    if ctx["unfusable"]:
+        out.append("--compiled asked, but the record has no fusion chains (made before they were "
+                   "recorded): priced unfused")
     if micro > 1:
-        assumptions.append(f"{micro} micro-batches: gradient reductions in the last only, one optimizer step")
-    if fp8_asked and not fp8:
-        assumptions.append(f"--precision fp8: {gpu.name} has no fp8 tensor cores; the GEMMs priced in bf16, "
-                           f"as Transformer Engine would have to run them there")
-    if skipped:
-        assumptions.append(f"a steady step: the traced first step's optimizer made its state ({skipped} "
-                           f"zero-fill and scalar kernels), which later steps do not; not priced")
+        out.append(f"{micro} micro-batches: gradient reductions in the last only, one optimizer step")
+    if ctx["fp8_asked"] and not ctx["fp8"]:
+        out.append(f"--precision fp8: {gpu.name} has no fp8 tensor cores; the GEMMs priced in bf16, "
+                   f"as Transformer Engine would have to run them there")
+    if comp.skipped:
+        out.append(f"a steady step: the traced first step's optimizer made its state ({comp.skipped} "
+                   f"zero-fill and scalar kernels), which later steps do not; not priced")
     if cp > 1:
-        assumptions.append(f"context parallel {cp}: each rank's T/{cp} queries over the all-gathered keys as a "
-                           f"load-balanced causal ring (half the pairs, as PyTorch's context_parallel and "
-                           f"Transformer Engine run it)")
-    assumptions += causal_mask_assumptions(rec.ops)
-    out = {
-        "gpu": gpu.name, "seconds": seconds, "micro_batches": micro,
-        "tokens_per_s_per_gpu": tok_rate, "mfu": mfu, "hfu": hfu,
-        "by_phase": phases, "by_kind": by_kind,
-        "comm_seconds": comm_step, "comm_exposed_seconds": exposed, "bubble_seconds": bubble,
-        "matmul_fraction_of_peak": mm_frac, "compiled": compiled,
-        "fusable_seconds": fusable, "fusable_launch_seconds": max(0.0, min(fusable_launch, fusable)),
-        "assumptions": assumptions,
-    }
-    out["bound"] = _bound(out, rows, coll_seconds)
-    out["_modules"] = {k: v * micro for k, v in mod_seconds.items()}
-    out["_collectives"] = coll_seconds
-    return out
+        out.append(f"context parallel {cp}: each rank's T/{cp} queries over the all-gathered keys as a "
+                   f"load-balanced causal ring (half the pairs, as PyTorch's context_parallel and "
+                   f"Transformer Engine run it)")
+    return out + causal_mask_assumptions(rec.ops)
 
 
 def _cp_of(totals) -> int:
