@@ -288,8 +288,12 @@ def test_fsdp_peak_against_fsdp_mem_tracker():
 
     expected, measured = one("tracker"), one("ledger")
     # the tracer follows FSDP2's untyped_storage().resize_(0)/resize_(n) of the unsharded
-    # parameters (their own category, unsharded_params), as FSDPMemTracker does
-    assert abs(measured - expected) <= 0.02 * expected, (measured, expected)
+    # parameters (their own category, unsharded_params), as FSDPMemTracker does. The tracker
+    # sees the CPU composite of nn.RMSNorm, which keeps the normalized copy too; the tracer
+    # counts CUDA's fused kernel (input and rstd only: tracer/gpu_kernels.py): 5 norms (2 per
+    # block, the final one) x 2 x 64 tokens x d 64 x 4 B = 163,840 B fewer, alive at the peak
+    cpu_only = 5 * 2 * 64 * 64 * 4
+    assert abs(measured + cpu_only - expected) <= 0.02 * expected, (measured, expected)
 
 
 # -- TL-NET-001: communication time ---------------------------------------------------------------

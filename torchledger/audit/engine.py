@@ -13,13 +13,18 @@ import contextlib
 import os
 from typing import Optional
 
+from ..analyzers.compare import record_predictions
+from ..analyzers.mfu import mfu_totals
+from ..ledger import Ledger
+from ..parallel.plan import make_optimizer
 from ..record import TOKENS_FROM_SPEC
 from ..record.tokens import infer_tokens, tokens_warning
+from ..render.sarif import spec_location
 from .errors import USER_ERRORS, device_hint, raised, step_error, where
 from .layouts import accumulated, cp_part, parallelize, resolve, resolve_layout, standard_plan
 from .loading import (DEVICES, AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs,  # noqa: F401
                       stdout_to_stderr, to_device)
-from .spec import AuditError, call_model, pick_loss
+from .spec import AuditError, as_spec, call_model, pick_loss
 
 __all__ = ["AuditRun", "load_entry", "run_audit", "DEVICES", "stdout_to_stderr"]
 
@@ -74,118 +79,24 @@ def _restore_cwd(cwd: str) -> None:
 
 
 def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None, layout=None) -> AuditRun:
-    import torch
-    from .spec import as_spec
-    from ..ledger import Ledger
-
-    if steps < 1:
-        raise AuditError(f"--steps: expected a whole number >= 1, got {steps}")
-    if timing_steps is not None and not (isinstance(timing_steps, int) and 0 <= timing_steps <= MAX_TIMING_STEPS):
-        raise AuditError(f"--timing-steps: expected a whole number from 0 to {MAX_TIMING_STEPS}, got "
-                         f"{timing_steps!r}")
+    """Load the model file, build its spec and plan on ``device``, trace ``steps`` steps, time
+    untraced ones (cpu, cuda) and stamp each record with what the audit was."""
+    _check_counts(steps, timing_steps)
     cwd = os.getcwd()
     fn = load_entry(path, entry)
     with device_context(device):
-        try:
-            with fake_safe_init(device):
-                raw = fn()
-        except AuditError:
-            raise
-        except USER_ERRORS as e:
-            raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}"
-                             f"{device_hint(e, device)}") from None
-        try:
-            spec = as_spec(raw)
-        except TypeError as e:
-            raise AuditError(f"{path}: {entry}() must return a torchledger.AuditSpec; {e}") from None
-        model = spec.model
-        if device in ("meta", "cuda"):
-            model = model.to(device)
-        inputs = to_device(spec.inputs, device)
-        plan_notes = []
-        if world is not None:
-            model, plan_notes = parallelize(spec, model, world, path, layout, infer_tokens(inputs).seq_len)
-            inputs = cp_part(inputs, spec, layout, world)
-        elif layout is not None and spec.parallelize is None:      # --checkpointing/--precision alone
-            model, plan_notes = standard_plan(model, None, layout, path)
-        count = infer_tokens(inputs, model)
-        tokens = spec.tokens or count.tokens
-        source = TOKENS_FROM_SPEC if spec.tokens else count.source
-        guessed = None if spec.tokens else tokens_warning(inputs, model)
-        seq = spec.seq_len or count.seq_len
-        try:
-            from ..parallel.plan import make_optimizer
-            opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
-        except USER_ERRORS as e:
-            raise AuditError(f"{where(e, path)}: making the optimizer {raised(e)}") from None
-        _check_optimizer(opt, spec, path)
-        if device == "meta":
-            opt.step = _step_with_cpu_default(opt.step)
-        ledger = Ledger(model, optimizer=opt, keep=max(steps, 1),       # every audited step
-                        peak_flops=peak_flops if device in ("cpu", "cuda") else None)
-        loss_source = []
-
-        def step():
-            try:
-                source = _one_step(spec, model, inputs, opt)
-                if not loss_source:
-                    loss_source.append(source)
-            except AuditError:
-                raise
-            except USER_ERRORS as e:
-                raise step_error(e, path, device, world, model) from None
-
-        with _frozen_heap():
-            for _ in range(steps):
-                try:
-                    with ledger.step(tokens=tokens, seq_len=seq, tokens_source=source):
-                        step()
-                except AuditError:
-                    raise
-                except USER_ERRORS as e:        # entering or leaving the tracer, not the step
-                    raise AuditError(f"{where(e, path)}: tracing the step {raised(e)}; the model "
-                                     f"file changes something the tracer relies on (torch's dispatch "
-                                     f"modes, module or optimizer hooks): leave torch's own classes "
-                                     f"unpatched") from None
+        built = _build(fn, path, entry, device, world, layout)
+        ledger, loss_source, step = _trace_steps(built, steps, path, device, world, peak_flops)
         warmup = 0
         if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
             warmup = time_untraced(ledger, step, timing_steps)
     _restore_cwd(cwd)                   # a model file that chdir'd: paths are the user's again
-    from ..render.sarif import spec_location
-    spec_line = spec_location(path, entry)[1]        # SARIF points here; report never opens the file
+    info = {"file": os.path.relpath(path), "entry": entry, "device": device, "steps": steps,
+            "seq_len": built.seq, "spec_line": spec_location(path, entry)[1],   # SARIF points here
+            "loss": loss_source[0] if loss_source else None}
     for r in ledger.records:
-        r.meta["audit"] = {"file": os.path.relpath(path), "entry": entry, "device": device,
-                           "steps": steps, "seq_len": seq, "spec_line": spec_line,
-                           "loss": loss_source[0] if loss_source else None}
-        if guessed and guessed not in r.warnings:
-            r.warnings.append(guessed)
-        if layout is not None:
-            r.meta["audit"].update(precision=layout.precision, kernels=layout.kernels)
-        if plan_notes:
-            r.meta["audit"]["plan"] = list(plan_notes)
-        if world is not None:        # simulated: rank 0 of n (the report says so)
-            (n, shape), _ = world
-            r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)
-            if layout is not None:
-                r.meta["audit"]["mesh_dims"] = list(layout.names)
-                r.totals["parallel_dims"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
-                if spec.parallelize is None and layout.size("cp") > 1:  # inputs cut to T/cp (cp_part)
-                    r.totals["context_parallel"] = layout.size("cp")
-                # the references read the mesh (context parallel: keys of the whole sequence)
-                from ..analyzers.compare import record_predictions
-                r.predictions = record_predictions(r)
-            # NB: set, not defaulted: a tracer that reads the process group finds the same
-            # rank and size, but no mesh unless one is current
-            r.totals.update(rank=0, world_size=n, mesh=list(shape))
-            if not str(r.meta.get("device") or "").startswith("fake"):
-                # NB: the tracer reads the device off the first parameter, and a sharded one is
-                # a DTensor (not a FakeTensor) around its fake shard; the step was fake, so no
-                # MFU is read from its time
-                r.meta["device"] = "fake (cpu)"
-        accumulate = accumulated(layout, count)
-        if accumulate:
-            r.totals["micro_batches"] = accumulate
-    run = AuditRun(ledger.records, spec, device, path)
+        _stamp(r, dict(info), built, world, layout)
+    run = AuditRun(ledger.records, built.spec, device, path)
     run.snapshot = ledger.snapshot
     run.untraced_seconds = list(ledger.untraced_seconds)
     run.warmup_steps = warmup
@@ -195,10 +106,129 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
     return run
 
 
+def _check_counts(steps, timing_steps) -> None:
+    if steps < 1:
+        raise AuditError(f"--steps: expected a whole number >= 1, got {steps}")
+    if timing_steps is not None and not (isinstance(timing_steps, int) and 0 <= timing_steps <= MAX_TIMING_STEPS):
+        raise AuditError(f"--timing-steps: expected a whole number from 0 to {MAX_TIMING_STEPS}, got "
+                         f"{timing_steps!r}")
+
+
+class _Built:
+    """What the model file's spec became on the audit's device: the model under its plan, the
+    inputs (rank 0's part), the optimizer, and the tokens (D) and sequence length (T)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _build(fn, path, entry, device, world, layout) -> _Built:
+    """Call the model file's ``entry()`` in the device context, apply the plan (the file's own
+    ``parallelize`` or the standard plan of ``layout``) and make the optimizer."""
+    import torch
+    try:
+        with fake_safe_init(device):
+            raw = fn()
+    except AuditError:
+        raise
+    except USER_ERRORS as e:
+        raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}{device_hint(e, device)}") from None
+    try:
+        spec = as_spec(raw)
+    except TypeError as e:
+        raise AuditError(f"{path}: {entry}() must return a torchledger.AuditSpec; {e}") from None
+    model = spec.model
+    if device in ("meta", "cuda"):
+        model = model.to(device)
+    inputs = to_device(spec.inputs, device)
+    plan_notes = []
+    if world is not None:
+        model, plan_notes = parallelize(spec, model, world, path, layout, infer_tokens(inputs).seq_len)
+        inputs = cp_part(inputs, spec, layout, world)
+    elif layout is not None and spec.parallelize is None:      # --checkpointing/--precision alone
+        model, plan_notes = standard_plan(model, None, layout, path)
+    count = infer_tokens(inputs, model)
+    try:
+        opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
+    except USER_ERRORS as e:
+        raise AuditError(f"{where(e, path)}: making the optimizer {raised(e)}") from None
+    _check_optimizer(opt, spec, path)
+    if device == "meta":
+        opt.step = _step_with_cpu_default(opt.step)
+    return _Built(spec=spec, model=model, inputs=inputs, opt=opt, plan_notes=plan_notes, count=count,
+                  tokens=spec.tokens or count.tokens, source=TOKENS_FROM_SPEC if spec.tokens else count.source,
+                  guessed=None if spec.tokens else tokens_warning(inputs, model),
+                  seq=spec.seq_len or count.seq_len)
+
+
+def _trace_steps(built: _Built, steps: int, path, device, world, peak_flops) -> tuple:
+    """Trace ``steps`` training steps under a :class:`~torchledger.ledger.Ledger`; returns it,
+    the loss's source (a one-item list once a step ran) and the step function."""
+    ledger = Ledger(built.model, optimizer=built.opt, keep=max(steps, 1),       # every audited step
+                    peak_flops=peak_flops if device in ("cpu", "cuda") else None)
+    loss_source = []
+
+    def step():
+        try:
+            source = _one_step(built.spec, built.model, built.inputs, built.opt)
+            if not loss_source:
+                loss_source.append(source)
+        except AuditError:
+            raise
+        except USER_ERRORS as e:
+            raise step_error(e, path, device, world, built.model) from None
+
+    with _frozen_heap():
+        for _ in range(steps):
+            try:
+                with ledger.step(tokens=built.tokens, seq_len=built.seq, tokens_source=built.source):
+                    step()
+            except AuditError:
+                raise
+            except USER_ERRORS as e:        # entering or leaving the tracer, not the step
+                raise AuditError(f"{where(e, path)}: tracing the step {raised(e)}; the model "
+                                 f"file changes something the tracer relies on (torch's dispatch "
+                                 f"modes, module or optimizer hooks): leave torch's own classes "
+                                 f"unpatched") from None
+    return ledger, loss_source, step
+
+
+def _stamp(r, info: dict, built: _Built, world, layout) -> None:
+    """``meta.audit`` and the layout's totals on one record: what the audit was (file, entry,
+    device, steps, T, loss), the plan, the simulated world (rank 0 of n) and accumulation."""
+    r.meta["audit"] = info
+    if built.guessed and built.guessed not in r.warnings:
+        r.warnings.append(built.guessed)
+    if layout is not None:
+        r.meta["audit"].update(precision=layout.precision, kernels=layout.kernels)
+    if built.plan_notes:
+        r.meta["audit"]["plan"] = list(built.plan_notes)
+    if world is not None:        # simulated: rank 0 of n (the report says so)
+        (n, shape), _ = world
+        r.meta["audit"].update(world_size=n, mesh=list(shape), rank=0)
+        if layout is not None:
+            r.meta["audit"]["mesh_dims"] = list(layout.names)
+            r.totals["parallel_dims"] = dict(layout.dims)      # {"dp": 4, "tp": 8, ...}
+            if built.spec.parallelize is None and layout.size("cp") > 1:  # inputs cut to T/cp (cp_part)
+                r.totals["context_parallel"] = layout.size("cp")
+            # the references read the mesh (context parallel: keys of the whole sequence)
+            r.predictions = record_predictions(r)
+        # NB: set, not defaulted: a tracer that reads the process group finds the same
+        # rank and size, but no mesh unless one is current
+        r.totals.update(rank=0, world_size=n, mesh=list(shape))
+        if not str(r.meta.get("device") or "").startswith("fake"):
+            # NB: the tracer reads the device off the first parameter, and a sharded one is
+            # a DTensor (not a FakeTensor) around its fake shard; the step was fake, so no
+            # MFU is read from its time
+            r.meta["device"] = "fake (cpu)"
+    accumulate = accumulated(layout, built.count)
+    if accumulate:
+        r.totals["micro_batches"] = accumulate
+
+
 def set_mfu(run, options: dict) -> dict:
     """Store the report's one MFU in the last record (``analyzers.mfu.mfu_totals``), timed by
     the untraced steps when there are any; returns ``options`` with that time added."""
-    from ..analyzers.mfu import mfu_totals
     options = dict(options)
     if run.untraced_seconds:
         options.update(step_seconds=run.record.totals["step_seconds_untraced"],
