@@ -41,6 +41,24 @@ one pipe read; measured by ``benchmarks/bench_audit_supervisor.py``. When the pa
 imported torch (the CLI called in-process, as tests do) the child runs torch single-threaded:
 GNU OpenMP's thread pool does not survive a fork and would hang the child's first parallel op.
 
+What the standard library already does, and why the rest is here:
+
+* ``faulthandler`` does the stack dumps (``enable`` for a crash, ``register(SIGUSR1)`` for a
+  timeout). ``faulthandler.dump_traceback_later`` would time the child from inside it, but
+  ``--timeout`` does not count the time the parent was stopped (Ctrl-Z), and the parent must
+  end the child's group after the dump: so the parent keeps the clock and asks for the dump.
+* ``multiprocessing`` (fork context) gives a forked target and an exit code, but runs its own
+  exit path in the child (``os._exit`` after the target: the model file's exit handlers never
+  run, and a grace period for them cannot be given), cannot say which line called
+  ``os._exit``, and reaps before anyone can kill what is left of the child's group (once
+  reaped, the group's id may name another process's group). So: ``os.fork`` and ``waitid``
+  with ``WNOWAIT`` (see ``_Child``).
+* ``subprocess`` with ``start_new_session=True`` would make the group the same way, but
+  execs a new interpreter: the audit's work is a closure over the parsed command line, run
+  in a process that has not imported torch yet (``fork`` costs one copy-on-write page table;
+  a new interpreter re-imports torchledger and re-parses the arguments). ``os.setsid`` in the
+  forked child is the same call ``start_new_session`` makes.
+
 ``inprocess=True`` (``--debug``), or a platform without ``fork``: ``work()`` runs here, as it
 did before (tracebacks, breakpoints; no timeout).
 
@@ -239,7 +257,8 @@ def _warm() -> None:
 
 #: Modules every audit imports (``_warm``).
 WARM = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch._dynamo",
-        "torch.distributed", "torchledger.audit", "torchledger.ledger", "torchledger.tracer",
+        "torch.distributed", "torchledger.audit", "torchledger.audit.engine", "torchledger.audit.pipeline",
+        "torchledger.ledger", "torchledger.tracer",
         "torchledger.tracer.step", "torchledger.analyzers.checks", "torchledger.render",
         "torchledger.render.sarif", "torchledger.lint", "torchledger.settings", "torchledger.tracer.retention",
         "torchledger.tracer.segments", "torchledger.tracer.shape", "torchledger.tracer.dist_record",
