@@ -287,3 +287,75 @@ def test_importing_a_light_room_loads_no_torch(room):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# -- function-local imports ----------------------------------------------------------------------------
+_HEAVY = ("torch", "numpy", "pandas", "transformers", "lightning", "accelerate", "pytest", "tabulate")
+
+
+def _heavy_modules() -> set:
+    """Package modules whose import loads a heavy library (directly at their top level, or
+    through another package module they import at top level, or their parent package)."""
+    known = {m: (p, pkg) for p, m, pkg in _modules()}
+    top: dict = {m: set() for m in known}
+    heavy = set()
+    for m, (path, is_package) in known.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        package = m if is_package else m.rpartition(".")[0]
+        for node in tree.body:
+            for sub in ast.walk(node) if isinstance(node, ast.Try) else (node,):
+                if isinstance(sub, ast.Import):
+                    names = [a.name for a in sub.names]
+                elif isinstance(sub, ast.ImportFrom):
+                    base = package.split(".")[:len(package.split(".")) - sub.level + 1] if sub.level else []
+                    target = ".".join(base + ([sub.module] if sub.module else [])) if sub.level else (sub.module or "")
+                    names = [target] + [f"{target}.{a.name}" for a in sub.names]
+                else:
+                    continue
+                for n in names:
+                    if n.split(".")[0] in _HEAVY:
+                        heavy.add(m)
+                    if n in known:
+                        top[m].add(n)
+    grew = True
+    while grew:
+        grew = False
+        for m in known:
+            parents = {".".join(m.split(".")[:i]) for i in range(2, len(m.split(".")))}
+            if m not in heavy and (top[m] | parents) & heavy:
+                heavy.add(m)
+                grew = True
+    return heavy
+
+
+def test_function_local_imports_save_a_heavy_import_or_say_why():
+    """A function-local import of a package module hides a dependency from readers and tools:
+    only where the module it names is heavy (loads torch, pandas, ...) or the line says why."""
+    heavy = _heavy_modules()
+    hits = []
+    for path, module, is_package in _modules():
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        lines = source.splitlines()
+        package = module if is_package else module.rpartition(".")[0]
+        for fn in ast.walk(ast.parse(source, path)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("torchledger")):
+                    continue
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                named = {f"{target}.{a.name}" for a in node.names} | {target}
+                if named & heavy or any("#" in lines[i] for i in range(node.lineno - 1, node.end_lineno)):
+                    continue
+                hits.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: from {target} import "
+                            f"{', '.join(a.name for a in node.names)}")
+    assert not hits, "move these to the module's top, or say on the line why they wait:\n" + "\n".join(hits)
+
+
+def test_the_heavy_finder_sees_torch_through_the_tracer():
+    heavy = _heavy_modules()
+    assert {"torchledger.tracer.step", "torchledger.ledger", "torchledger.audit.engine"} <= heavy
+    assert not {"torchledger.formulas.steptime", "torchledger.record.core", "torchledger.steptime.predict"} & heavy

@@ -30,6 +30,8 @@ from .analyzers.snapshot import allocator_view
 from .tracer.compiled import note_run
 from .tracer.ranks import mesh_shape
 from .tracer.step import StepTracer, check_optimizer
+from .analyzers.checks import run_checks
+from .render.table import render_table
 
 __all__ = ["trace", "Ledger", "LEAK_WINDOW"]
 
@@ -57,7 +59,6 @@ class _Traced(StepTracer):
     """What ``trace()`` returns: a ``StepTracer`` with the report and findings at hand."""
 
     def report(self, **options) -> str:
-        from .render.table import render_table
         if self.record is None:
             raise RuntimeError("report() is available after the traced block ends")
         return render_table(self.record, self.findings(), **options)
@@ -73,7 +74,6 @@ class _Traced(StepTracer):
         ``peak_flops`` for MFU, defaulting to the one given to ``trace``). The record keeps
         the last ones computed (``record.findings``, in ``to_dict()``), so a saved record
         renders them offline."""
-        from .analyzers.checks import run_checks
         if self.record is None:
             raise RuntimeError("findings() are available after the traced block ends")
         options.setdefault("peak_flops", self.peak_flops)
@@ -266,7 +266,6 @@ class Ledger:
         """Findings over the leak window (the last ``LEAK_WINDOW`` traced steps); ``options``
         as in ``[tool.torchledger]``. MFU uses the untraced steps' median time when there are
         any (tracing adds its own overhead to the traced ones)."""
-        from .analyzers.checks import run_checks
         options.setdefault("peak_flops", self.peak_flops)
         if self.untraced_seconds and "step_seconds" not in options:
             options["step_seconds"] = sorted(self.untraced_seconds)[len(self.untraced_seconds) // 2]
@@ -280,7 +279,6 @@ class Ledger:
         return found
 
     def report(self, **options) -> str:
-        from .render.table import render_table
         if not self.records:
             return "No steps traced yet: wrap a training step in `with ledger.step(): ...`."
         return render_table(self.records[-1], self.findings(), **options)

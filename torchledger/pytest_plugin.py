@@ -64,7 +64,7 @@ class _Report:
         return stem
 
     def write(self, nodeid: str, records: list) -> None:
-        from .render.output import write_atomic
+        from .render.output import write_atomic  # lazy: the plugin loads with every pytest session
         stem = self.stem(nodeid) if records else None
         for i, record in enumerate(records):
             name = f"{stem}-{i}.json"
@@ -104,7 +104,7 @@ class _Report:
 
     def write_index(self):
         """``DIR/index.json``; the path, or None when it could not be written (noted)."""
-        from .render.output import write_atomic
+        from .render.output import write_atomic  # lazy: the plugin loads with every pytest session
         path = os.path.join(self.directory, "index.json")
         doc = {"schema": INDEX_SCHEMA, "records": self.finished_entries()}
         try:
@@ -256,7 +256,7 @@ class TraceFactory:
         self._traces: list = []
 
     def __call__(self, model, optimizer=None, tokens=None, **options) -> _Trace:
-        from . import trace
+        from . import trace  # lazy: the plugin loads with every pytest session
         t = _Trace(trace(model, optimizer=optimizer, tokens=tokens, **options))
         self._traces.append(t)
         return t

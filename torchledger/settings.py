@@ -27,6 +27,7 @@ import os
 
 from . import units
 from .record import Finding
+from .rules import RULES
 
 __all__ = ["SettingsError", "load_settings", "find_pyproject", "check_budgets", "compare_baseline",
            "SEVERITY_RANK", "known_rules", "rule_ids", "suppress"]
@@ -54,7 +55,6 @@ _PARSERS = {
 
 def known_rules() -> list:
     """Every rule id a finding can carry: the catalogue's (:mod:`torchledger.rules`)."""
-    from .rules import RULES
     return sorted(RULES)
 
 

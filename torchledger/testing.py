@@ -31,6 +31,10 @@ import os
 
 from . import units
 from .record import Finding, StepRecord, counts_samples
+from .analyzers.checks import run_checks
+from .inputs import RECORD_MAX_BYTES, read_input
+from .record.schema import parse_record
+from .settings import compare_baseline, rule_ids
 
 __all__ = ["assert_step", "as_record"]
 
@@ -45,8 +49,6 @@ def as_record(obj, what: str = "record") -> StepRecord:
     if isinstance(obj, dict):
         return StepRecord.from_dict(obj)
     if isinstance(obj, (str, os.PathLike)):
-        from .inputs import RECORD_MAX_BYTES, read_input
-        from .record.schema import parse_record
         return StepRecord.from_dict(parse_record(read_input(obj, what="record JSON",
                                                             max_bytes=RECORD_MAX_BYTES)))
     if hasattr(obj, "record"):
@@ -142,7 +144,6 @@ def assert_step(record, max_peak_bytes=None, max_flops_per_token=None, no_findin
     if isinstance(ignore, str):
         ignore = [ignore]
     if ignore:
-        from .settings import rule_ids
         ignore = rule_ids(ignore, "ignore")
     rec = as_record(record)
     base = as_record(baseline, "baseline") if baseline is not None else None
@@ -165,7 +166,6 @@ def assert_step(record, max_peak_bytes=None, max_flops_per_token=None, no_findin
 
     growth, rows = [], []
     if base is not None:
-        from .settings import compare_baseline
         growth, rows = compare_baseline(rec, base, tolerance)
 
     found = []
@@ -192,7 +192,6 @@ def assert_step(record, max_peak_bytes=None, max_flops_per_token=None, no_findin
 
 def _findings(rec) -> list:
     """The record's stored findings and those the checks find again in it, each once."""
-    from .analyzers.checks import run_checks
     out, seen = [], set()
     stored = [f if isinstance(f, Finding) else Finding.from_dict(f) for f in rec.findings]
     for f in stored + run_checks([rec], {}):

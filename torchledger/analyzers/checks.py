@@ -6,6 +6,16 @@ loaded from JSON. ``ALL_CHECKS`` lists them; ``run_checks`` runs them all.
 from __future__ import annotations
 
 from ..record import Finding
+from .comm import check_comm_steps
+from .compare import check_comparisons
+from .copies import check_copies
+from .fit import check_gpu_fit
+from .interconnect import check_comm_time
+from .leaks import check_leaks
+from .mfu import check_mfu
+from .outputs import check_output_cache
+from .precision import check_precision
+from .snapshot import check_snapshot
 
 __all__ = ["ALL_CHECKS", "run_checks", "check_uncounted_ops", "check_fake_kernel_gaps",
            "check_tracer_warnings", "FAKE_KERNEL_GAPS", "may_be_matmul"]
@@ -128,20 +138,10 @@ def check_allocator(records, options=None) -> list:
     alloc = records[-1].memory.get("allocator") or {}
     if not alloc.get("available"):
         return []
-    from .snapshot import check_snapshot
     return check_snapshot(alloc["summary"], options or {})
 
 
 def _all():
-    from .comm import check_comm_steps
-    from .compare import check_comparisons
-    from .copies import check_copies
-    from .leaks import check_leaks
-    from .fit import check_gpu_fit
-    from .interconnect import check_comm_time
-    from .mfu import check_mfu
-    from .outputs import check_output_cache
-    from .precision import check_precision
     return [check_comparisons, check_copies, check_leaks, check_output_cache, check_gpu_fit,
             check_comm_time, check_mfu, check_allocator, check_uncounted_ops, check_fake_kernel_gaps,
             check_tracer_warnings, check_comm_steps, check_precision]

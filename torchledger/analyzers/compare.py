@@ -12,11 +12,13 @@ from __future__ import annotations
 from ..record import Finding, attention_ran_causal, compute_dtype, counts_samples
 from ..formulas.activations import korthikanti_cross_attention_bytes, korthikanti_layer_bytes
 from .compare_layout import korthikanti_layer, layout_static, layout_text, sequence_parallel
-from .compare_shape import ATTENTION_FREE, attention_free
-from .compare_shape import enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len, shape as _shape
+from .compare_shape import (ATTENTION_FREE, attention_free, enc_dec_lengths as _enc_dec_lengths, seq_len as _seq_len,
+                            shape as _shape)
 from ..formulas.flops import encoder_decoder_attention_flops
 from ..formulas.memory import OPTIMIZERS, bytes_per_param, static_memory
 from ..formulas.params import count_params, params_12ld2_encoder_decoder
+from ..models.config import TransformerConfig
+from .comm import sharding
 
 __all__ = ["predictions", "comparisons", "check_comparisons", "record_predictions"]
 
@@ -28,7 +30,6 @@ def _config(record):
     if not cfg or cfg.get("kind") != "transformer" or cfg.get("partial") or attention_free(record):
         return None
     try:
-        from ..models.config import TransformerConfig
         keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp", "norm",
                 "bias", "tie_embeddings", "n_positions")
         return TransformerConfig(**{k: cfg[k] for k in keys if k in cfg})
@@ -195,7 +196,6 @@ def predictions(record) -> dict:
     opt = record.optimizer or {}
     if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
         # trainable: params + grads + master + optimizer state; frozen: their weights only
-        from .comm import sharding
         gpus, zero = sharding(record)               # (1, 0) unless a distributed rank holds shards
         sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
         frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 from ..record import Finding
 from ..record.steady import first_step_state, steady_peak, steady_peak_phase
 from ..units import fmt_bytes
+from ..formulas.hardware import get_gpu
 
 __all__ = ["check_gpu_fit", "HEADROOM", "first_step_state", "steady_peak"]
 
@@ -35,7 +36,6 @@ def check_gpu_fit(records, options=None) -> list:
     opts = options or {}
     if not records or not opts.get("gpu"):
         return []
-    from ..formulas.hardware import get_gpu
     try:
         gpu = get_gpu(opts["gpu"])
     except (KeyError, ValueError):

@@ -44,6 +44,8 @@ from __future__ import annotations
 from ..formulas.interconnect import DEFAULT_MFU, LINKS, comm_seconds, compute_seconds, link_bandwidth
 from ..record import Finding
 from ..units import fmt_bytes
+from ..formulas.hardware import get_gpu
+from .steptime import comm_finding
 
 __all__ = ["step_bus_bytes", "check_comm_time"]
 
@@ -104,12 +106,10 @@ def check_comm_time(records, options=None) -> list:
         return []                          # not distributed, or collectives not counted
     predicted = (rec.predictions or {}).get("step_time")
     if isinstance(predicted, dict) and not opts.get("link_bandwidth"):   # audit --gpu: the comm model
-        from .steptime import comm_finding
         return comm_finding(rec, predicted, total, kind)
     world = rec.totals.get("world_size") or (rec.meta.get("audit") or {}).get("world_size") or 1
     gpu = None
     if opts.get("gpu"):
-        from ..formulas.hardware import get_gpu
         try:
             gpu = get_gpu(opts["gpu"])
         except (KeyError, ValueError):

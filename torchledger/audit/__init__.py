@@ -14,6 +14,6 @@ def __getattr__(name):
     """``torchledger.audit.run_audit`` and the engine's other public names, as before the room
     (the engine loads on first use: the command line forks before torch is imported)."""
     if name in __all__:
-        from . import engine
+        from . import engine          # lazy: the engine imports torch
         return getattr(engine, name)
     raise AttributeError(f"module 'torchledger.audit' has no attribute {name!r}")

@@ -25,6 +25,8 @@ from .layouts import accumulated, cp_part, parallelize, resolve, resolve_layout,
 from .loading import (DEVICES, AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs,  # noqa: F401
                       stdout_to_stderr, to_device)
 from .spec import AuditError, as_spec, call_model, pick_loss
+from .pipeline import run_pipeline_audit
+from .world import WorldError, fake_world
 
 __all__ = ["AuditRun", "load_entry", "run_audit", "DEVICES", "stdout_to_stderr"]
 
@@ -50,10 +52,8 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
         layout = resolve_layout(world, mesh, plan)
         if world is None:
             return _run_audit(path, entry, device, steps, peak_flops, timing_steps, layout=layout)
-        from .world import WorldError, fake_world
         try:
             if layout.pipelined:
-                from .pipeline import run_pipeline_audit
                 return run_pipeline_audit(path, entry, world, layout)
             with fake_world(*world, names=layout.names) as device_mesh:
                 return _run_audit(path, entry, device, steps, peak_flops, timing_steps,

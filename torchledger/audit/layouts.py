@@ -10,6 +10,9 @@ from typing import Optional
 from ..record.tokens import infer_tokens
 from .errors import USER_ERRORS, raised, where
 from .spec import AuditError
+from ..parallel.layout import parse_layout
+from ..parallel.plan import PlanError, apply_standard_plan, cp_inputs
+from .world import WorldError, resolve_world
 
 __all__ = ["resolve_layout", "resolve", "standard_plan", "parallelize", "accumulated", "cp_part"]
 
@@ -20,8 +23,6 @@ def resolve_layout(world, mesh, plan):
     options = {k: v for k, v in (plan or {}).items() if v is not None}
     if world is None and not options:
         return None
-    from ..parallel.layout import parse_layout
-    from .world import WorldError
     try:
         layout = parse_layout(mesh if mesh is not None else None, world[0] if world else 1)
         layout = layout.with_options(**options)
@@ -41,7 +42,6 @@ def resolve_layout(world, mesh, plan):
 def resolve(world_size, mesh, device):
     if world_size is None and mesh is None:
         return None
-    from .world import WorldError, resolve_world
     try:
         return resolve_world(world_size, mesh, device)
     except WorldError as e:
@@ -50,7 +50,6 @@ def resolve(world_size, mesh, device):
 
 def standard_plan(model, device_mesh, layout, path: str, seq_len=None, **kw):
     """The standard plan of ``layout`` (:mod:`torchledger.parallel.plan`); (model, notes)."""
-    from ..parallel.plan import PlanError, apply_standard_plan
     try:
         return apply_standard_plan(model, device_mesh, layout, seq_len=seq_len, **kw)
     except PlanError as e:
@@ -102,6 +101,5 @@ def cp_part(inputs, spec, layout, world):
     """Rank 0's part of the sequence under the standard plan's context parallelism."""
     if layout is None or spec.parallelize is not None or layout.size("cp") == 1:
         return inputs
-    from ..parallel.plan import cp_inputs
     seq = infer_tokens(inputs).seq_len
     return cp_inputs(inputs, layout.size("cp"), 0, seq) if seq else inputs

@@ -49,7 +49,17 @@ import functools
 import time
 
 from .errors import raised, where
-from .spec import AuditError
+from .spec import AuditError, as_spec
+from ..analyzers.compare import record_predictions
+from ..formulas.pipeline import bubble_fraction, chunk_sizes, in_flight, rank_chunks, schedule_problem
+from ..parallel.layout import Layout
+from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
+from ..record import StepRecord
+from ..record.tokens import infer_tokens
+from ..render.sarif import spec_location
+from .layouts import standard_plan
+from .loading import AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs, stdout_to_stderr
+from .world import WorldError, fake_world
 
 __all__ = ["run_pipeline_audit"]
 
@@ -61,8 +71,6 @@ def _error(message):
 def run_pipeline_audit(path: str, entry: str, world, layout):
     """Trace each distinct pipeline rank and compose the schedule; an ``AuditRun`` whose
     record is the bounding rank's."""
-    from .loading import AuditRun, load_entry
-    from ..formulas.pipeline import bubble_fraction, chunk_sizes, rank_chunks, schedule_problem
     n, shape = world
     p, v = layout.size("pp"), layout.virtual_stages
     t0 = time.perf_counter()
@@ -109,7 +117,6 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
         composed[r].totals.update(pipeline=pipeline, parallel_dims=dict(layout.dims))
     rec = composed[bound["rank"]]
     traced, stage, notes, meta = records[bound["rank"]]
-    from ..render.sarif import spec_location
     import os
     for r, stage_rec in composed.items():       # each stage's record says what ran (its pricing reads it)
         stage_rec.meta["audit"] = {
@@ -130,9 +137,6 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
 def _probe(fn, path, entry):
     """(blocks, batch) of the spec's model, built on the meta device (no world, no memory)."""
     import torch
-    from ..record.tokens import infer_tokens
-    from .spec import as_spec
-    from ..parallel.plan import find_decoder
     try:
         with torch.device("meta"):
             spec = as_spec(fn())
@@ -172,7 +176,6 @@ def _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype=None):
     import subprocess
     import sys
     import tempfile
-    from ..record import StepRecord
     args = {"path": os.path.abspath(path), "entry": entry, "world": [world[0], list(world[1])],
             "layout": {k: (list(map(list, v)) if k == "dims" else v)
                        for k, v in dataclasses.asdict(layout).items()},
@@ -206,10 +209,6 @@ def _child() -> None:
     """The child process of :func:`_trace_in_child`: trace one rank, write JSON."""
     import json
     import sys
-    from .loading import load_entry, quiet_torch_logs, stdout_to_stderr
-    from .spec import AuditError
-    from .world import WorldError, fake_world
-    from ..parallel.layout import Layout
     args, out = json.loads(sys.argv[1]), sys.argv[2]
     lay = dict(args["layout"])
     lay["dims"] = tuple(tuple(d) for d in lay["dims"])
@@ -233,13 +232,7 @@ def _child() -> None:
 def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
     """Build, prune, plan and trace rank ``r``'s micro-steps; (records by kind, notes, meta)."""
     import torch
-    from .loading import device_context, fake_safe_init
-    from .layouts import standard_plan
-    from ..formulas.pipeline import rank_chunks
     from ..ledger import Ledger
-    from ..record.tokens import infer_tokens
-    from .spec import as_spec
-    from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
     p, v = layout.size("pp"), layout.virtual_stages
     chunks = rank_chunks(p, v, r)
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
@@ -519,7 +512,6 @@ def _weights(m: int) -> dict:
 
 def _compose(traced, layout, r, m, schedule, meta) -> dict:
     """Rank ``r``'s step: the weighted sum of its micro-steps, and its peak under the schedule."""
-    from ..formulas.pipeline import in_flight
     p, v = layout.size("pp"), layout.virtual_stages
     w = _weights(m)
     flops = {"forward": 0, "backward": 0, "optimizer": 0}
@@ -623,7 +615,6 @@ def _composed_record(traced, stage, m, dims):
                                   stage_embedding=stage["embedding"], stage_head=stage["head"],
                                   stage_micro_batches=m,
                                   stage_layers_in_flight=stage["blocks"] + extra * stage["blocks"] / len(stage["chunks"]))
-    from ..analyzers.compare import record_predictions
     rec.predictions = record_predictions(rec)
     rows = {}
     for kind, r in traced.items():

@@ -23,7 +23,7 @@ TIMEOUT_S = 1800.0
 
 
 def _resolve_format(fmt, output):
-    from ..render import format_from_path
+    from ..render import format_from_path  # lazy: CLI startup
     check_output(output)
     if fmt:
         return fmt
@@ -50,9 +50,9 @@ def _peak(peak_flops, gpu, dtype="bf16"):
 
 
 def _emit(text: str, output) -> None:
-    from ..render import write_atomic
-    from ..render.output import make_folders
-    from ..audit.supervise import handed_over
+    from ..render import write_atomic  # lazy: CLI startup
+    from ..render.output import make_folders  # lazy: CLI startup
+    from ..audit.supervise import handed_over  # lazy: CLI startup
     if handed_over(text, output):       # in audit's child process: the parent writes it
         return
     if output:
@@ -78,9 +78,9 @@ def load_record(path, label, needed=REPORT_TOTALS):
     """A saved record, validated (:mod:`torchledger.record.schema`), or one line saying what
     arrived instead and how to make one. A baseline's totals must also be positive: a zero
     baseline compares as no growth, so a gate against it would always pass."""
-    from ..inputs import RECORD_MAX_BYTES, InputFileError, read_input
-    from ..record import StepRecord
-    from ..record.schema import RecordError, parse_record
+    from ..inputs import RECORD_MAX_BYTES, InputFileError, read_input  # lazy: CLI startup
+    from ..record import StepRecord  # lazy: CLI startup
+    from ..record.schema import RecordError, parse_record  # lazy: CLI startup
     try:
         data = parse_record(read_input(path, what="record JSON", max_bytes=RECORD_MAX_BYTES))
         rec = StepRecord.from_dict(data)
@@ -128,7 +128,7 @@ def _debug() -> bool:
 
 
 def _exit_code(findings, fail_on: str) -> int:
-    from ..settings import SEVERITY_RANK
+    from ..settings import SEVERITY_RANK  # lazy: CLI startup
     limit = SEVERITY_RANK[fail_on]
     return 1 if any(SEVERITY_RANK[f.severity] >= limit for f in findings) else 0
 
@@ -213,9 +213,9 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
 
     With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
     tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
-    from ..audit.engine import run_audit, stdout_to_stderr
-    from ..audit.spec import AuditError
-    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
+    from ..audit.engine import run_audit, stdout_to_stderr  # lazy: CLI startup
+    from ..audit.spec import AuditError  # lazy: CLI startup
+    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress  # lazy: CLI startup
 
     if compiled and kernels not in (None, "compiled"):
         raise InputError(f"--compiled and --kernels {kernels}: --compiled is --kernels compiled; give one")
@@ -235,7 +235,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
         raise InputError(f"--timing-steps {timing_steps}: times real steps, so it needs --device cpu or cuda; "
                          f"a {device} step has no real time (drop --timing-steps, or pick cpu/cuda)")
     if memory_snapshot and device != "cuda":
-        from ..tracer.cuda_history import UNAVAILABLE
+        from ..tracer.cuda_history import UNAVAILABLE  # lazy: CLI startup
         raise InputError(f"--memory-snapshot needs --device cuda: {UNAVAILABLE}")
     try:
         with stdout_to_stderr():        # stdout is the report's alone
@@ -251,7 +251,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     if memory_snapshot:
         _write_snapshot(run, memory_snapshot)
     if device == "cpu" and peak is None:
-        from ..tracer.peak import measure_matmul_peak
+        from ..tracer.peak import measure_matmul_peak  # lazy: CLI startup
         peak, peak_source = measure_matmul_peak(), "measured CPU matmul peak"
     findings = _findings(run, settings, peak, peak_source, gpu,
                          {"link_bandwidth": link_bandwidth, "assumed_mfu": mfu,
@@ -275,7 +275,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
                                             for r in ignore if any(f.rule == r for f in suppressed)}}
     rec.findings = findings
     _check_counts(rec, micro_batches, global_batch)
-    from ..render import render
+    from ..render import render  # lazy: CLI startup
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
@@ -285,7 +285,7 @@ def _check_counts(rec, micro_batches, global_batch) -> None:
     """Records hold counts (FLOPs, bytes) in int64, as ``report`` reads them back: a step past
     that (1e6 micro-batches of a large step) is one line naming the count, not a record that
     ``report`` refuses."""
-    from ..record.jsonio import MAX_INT, past_int64
+    from ..record.jsonio import MAX_INT, past_int64  # lazy: CLI startup
     found = past_int64(rec.to_dict())
     if found is None:
         return
@@ -301,7 +301,7 @@ def _check_counts(rec, micro_batches, global_batch) -> None:
 def _rank_output(output):
     """``--output`` for this rank: under torchrun each rank writes its own file (``{rank}``
     in the name, else ``.rank{r}`` before the extension); one process keeps the name."""
-    from ..render.output import launcher_rank, rank_path
+    from ..render.output import launcher_rank, rank_path  # lazy: CLI startup
     launched = launcher_rank()
     if not output or (launched is None and "{rank}" not in output):
         return output
@@ -331,12 +331,12 @@ def _check_folder(flag: str, path) -> None:
 
 def _write_snapshot(run, path) -> None:
     import pickle
-    from ..render import write_atomic
+    from ..render import write_atomic  # lazy: CLI startup
     if run.snapshot is None:
         reason = run.record.memory.get("allocator", {}).get("reason", "no allocator history")
         raise InputError(f"--memory-snapshot {path}: {reason}")
     try:
-        from ..render.output import make_folders
+        from ..render.output import make_folders  # lazy: CLI startup
         make_folders(path, f"--memory-snapshot {path}")
         write_atomic(path, pickle.dumps(run.snapshot))
     except OSError as e:
@@ -345,8 +345,8 @@ def _write_snapshot(run, path) -> None:
 
 
 def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
-    from ..analyzers.checks import run_checks
-    from ..audit.engine import set_mfu
+    from ..analyzers.checks import run_checks  # lazy: CLI startup
+    from ..audit.engine import set_mfu  # lazy: CLI startup
     options = {k: v for k, v in settings.items() if not k.startswith("_")}
     options.update({k: v for k, v in (network or {}).items() if v is not None})   # TL-NET-001
     if gpu:
@@ -354,12 +354,12 @@ def _findings(run, settings, peak, peak_source, gpu=None, network=None) -> list:
     if peak:
         options.update(peak_flops=peak, peak_source=peak_source)
     if gpu:                                     # predictions.step_time on that part
-        from ..steptime.predict import predict_into
+        from ..steptime.predict import predict_into  # lazy: CLI startup
         predict_into(run.record, gpu, options, stages=getattr(run, "stage_records", None))
     options = set_mfu(run, options)             # the one MFU the header and TL-MFU-001 print
     findings = run_checks(run.records, options)
     try:
-        from ..lint import LintError, lint_paths
+        from ..lint import LintError, lint_paths  # lazy: CLI startup
     except ImportError:  # lint not part of this build
         return findings
     try:
@@ -381,13 +381,13 @@ def report(record_files, fmt, output, depth, fail_on):
     """Render a saved audit or trace record (JSON) in any format, offline. Given the records
     of several ranks of one run (torchrun: rank0.json rank1.json ...), merge them: a per-rank
     table, the skew across ranks and the findings only a merge can make (TL-RANK-*)."""
-    from ..render import render
+    from ..render import render  # lazy: CLI startup
     fmt = _resolve_format(fmt, output)
     if len(record_files) > 1:
         return _exit_code(_report_ranks(record_files, fmt, output), fail_on)
     (record_file,) = record_files
     rec = load_record(record_file, record_file)
-    from ..analyzers.ranks import lone_rank_findings
+    from ..analyzers.ranks import lone_rank_findings  # lazy: CLI startup
     findings = list(rec.findings) + lone_rank_findings(rec, record_file)   # TL-RANK-004: rank 1 of 2 missing
     _emit(render(rec, findings, fmt, depth=depth), output)
     return _exit_code(findings, fail_on)
@@ -396,12 +396,12 @@ def report(record_files, fmt, output, depth, fail_on):
 def _report_ranks(paths, fmt, output) -> list:
     """``report rank0.json rank1.json ...``: the ranks' records merged (analyzers/ranks.py),
     written; returns the merge's findings (for ``--fail-on``)."""
-    from ..analyzers.ranks import RanksError, merge_ranks
-    from ..render.ranks import RANK_FORMATS, render_ranks
+    from ..analyzers.ranks import RanksError, merge_ranks  # lazy: CLI startup
+    from ..render.ranks import RANK_FORMATS, render_ranks  # lazy: CLI startup
     if fmt not in RANK_FORMATS:
         raise InputError(f"--format {fmt}: merged ranks render as {', '.join(RANK_FORMATS)}; "
                          f"{fmt} is for one record's report")
-    from ..settings import SettingsError, load_settings, suppress
+    from ..settings import SettingsError, load_settings, suppress  # lazy: CLI startup
     try:
         settings = load_settings(os.getcwd())       # rank_*_skew thresholds, ignore
     except SettingsError as e:

@@ -24,9 +24,9 @@ def calibrate(record_files, gpu, output, compiled):
     and write them as the part's "efficiency" row of a TORCHLEDGER_HARDWARE file.
 
     Use it with: export TORCHLEDGER_HARDWARE=torchledger-hardware.json"""
-    from ..steptime.calibrate import fit_efficiency, measured_seconds
-    from ..render.output import write_atomic
-    from .audit import load_record
+    from ..steptime.calibrate import fit_efficiency, measured_seconds  # lazy: CLI startup
+    from ..render.output import write_atomic  # lazy: CLI startup
+    from .audit import load_record  # lazy: CLI startup
     check_output(output)
     part = gpu_part(gpu)
     records = []

@@ -53,7 +53,7 @@ def lint(ctx: click.Context, paths, fmt: str, fail_on: str) -> None:
         click.echo(json.dumps({"schema": SCHEMA, "findings": [f.to_dict() for f in findings],
                                "files": len(files), "errors": errors}, indent=2))
     elif fmt == "sarif":
-        from ..render.sarif import findings_to_sarif
+        from ..render.sarif import findings_to_sarif  # lazy: CLI startup
         click.echo(json.dumps(findings_to_sarif(findings, rules=list(engine.RULES)), indent=2))
     else:
         click.echo(render_table(findings, len(files) - len(errors), len(errors)))

@@ -37,7 +37,7 @@ def snapshot(file: str, fmt, top: int, output) -> int:
     is read with an unpickler that refuses anything but plain data, so a crafted pickle
     cannot run code.
     """
-    from ..analyzers.snapshot import SnapshotError, check_snapshot, load_snapshot, summarize_snapshot
+    from ..analyzers.snapshot import SnapshotError, check_snapshot, load_snapshot, summarize_snapshot  # lazy: CLI startup
 
     check_output(output)
     if fmt is None:
@@ -52,7 +52,7 @@ def snapshot(file: str, fmt, top: int, output) -> int:
     summary["findings"] = [f.to_dict() for f in findings]
     text = json.dumps(summary, indent=2) + "\n" if fmt == "json" else render(summary, findings)
     if output:
-        from ..render.output import write_atomic
+        from ..render.output import write_atomic  # lazy: CLI startup
         try:
             write_atomic(output, text)
         except OSError as e:
@@ -64,13 +64,13 @@ def snapshot(file: str, fmt, top: int, output) -> int:
 
 
 def _b(n) -> str:
-    from ..units import fmt_bytes
+    from ..units import fmt_bytes  # lazy: CLI startup
     return "-" if n is None else fmt_bytes(n, binary=True)
 
 
 def verdict(fig: dict) -> str:
     """One sentence on the free blocks of a summary (or of its peak)."""
-    from ..analyzers.snapshot import DEFAULT_OPTIONS as o
+    from ..analyzers.snapshot import DEFAULT_OPTIONS as o  # lazy: CLI startup
     free, largest = fig["free_bytes"], fig["largest_free_bytes"]
     if not free:
         return "no cached free memory: every reserved byte is in use"

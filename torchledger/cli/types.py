@@ -18,7 +18,7 @@ def check_output(output) -> None:
     """``--output newdir/`` names a directory: a usage error before any work, not a file
     named ``newdir``."""
     if output:
-        from ..render.output import check_output_path
+        from ..render.output import check_output_path  # lazy: CLI startup
         try:
             check_output_path(output)
         except ValueError as e:
@@ -29,7 +29,7 @@ def gpu_part(name, flag: str = "--gpu", ctx=None, param=None):
     """The ``GPUSpec`` of ``name``. A bad ``TORCHLEDGER_HARDWARE`` file is bad input (one line
     naming the file, the part and the field), not a bad ``--gpu``; an unknown or empty name
     is a bad ``flag``."""
-    from ..formulas.hardware import HardwareFileError, get_gpu
+    from ..formulas.hardware import HardwareFileError, get_gpu  # lazy: CLI startup
     if not str(name).strip():
         raise click.BadParameter("expected a GPU name such as H100, got an empty string", ctx, param,
                                  param_hint=None if param is not None else flag)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+from .hardware import get_gpu
 
 __all__ = ["LinkSpec", "LINKS", "get_link", "link_bandwidth", "comm_seconds", "compute_seconds",
            "DEFAULT_MFU"]
@@ -45,7 +46,6 @@ LINKS = {
 
 def get_link(gpu) -> Optional[LinkSpec]:
     """The interconnect of a part (a name or a ``GPUSpec``), or None when the table has none."""
-    from .hardware import get_gpu
     return LINKS.get(get_gpu(gpu).name)
 
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 from typing import Mapping, Optional
+from .hardware import HARDWARE_ENV
 
 __all__ = ["DEFAULT_EFFICIENCY", "efficiency", "matmul_seconds", "matmul_fraction", "attention_seconds",
            "sdpa_kernel", "attention_peak", "SDPA_KERNEL_WHY", "memory_seconds", "collective_seconds", "group_layout", "bus_bandwidth", "peak_dtype", "dense_peak",
@@ -227,7 +228,6 @@ def dense_peak(gpu, dtype: str, eff: Mapping) -> float:
     if not peak and col in ("bf16", "fp16", "fp8"):     # no figure for the column: its 16-bit one
         peak = gpu.peak_flops.get("bf16") or gpu.peak_flops.get("fp16")
     if not peak:
-        from .hardware import HARDWARE_ENV
         raise ValueError(f"{gpu.name} has no {col} peak in the hardware table (the step's matmuls are {dtype}); "
                          f"give one in ${HARDWARE_ENV} ({{\"{gpu.name}\": {{\"peak_flops\": {{\"{col}\": ...}}}}}})")
     return float(peak)

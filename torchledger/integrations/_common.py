@@ -232,7 +232,7 @@ class LedgerRun:
                       f"this with the model and framework versions.", RuntimeWarning, stacklevel=3)
 
     def _write(self, out_dir, name: str, text: str) -> None:
-        from ..render.output import write_atomic
+        from ..render.output import write_atomic  # lazy: the callback's module loads with the user's trainer
         directory = os.path.join(os.fspath(out_dir), RECORDS_DIR)
         os.makedirs(directory, exist_ok=True)
         path = self._free_path(directory, name)

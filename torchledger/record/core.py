@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from .finding import EMPTY_SENTENCE, SEVERITIES, Finding, as_findings, is_empty  # noqa: F401  (re-exported)
+from ..files import make_folders, rank_path, write_atomic
+from .schema import check_record, parse_record
+from .trace import trace_events
 
 __all__ = ["StepRecord", "Finding", "SCHEMA", "CONVENTIONS", "TOKENS_GIVEN", "TOKENS_FROM_SPEC",
            "SAMPLES_NOT_TOKENS", "counts_samples", "EMPTY_SENTENCE", "is_empty", "as_findings",
@@ -178,7 +181,6 @@ class StepRecord:
         """The step as Trace Event JSON (a dict: ``{"traceEvents": [...], ...}``) for
         ui.perfetto.dev and chrome://tracing; ``json.dump`` it to a ``.trace.json`` file.
         The clock is synthetic (1 op = 1 us): see :mod:`torchledger.render.trace_events`."""
-        from .trace import trace_events
         return trace_events(self, findings)
 
     def save(self, path) -> str:
@@ -192,7 +194,6 @@ class StepRecord:
 
         Missing folders on the way are created (``mkdir -p``; ranks racing to make the same
         one is fine); a folder that cannot be made raises ``OSError`` naming it."""
-        from ..files import make_folders, rank_path, write_atomic
         out = rank_path(path, self.totals.get("rank", 0), self.totals.get("world_size", 1))
         make_folders(out, f"save({os.fspath(path)!r})")
         write_atomic(out, self.to_json() + "\n")
@@ -203,7 +204,6 @@ class StepRecord:
         """A record from its ``to_dict()`` shape, validated first (:mod:`torchledger.record.schema`):
         a malformed one raises ``RecordError`` (a ``ValueError``) naming the field, what was
         expected and what arrived. Fields older records lack take their defaults."""
-        from .schema import check_record
         check_record(d, SCHEMA)
         return cls._from_checked(d)
 
@@ -223,7 +223,6 @@ class StepRecord:
     def from_json(cls, text) -> "StepRecord":
         """A record from JSON text (str or UTF-8 bytes), parsed in bounded work: nesting is
         checked before ``json`` recurses, NaN/Infinity and numbers past int64 are refused."""
-        from .schema import check_record, parse_record
         d = parse_record(text)                  # every value already bounded: check the shape
         check_record(d, SCHEMA, values=False)
         return cls._from_checked(d)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from ..units import fmt_bytes
+from .steptime import fmt_seconds
 
 __all__ = ["collective_lines"]
 
@@ -50,5 +51,4 @@ def collective_lines(record, top: int = _ROWS) -> list:
 
 
 def _secs(s) -> str:
-    from .steptime import fmt_seconds
     return fmt_seconds(s)

@@ -15,6 +15,8 @@ from tabulate import tabulate
 from ..units import fmt_bytes, fmt_count, printable
 from .data import csv_cell
 from .markdown import md_escape, md_table
+from .sarif import findings_to_sarif
+from .. import __version__
 
 __all__ = ["render_ranks", "RANK_FORMATS", "RANK_COLUMNS"]
 
@@ -151,8 +153,6 @@ def _markdown(merged) -> str:
 
 
 def _sarif(merged) -> str:
-    from .. import __version__
-    from .sarif import findings_to_sarif
     log = findings_to_sarif(merged["findings"], __version__, notifications=_notes(merged))
     return json.dumps(log, indent=2, default=str)
 

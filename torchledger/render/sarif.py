@@ -32,6 +32,8 @@ from urllib.parse import quote
 from ..record import Finding
 from ..rules import RULES, title
 from .common import EMPTY_SENTENCE, as_findings, is_empty, with_hint
+from ..inputs import SOURCE_MAX_BYTES, InputFileError, read_input
+from .. import __version__
 
 __all__ = ["findings_to_sarif", "render_sarif", "SARIF_SCHEMA", "LEVELS", "artifact_uri", "spec_location"]
 
@@ -57,7 +59,7 @@ def findings_to_sarif(findings, tool_version=None, *, rules=None, notifications=
     to torchledger's.
     """
     if tool_version is None:
-        from .. import __version__ as tool_version
+        tool_version = __version__
     items = [f if isinstance(f, Finding) else Finding.from_dict(f) for f in findings]
     listed = list(rules or ())
     described = dict(rules) if isinstance(rules, Mapping) else {}
@@ -110,7 +112,6 @@ def render_sarif(record, findings=None, *, source=None, **_options) -> str:
     line the audit stored (``meta.audit.spec_line``; line 1 in records made before it). The
     file itself is never opened: a record is data, and a path in it may name a FIFO or a device.
     """
-    from .. import __version__
 
     notes = [EMPTY_SENTENCE] if is_empty(record) else []
     if source is None:                  # never open the file a record names: its line is in the record
@@ -127,7 +128,6 @@ def spec_location(path: str, entry: str = "audit_spec") -> tuple:
 
     For ``audit``, which reads the model file it was given: the file is read as a regular file
     of bounded size (a FIFO or device gives line 1, never a hang)."""
-    from ..inputs import SOURCE_MAX_BYTES, InputFileError, read_input
     pattern = re.compile(r"^\s*(?:(?:async\s+)?def\s+" + re.escape(entry) + r"\b|" + re.escape(entry)
                          + r"\s*(?::[^=]*)?=[^=])")
     try:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 
 from ..formulas import steptime as st
+from ..formulas.hardware import get_gpu
+from .predict import predict_step_time
 
 __all__ = ["fit_efficiency", "measured_seconds", "FITTED"]
 
@@ -62,8 +64,6 @@ def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40)
     (``attention`` as the scaled fractions)."""
     from dataclasses import replace
 
-    from ..formulas.hardware import get_gpu
-    from .predict import predict_step_time
     gpu = get_gpu(gpu)
     # measured steps hold what a sustained training step loses: the fitted fractions are the
     # step's own, so the row carries no further sustained derate

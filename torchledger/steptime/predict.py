@@ -47,7 +47,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..formulas import steptime as st
-from ..units import fmt_ms
+from ..units import fmt_bytes, fmt_ms
 from ..record import counts_samples
 from ..record.steady import first_step_state
 
@@ -203,7 +203,6 @@ def causal_mask_assumptions(ops) -> list:
                     nbytes += int(s.get("mask_bytes") or 0) * int(s.get("count") or 0)
     if not why:
         return []
-    from ..units import fmt_bytes
     return [f"the explicit mask of a causal LM ({'; '.join(sorted(why))}) priced causal, as transformers runs "
             f"SDPA on a GPU with an all-ones padding mask (is_causal=True, no mask); fake tensors hold no "
             f"values: a padded batch would run the mask, dense. The traced memory counts up to "

@@ -13,6 +13,8 @@ from .memory import ACT, ALL_CATEGORIES, CATEGORIES, GRAD, UNSHARDED, state_tens
 from .modules import NO_MODULE
 from .ranks import rank_totals
 from .segments import op_namer
+from .cuda_history import UNAVAILABLE
+from .shape import model_config
 
 __all__ = ["build_record", "ATTENTION_KERNELS"]
 
@@ -302,7 +304,6 @@ def _allocator(tracer) -> dict:
     """Whether the CUDA caching allocator's history was recorded; the snapshot itself stays on
     the tracer (``tracer.snapshot``, with ``snapshot_marks`` and ``snapshot_device``) for the
     layer that summarises it (:func:`torchledger.analyzers.snapshot.allocator_view`)."""
-    from .cuda_history import UNAVAILABLE
     if tracer.history is None:
         reason = UNAVAILABLE if tracer.cuda is None else "allocator history was not recorded"
         return {"available": False, "reason": reason}
@@ -420,7 +421,6 @@ def _meta(tracer, model, mode, failed) -> dict:
     else:
         device, dtype = p.device.type, str(p.dtype).replace("torch.", "")
     kernels = sorted({ATTENTION_KERNELS.get(k, k) for k in mode.attention_kernels})
-    from .shape import model_config
     try:
         config = model_config(model) if model is not None else None
     except Exception:            # an odd config must not cost the user the record

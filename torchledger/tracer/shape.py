@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from ..models.config import CruncherConfig, TransformerConfig
 
 __all__ = ["model_config"]
 
@@ -28,7 +29,6 @@ def model_config(model):
     cfg = getattr(model, "config", None)
     if cfg is None:
         return _from_modules(model)
-    from ..models.config import CruncherConfig, TransformerConfig
     if isinstance(cfg, (TransformerConfig, CruncherConfig)):
         d = dataclasses.asdict(cfg)
         d["kind"] = cfg.kind

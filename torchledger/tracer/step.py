@@ -32,6 +32,8 @@ from .modules import ModuleScope
 from .outputs import output_cache
 from .gpu_kernels import gpu_kernel_hook
 from .selective import selective_checkpoint_hook
+from ..record.tokens import infer_tokens
+from .cuda_history import CudaMemoryHistory
 
 __all__ = ["StepTracer", "active_tracer"]
 
@@ -161,7 +163,6 @@ class StepTracer:
         pipeline_p2p_hook(self.mode.p2p_tags, life, self._ours, self.scope.index_of, self._warn)  # PP stages
         install_distributed(self, life)      # a distributed step only: FSDP's gathered parameters
         if self.cuda is not None and self.memory_history:
-            from .cuda_history import CudaMemoryHistory
             entries = self.memory_history if type(self.memory_history) is int else 100_000
             self.history = CudaMemoryHistory(max_entries=entries, device=self.cuda)
             life.undo.append(lambda h=self.history: h.__exit__(None, None, None))
@@ -400,7 +401,6 @@ class StepTracer:
         if self.seq_len_read is not None or not self._ours():
             return
         try:
-            from ..record.tokens import infer_tokens
             count = infer_tokens(kwargs if not args else (*args, kwargs) if kwargs else args, model)
             where = count.source.replace("numel of ", "last dim of ", 1)
             self.seq_len_read = (count.seq_len, where) if count.seq_len else (None, None)
