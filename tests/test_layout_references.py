@@ -69,20 +69,22 @@ TINY4_128 = TINY_128.replace('replace(n_kv_heads=4)', 'replace(n_kv_heads=4, n_l
 @pytest.mark.slow
 def test_context_parallel_flops_reference_on_a_pipeline_stage(tmp_path):
     _, rec = audit_json(tmp_path, TINY4_128, "--mesh", "pp=2,cp=2")
-    # the bounding stage is rank 0: blocks 0 and 1 (2 x 50,176 matmul params) and the
-    # embedding (a lookup); 2 micro-batches (pp) of 2 x 64 tokens = 256. 6ND = 6 x 100,352 x
-    # 256 = 154,140,672; attention 6 x 2 layers x 128 keys x 128 x 256 tokens = 50,331,648
-    assert rec["totals"]["pipeline"]["bounding_rank"] == 0 and rec["totals"]["tokens"] == 256
-    assert rec["totals"]["flops"]["total"] == 154_140_672 + 50_331_648
+    # the bounding stage is rank 1 (it holds its logits for both micro-batches): blocks 2 and 3
+    # (2 x 50,176 matmul params), the final norm and the head (512 x 64 = 32,768); 2
+    # micro-batches (pp) of 2 x 64 tokens = 256. 6ND = 6 x 133,120 x 256 = 204,472,320;
+    # attention 6 x 2 layers x 128 keys x 128 x 256 tokens = 50,331,648
+    assert rec["totals"]["pipeline"]["bounding_rank"] == 1 and rec["totals"]["tokens"] == 256
+    assert rec["totals"]["flops"]["total"] == 204_472_320 + 50_331_648
     row = _row(rec, "training FLOPs vs 6ND + 12LTd")
-    assert row["predicted"] == 204_472_320 and row["ratio"] == 1.0
+    assert row["predicted"] == 254_803_968 and row["ratio"] == 1.0
     assert "TL-CMP-001" not in _codes(rec)
-    # comm: FSDP2 over cp = 2 for the stage's 533,504 B (gathered once, kept: pipelined),
-    # 266,752 + reduce-scatter 533,504 = 800,256; K and V per layer and micro-batch: 128 local
-    # tokens x 4 KV heads x 16 x 4 B = 32,768 B each all-gathered, 65,536 B each reduce-scattered:
-    # 196,608 x 2 layers x 2 micro-batches = 786,432. The p2p (65,536 B) is the stage's, beside
+    # comm: FSDP2 over cp = 2 for the stage's (2 x 50,304 + 64 + 32,768) x 4 = 533,760 B
+    # (gathered once, kept: pipelined), 266,880 + reduce-scatter 533,760 = 800,640; K and V
+    # per layer and micro-batch: 128 local tokens x 4 KV heads x 16 x 4 B = 32,768 B each
+    # all-gathered, 65,536 B each reduce-scattered: 196,608 x 2 layers x 2 micro-batches =
+    # 786,432. The p2p (65,536 B) is the stage's, beside
     comm = next(f for f in rec["findings"] if f["rule"] == "TL-COMM-001")
-    assert comm["measured"] == comm["expected"] == 800_256 + 786_432
+    assert comm["measured"] == comm["expected"] == 800_640 + 786_432
     assert "the pipeline's sends and receives" in comm["hint"] and "65,536 B in 4 calls" in comm["hint"]
     assert "TL-COMM-002" not in _codes(rec)
 

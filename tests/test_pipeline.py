@@ -35,6 +35,16 @@ def test_in_flight_by_hand():
     assert in_flight(4, 2, 8, 1, "gpipe") == 16                 # every forward first: m v
 
 
+def test_in_flight_bytes_by_hand():
+    from torchledger.formulas.pipeline import in_flight_bytes
+    # 1F1B p=2 m=4, rank 1 (F0 B0 F1 B1 ...): one micro-batch live; its outputs (1 B each)
+    # kept to the step's end: the peak after the first backward is the last B, 10 + 4 x 1
+    assert in_flight_bytes(2, 1, 4, 1, "1f1b", {1: 10}, {1: 1}) == (14, {1: 1}, {1: 4})
+    # interleaved p=2 v=2 m=4, rank 1 holds chunks 1 and 3 (the head's, 100 B a micro-batch):
+    # its peak by bytes has one of chunk 3 and two of chunk 1 live: 2 x 1 + 100
+    assert in_flight_bytes(2, 2, 4, 1, "interleaved", {1: 1, 3: 100})[:2] == (102, {1: 2, 3: 1})
+
+
 def test_chunks_by_hand():
     assert chunk_sizes(126, 63) == [2] * 63
     assert chunk_sizes(10, 4) == [3, 3, 2, 2]
@@ -60,9 +70,15 @@ def tiny4(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_f_one_b(tiny4):
+def one_f_one_b_run(tiny4):
     from torchledger.audit.engine import run_audit
-    return run_audit(tiny4, mesh="pp=2", plan={"micro_batches": 4}).record
+    return run_audit(tiny4, mesh="pp=2", plan={"micro_batches": 4})
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(one_f_one_b_run):
+    """Rank 0's composed record (the last stage bounds: it holds every micro-batch's logits)."""
+    return one_f_one_b_run.stage_records[0]
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +111,22 @@ def test_1f1b_stages_flops_and_p2p(one_f_one_b):
 def test_1f1b_first_stage_holds_p_micro_batches(one_f_one_b):
     s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
     assert (s0["in_flight"], s1["in_flight"]) == (2, 1)
-    # one more micro-batch's activations than the traced micro-step on the first stage
-    assert s0["peak_bytes"] == s0["traced_peak_bytes"] + s0["chunk_activation_bytes"]
-    assert s1["peak_bytes"] == s1["traced_peak_bytes"]
-    assert s0["chunk_activation_bytes"] > 0
-    # rank 0's parameters: 2 blocks x 50,304 + the embedding 32,768 = 133,376 fp32
-    assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 0
-    assert one_f_one_b.totals["param_bytes"] == 133_376 * 4
+    # one more micro-batch's activations than the traced micro-step on the first stage (its
+    # blocks' and its embedding's); PipelineStage's buffers (issue 30 item 6): rank 0 receives
+    # its output's gradient into m buffers (the traced micro-step receives one) and keeps the
+    # outputs of its 2 micro-batches in flight; rank 1 receives activations into m buffers
+    # (the one in flight is its first block's saved input) and keeps the 3 earlier logits,
+    # 2 x 32 x 512 x 4 = 131,072 B each
+    assert s0["peak_bytes"] == s0["traced_peak_bytes"] + s0["chunk_micro_batch_bytes"]["0"] + 3 * ACT + 2 * ACT
+    assert s0["chunk_micro_batch_bytes"]["0"] > s0["chunk_activation_bytes"] > 0
+    assert s1["peak_bytes"] == s1["traced_peak_bytes"] + 3 * ACT + 3 * 131_072
+    # the last stage bounds: 4 x 131,072 B of logits outweigh rank 0's second micro-batch
+    assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 1 and s1["peak_bytes"] > s0["peak_bytes"]
     assert one_f_one_b.totals["peak_bytes"] == s0["peak_bytes"]
-    # the report's categories add up to the stage's peak (the extra micro-batch: activations)
+    # rank 0's parameters: 2 blocks x 50,304 + the embedding 32,768 = 133,376 fp32
+    assert one_f_one_b.totals["param_bytes"] == 133_376 * 4
+    # the report's categories add up to the stage's peak (the extra micro-batch: activations;
+    # the stage's buffers: temporaries)
     assert sum(one_f_one_b.memory["peak_breakdown"].values()) == s0["peak_bytes"]
     assert not dist.is_initialized()
 
@@ -131,12 +154,25 @@ def test_interleaved_by_hand(interleaved):
     # in flight: r0 2 (p - 1) + (v - 1) p + 1 = 5, r1 3 chunk-micro-batches; the traced
     # micro-step holds v = 2 of them
     assert (s0["in_flight"], s1["in_flight"]) == (5, 3)
-    assert s0["peak_bytes"] == s0["traced_peak_bytes"] + 3 * s0["chunk_activation_bytes"]
+    # rank 0's peak (1F of the steady state): 4 micro-batches of chunk 0 and 1 of chunk 2
+    # live, 3 more than the traced micro-step's; PipelineStage's buffers: chunk 2 receives
+    # activations into m = 4 buffers (the live one is in its activations), both chunks receive
+    # their outputs' gradients into 4 (the traced micro-step receives one each), and the 5 live
+    # chunk-micro-batches keep their outputs: (3 + 2 x 3 + 5) x 16,384 B
+    assert s0["live_at_peak"] == {"0": 4, "2": 1}
+    assert s0["stage_buffer_bytes"] == {"activations_received": 3 * ACT, "gradients_received": 2 * 3 * ACT,
+                                        "outputs_held": 5 * ACT}
+    assert s0["peak_bytes"] == s0["traced_peak_bytes"] + 3 * s0["chunk_micro_batch_bytes"]["0"] + 14 * ACT
     bound = _stage(interleaved, pp["bounding_rank"])
     assert sum(interleaved.memory["peak_breakdown"].values()) == bound["peak_bytes"] == interleaved.totals["peak_bytes"]
     # rank 0's parameters, FSDP2-sharded over dp=2: (2 x 50,304 + 32,768) / 2 = 66,688 fp32
     assert _stage(interleaved, 0)["static_bytes"] >= 66_688 * 4
-    assert s1["peak_bytes"] == s1["traced_peak_bytes"] + 1 * s1["chunk_activation_bytes"]
+    # rank 1: one more micro-batch of chunk 1 (3 in flight); buffers (4 - 2) + (4 - 1)
+    # activations and 3 gradients received, chunk 1's 2 outputs and the head's 3 earlier
+    # logits (2 x 32 x 512 x 4 = 131,072 B each)
+    assert s1["live_at_peak"] == {"1": 2, "3": 1}
+    assert s1["peak_bytes"] == s1["traced_peak_bytes"] + s1["chunk_micro_batch_bytes"]["1"] + \
+        5 * ACT + 3 * ACT + 2 * ACT + 3 * 131_072
     rec = interleaved
     sends = {c["phase"]: c for c in rec.collectives if c["op"] == "send"}
     r = pp["bounding_rank"]
@@ -189,7 +225,7 @@ def test_references_are_the_stages(one_f_one_b):
     (no final norm, no head), and the activations of one micro-batch in as many layers as its
     schedule keeps (the 405B stage read 0.957x of the whole model's ends)."""
     rows = {r["quantity"]: r for r in one_f_one_b.predictions["comparisons"]}
-    assert one_f_one_b.totals["pipeline"]["bounding_rank"] == 0
+    assert one_f_one_b.totals["rank"] == 0
     # 2 x 50,304 + 32,768 = 133,376 (the whole model's formula adds the norm 64 and head 32,768)
     exact = rows["parameters (exact formula)"]
     assert exact["predicted"] == exact["measured"] == 133_376
@@ -205,13 +241,14 @@ def test_references_are_the_stages(one_f_one_b):
 
 
 @pytest.mark.slow
-def test_the_report_names_the_bounding_stage(one_f_one_b):
+def test_the_report_names_the_bounding_stage(one_f_one_b_run):
+    one_f_one_b = one_f_one_b_run.record
     from torchledger.render.common import run_notes
     from torchledger.units import fmt_bytes
     [line] = [x for x in run_notes(one_f_one_b) if x.startswith("pipeline:")]
     s0, s1 = _stage(one_f_one_b, 0), _stage(one_f_one_b, 1)
     assert "2 stages x 1 virtual, 4 micro-batches, 1f1b (bubble 0.250)" in line
-    assert "this report is stage 0's, the largest peak (2 blocks and the embedding)" in line
+    assert "this report is stage 1's, the largest peak (2 blocks and the head)" in line
     assert f"peak per stage: 0 {fmt_bytes(s0['peak_bytes'], True)}, 1 {fmt_bytes(s1['peak_bytes'], True)}" in line
 
 

@@ -22,9 +22,13 @@ from what each rank runs, traced on fake tensors under the fake process group:
    first (parameters all-gathered), a steady one (nothing but the micro-batch) and the last
    (gradients reduce-scattered, optimizer step): the step is first + (m - 2) x steady + last.
 3. Memory: a micro-step's peak holds one micro-batch's activations in each of the rank's v
-   chunks; the schedule holds ``in_flight`` chunk-micro-batches
-   (:func:`torchledger.formulas.pipeline.in_flight`), so the rank's peak is the traced peak
-   plus (in_flight - v) x one chunk's block activations of one micro-batch.
+   chunks; the rank's action list says which chunk-micro-batches the schedule holds at its
+   peak (:func:`torchledger.formulas.pipeline.in_flight_bytes`: the first micro-step's up to
+   its first backward, before any gradient; the later ones' after it), each chunk's own
+   (the head's with its loss's), so the rank's peak is the traced peak plus those beyond one
+   a chunk, plus what PyTorch's ``PipelineStage`` keeps outside autograd (``_stage_peak``):
+   receive buffers for all m micro-batches, the outputs in flight, and the last stage's
+   outputs (logits) of every micro-batch until the step ends.
 
 The record of the audit is the bounding rank's (the largest peak), composed; every rank's
 figures are in ``totals.pipeline``::
@@ -34,7 +38,10 @@ figures are in ``totals.pipeline``::
      "per_stage": [{"rank": r, "ranks_alike": [...], "chunks": [...], "blocks": int,
                     "flops": {...}, "comm_bytes": {...}, "p2p_bytes": int, "peak_bytes": int,
                     "static_bytes": int, "activation_bytes_per_micro_batch": int,
-                    "chunk_activation_bytes": int, "in_flight": int, "traced_peak_bytes": int}]}
+                    "chunk_activation_bytes": int, "in_flight": int, "traced_peak_bytes": int,
+                    "chunk_micro_batch_bytes": {chunk: int}, "live_at_peak": {chunk: int},
+                    "extra_activation_bytes": int, "stage_buffer_bytes": {"activations_received":
+                    int, "gradients_received": int, "outputs_held": int}}]}
 
 Known limitations: the spec's inputs are one micro-batch; the rank's peak adds whole
 chunk-micro-batches to the traced one (the schedule's order of frees inside a micro-step is
@@ -48,6 +55,7 @@ import copy
 import functools
 import time
 
+from ..units import fmt_bytes
 from .errors import raised, where
 from .spec import AuditError, as_spec
 from ..analyzers.compare import record_predictions
@@ -282,8 +290,12 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
     # the rank's own sequence length (a cp-th of the spec's under context parallelism), as
     # an audit without pp records it
     meta = {"rank": r, "chunks": chunks, "blocks": len(keep), "block_names": block_names,
+            "chunk_blocks": {str(c): [f"{dec.prefix}.{i}" for i in blocks[c]] for c in chunks},
             "seq_len": tokens.seq_len, "activation_dtype": _dtype_name(runner.act_dtype),
-            "sent_dtypes": sorted(_dtype_name(d) for d in runner.sent_dtypes)}
+            "sent_dtypes": sorted(_dtype_name(d) for d in runner.sent_dtypes),
+            "recv_bytes": {str(c): n for c, n in runner.recv_bytes.items()},
+            "grad_recv_bytes": {str(c): n for c, n in runner.grad_recv_bytes.items()},
+            "output_bytes": runner.output_bytes}
     return traced, notes, meta
 
 
@@ -349,6 +361,12 @@ class _StageRunner:
         self.act_dtype = act_dtype
         self.sent_dtypes = set()
         self.original_forward = model.forward
+        # what a PipelineStage keeps per micro-batch beside autograd's saved tensors: a receive
+        # buffer of the activation for each chunk but the first, one of its gradient for each
+        # chunk but the last (bytes of one, by chunk), and the last chunk's output (its
+        # ``output_chunks``: the logits, held until the next step starts)
+        self.recv_bytes, self.grad_recv_bytes, self.output_bytes = {}, {}, 0
+        self.outputs = []
 
     def _ids(self):
         x = self.inputs
@@ -379,6 +397,7 @@ class _StageRunner:
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        self.outputs.clear()        # the stage's outputs live through the step's optimizer step
 
     def _chunk_forward(self, c):
         import torch
@@ -388,6 +407,7 @@ class _StageRunner:
             x = self._embed()
         else:
             buf = torch.empty(self.act_shape, dtype=self.act_dtype or _param_dtype(model))
+            self.recv_bytes[c] = buf.numel() * buf.element_size()
             dist.recv(buf, src=self.pp_ranks[(c - 1) % self.p], group=self.group)
             buf.requires_grad_()
             x = _SendGradBack.apply(buf, self.pp_ranks[(c - 1) % self.p], self.group)
@@ -400,6 +420,7 @@ class _StageRunner:
         if self.act_dtype is None:
             self.act_dtype = x.dtype
         self.sent_dtypes.add(x.dtype)
+        self.grad_recv_bytes[c] = x.numel() * x.element_size()
         dist.send(x, dst=self.pp_ranks[(c + 1) % self.p], group=self.group)
         return _RecvGrad.apply(x, self.pp_ranks[(c + 1) % self.p], self.group)
 
@@ -428,7 +449,10 @@ class _StageRunner:
     def _loss(self, x):
         import torch.nn.functional as F
         model, dec = self.model, self.dec
+        from ..tracer.memory import tensor_bytes
         logits = dec.module(model, dec.head)(dec.module(model, dec.norm)(x))
+        self.outputs.append(logits)         # PipelineStage's output_chunks
+        self.output_bytes = tensor_bytes(logits)
         idx = self._ids()
         targets = self._targets(idx)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
@@ -535,27 +559,83 @@ def _compose(traced, layout, r, m, schedule, meta) -> dict:
     held = in_flight(p, v, m, r, schedule)
     first = traced.get("first") or traced["only"]
     sharded = first.totals.get("param_bytes") or 0
-    peaks = []
+    last = traced.get("last") or traced["only"]
+    # parameters and optimizer state as the step starts (sharded), gradients as the rank
+    # holds them during the step (accumulated unsharded until the last micro-batch's reduce)
+    static = sharded + (last.totals.get("grad_bytes") or 0) + (first.totals.get("optimizer_state_bytes") or 0)
+    stage = {"rank": r, "chunks": meta["chunks"], "blocks": meta["blocks"], "flops": flops,
+             "embedding": 0 in meta["chunks"], "head": p * v - 1 in meta["chunks"],
+             "comm_bytes": comm, "p2p_bytes": p2p, "static_bytes": static,
+             "activation_bytes_per_micro_batch": steady.totals["activation_bytes"],
+             "chunk_activation_bytes": chunk_act, "in_flight": held}
+    stage.update(_stage_peak(traced, meta, layout, r, m, schedule, sharded))
+    return stage
+
+
+def _chunk_activations(steady, meta, last_chunk: int) -> dict:
+    """One micro-batch's activation bytes in each of the rank's chunks: its blocks' rows, and
+    what the rank saves outside its blocks (the embedding's; the final norm's, the head's and
+    the loss's) in the chunk at the model's end it holds (spread over its chunks if neither)."""
+    rows = {row["name"]: row["activation_bytes"] for row in steady.modules}
+    per = {int(c): sum(rows.get(n, 0) for n in names) for c, names in meta["chunk_blocks"].items()}
+    rest = max(0, steady.totals["activation_bytes"] - sum(per.values()))
+    ends = [c for c in per if c in (0, last_chunk)]
+    if ends:
+        per[ends[0]] += rest
+    else:
+        for k, c in enumerate(sorted(per)):
+            per[c] += rest // len(per) + (1 if k < rest % len(per) else 0)
+    return per
+
+
+def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
+    """Rank ``r``'s peak under the schedule: each traced micro-step's peak (one micro-batch in
+    each chunk, its own output held), plus what the schedule holds beside it when that
+    micro-step peaks, from the rank's action list (:func:`in_flight_bytes`): the first
+    micro-step's (no gradients yet) up to and through the rank's first backward, the later
+    ones' after it. Beside it: the other chunk-micro-batches in flight (each chunk's own
+    activations: the head's chunk keeps its loss's too, GPipe m of them), and what PyTorch's
+    ``PipelineStage`` keeps: the last chunk's output of every micro-batch run so far
+    (``output_chunks``, until the next step), the other chunks' outputs in flight (its
+    ``fwd_cache``, until their backward), and m receive buffers of the activation per
+    chunk but the first (allocated once, for every micro-batch; those in flight are their
+    first block's saved input, in the activations already) and m of the output's gradient per
+    chunk but the last (the traced micro-step receives its own)."""
+    from ..formulas.pipeline import in_flight_bytes
+    p, v = layout.size("pp"), layout.virtual_stages
+    last_chunk = p * v - 1
+    steady = traced.get("steady") or traced.get("first") or traced["only"]
+    per_chunk = _chunk_activations(steady, meta, last_chunk)
+    out = (meta.get("output_bytes") or 0) if last_chunk in per_chunk else 0
+    grad_buffers = sum((m - 1) * n for n in meta["grad_recv_bytes"].values())
+    # a chunk's sent output stays in the stage's fwd_cache until its backward: held as long
+    # as the micro-batch's activations, though autograd does not save it
+    sent = {int(c): n for c, n in meta["grad_recv_bytes"].items()}
+    held = {c: n + sent.get(c, 0) for c, n in per_chunk.items()}
+    best = None
     for kind, rec in traced.items():
         peak, extra_params = rec.totals["peak_bytes"], 0
         if (rec.totals.get("param_bytes") or 0) > sharded:
             # NB: parameters FSDP2 keeps gathered across micro-batches are the module's
             # parameters then; the sharded ones (the first micro-step's) are alive beside them
             extra_params = sharded
-        peaks.append((peak + extra_params, kind, extra_params))
-    traced_peak, peak_kind, peak_extra_params = max(peaks, key=lambda x: x[0])
-    last = traced.get("last") or traced["only"]
-    # parameters and optimizer state as the step starts (sharded), gradients as the rank
-    # holds them during the step (accumulated unsharded until the last micro-batch's reduce)
-    static = sharded + (last.totals.get("grad_bytes") or 0) + (first.totals.get("optimizer_state_bytes") or 0)
-    return {"rank": r, "chunks": meta["chunks"], "blocks": meta["blocks"], "flops": flops,
-            "embedding": 0 in meta["chunks"], "head": p * v - 1 in meta["chunks"],
-            "comm_bytes": comm, "p2p_bytes": p2p, "static_bytes": static,
-            "activation_bytes_per_micro_batch": steady.totals["activation_bytes"],
-            "chunk_activation_bytes": chunk_act, "in_flight": held, "traced_peak_bytes": traced_peak,
-            "peak_bytes": traced_peak + max(0, held - v) * chunk_act,
-            "micro_steps_traced": list(traced), "peak_micro_step": peak_kind,
-            "peak_sharded_param_bytes": peak_extra_params}
+        _, live, runs = in_flight_bytes(p, v, m, r, schedule, held, {last_chunk: out},
+                                        since_backward=kind in ("steady", "last"))
+        extra_act = sum((live.get(c, 0) - 1) * n for c, n in per_chunk.items())
+        buffers = {"activations_received": sum(max(0, m - live.get(int(c), 0)) * n
+                                               for c, n in meta["recv_bytes"].items()),
+                   "gradients_received": grad_buffers,
+                   "outputs_held": max(0, runs.get(last_chunk, 0) - 1) * out +
+                   sum(live.get(c, 0) * n for c, n in sent.items())}
+        total = peak + extra_params + max(0, extra_act) + sum(buffers.values())
+        if best is None or total > best[0]:
+            best = (total, kind, extra_params, max(0, extra_act), buffers, live, peak + extra_params)
+    total, kind, extra_params, extra_act, buffers, live, traced_peak = best
+    return {"traced_peak_bytes": traced_peak, "peak_bytes": total, "peak_micro_step": kind,
+            "chunk_micro_batch_bytes": {str(c): n for c, n in per_chunk.items()},
+            "live_at_peak": {str(c): n for c, n in live.items()}, "extra_activation_bytes": extra_act,
+            "stage_buffer_bytes": buffers, "micro_steps_traced": list(traced),
+            "peak_sharded_param_bytes": extra_params}
 
 
 #: Totals that add up over micro-steps (ints, or dicts of ints per phase/kind).
@@ -588,8 +668,9 @@ def _composed_record(traced, stage, m, dims):
     breakdown = dict((src.memory or {}).get("peak_breakdown") or {})
     if breakdown:
         breakdown["parameters"] = breakdown.get("parameters", 0) + stage.get("peak_sharded_param_bytes", 0)
-        breakdown["activations"] = breakdown.get("activations", 0) + \
-            max(0, stage["in_flight"] - len(stage["chunks"])) * stage["chunk_activation_bytes"]
+        breakdown["activations"] = breakdown.get("activations", 0) + stage["extra_activation_bytes"]
+        # the stage's receive buffers and held outputs: not autograd's, the stage's own
+        breakdown["temporaries"] = breakdown.get("temporaries", 0) + sum(stage["stage_buffer_bytes"].values())
         rec.memory["peak_breakdown"] = breakdown
         rec.memory["peak_bytes"] = stage["peak_bytes"]
         for key in ("peak_phase", "peak_module"):
@@ -602,8 +683,7 @@ def _composed_record(traced, stage, m, dims):
         t[key] = first.totals.get(key, t.get(key))
     if first.optimizer:
         rec.optimizer = copy.deepcopy(first.optimizer)
-    t["activation_bytes"] = stage["activation_bytes_per_micro_batch"] + \
-        max(0, stage["in_flight"] - len(stage["chunks"])) * stage["chunk_activation_bytes"]
+    t["activation_bytes"] = stage["activation_bytes_per_micro_batch"] + stage["extra_activation_bytes"]
     cfg = rec.meta.get("config")
     if isinstance(cfg, dict) and "n_layers" in cfg:
         # the closed forms of this rank: its blocks (attention 12LTd, Korthikanti per layer)
@@ -639,5 +719,7 @@ def _composed_record(traced, stage, m, dims):
     rec.meta["pipeline_note"] = (
         f"pipeline: composed from {len(traced)} traced micro-steps ({', '.join(traced)}) of rank "
         f"{stage['rank']}: the step is first + (m - 2) x steady + last at m = {m}; its peak adds "
-        f"{max(0, stage['in_flight'] - len(stage['chunks']))} chunk-micro-batches of activations to the traced one")
+        f"{max(0, stage['in_flight'] - len(stage['chunks']))} chunk-micro-batches of activations to the traced one "
+        f"and the stage's buffers (PipelineStage's receive buffers for all m micro-batches, the last "
+        f"stage's outputs held until the step ends): {fmt_bytes(sum(stage['stage_buffer_bytes'].values()))}")
     return rec

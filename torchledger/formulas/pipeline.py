@@ -33,9 +33,10 @@ multiple of its rounds) raises ValueError with PyTorch's reason
 """
 from __future__ import annotations
 
-from .schedules import SCHEDULES, schedule_problem, simulate
+from .schedules import SCHEDULES, held_bytes, rank_actions, schedule_problem, simulate
 
-__all__ = ["SCHEDULES", "bubble_fraction", "in_flight", "chunk_sizes", "rank_chunks", "schedule_problem"]
+__all__ = ["SCHEDULES", "bubble_fraction", "in_flight", "in_flight_bytes", "chunk_sizes", "rank_chunks",
+           "schedule_problem"]
 
 
 def bubble_fraction(p: int, v: int, m: int, schedule: str) -> float:
@@ -49,6 +50,23 @@ def in_flight(p: int, v: int, m: int, rank: int, schedule: str) -> int:
     if not 0 <= rank < p:
         raise ValueError(f"rank must be in [0, {p}), got {rank}")
     return figures.in_flight[rank]
+
+
+def in_flight_bytes(p: int, v: int, m: int, rank: int, schedule: str, per_chunk: dict,
+                    kept: dict = None, since_backward: bool = True) -> tuple:
+    """(bytes, {chunk: micro-batches live}, {chunk: forwards run}) at rank ``rank``'s peak
+    when one micro-batch of chunk c holds ``per_chunk[c]`` bytes of activations until its
+    backward (the head's chunk its logits' loss too) and ``kept[c]`` until the step ends: the
+    schedule's action list replayed with each chunk's own sizes
+    (:func:`.schedules.held_bytes`); the peak from the rank's first backward on
+    (``since_backward``), or up to and through it (no gradients yet).
+
+        >>> in_flight_bytes(2, 1, 4, 1, "gpipe", {1: 10}, since_backward=False)[:2]   # 4 forwards
+        (40, {1: 4})
+        >>> in_flight_bytes(2, 1, 4, 1, "gpipe", {1: 10})[:2]    # the second backward: 3 left
+        (30, {1: 3})
+    """
+    return held_bytes(rank_actions(p, v, m, rank, schedule), per_chunk, kept, since_backward)
 
 
 def chunk_sizes(n_blocks: int, chunks: int) -> list:

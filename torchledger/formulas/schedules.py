@@ -35,7 +35,8 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple, Optional
 
-__all__ = ["SCHEDULES", "Simulation", "schedule_problem", "rank_actions", "simulate", "held", "step_time"]
+__all__ = ["SCHEDULES", "Simulation", "schedule_problem", "rank_actions", "simulate", "held", "held_bytes",
+           "step_time"]
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero-bubble")
 
@@ -145,6 +146,30 @@ def held(actions) -> int:
         live += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
         peak = max(peak, live)
     return peak
+
+
+def held_bytes(actions, per_stage: dict, kept: dict = None, since_backward: bool = True) -> tuple:
+    """(bytes, {stage: micro-batches live}, {stage: forwards run}) at the peak of an action
+    list when a forward of stage s holds ``per_stage[s]`` bytes until its full or weight
+    backward ends, and ``kept[s]`` until the step ends (the last stage's outputs):
+    :func:`held` weighted, for chunks that hold different activations (the head's logits and
+    loss). A backward is counted while it runs (its micro-batch still held). The peak from the
+    rank's first backward on (``since_backward``: the backward after it, once gradients exist),
+    else up to and through that first backward (before any gradient); (0, {}, {}) if none."""
+    kept = kept or {}
+    live, runs, best, started = {}, {}, (0, {}, {}), False
+    for s, kind, _ in actions:
+        first_backward = not started and kind in ("B", "I")
+        started = started or kind in ("B", "I")
+        if kind == "F":
+            live[s], runs[s] = live.get(s, 0) + 1, runs.get(s, 0) + 1
+        if (started and not first_backward) == since_backward:
+            now = sum(n * per_stage[k] for k, n in live.items()) + sum(n * kept.get(k, 0) for k, n in runs.items())
+            if now > best[0]:
+                best = (now, dict(live), dict(runs))
+        if kind in ("B", "W"):
+            live[s] -= 1
+    return best
 
 
 def _needs(action, n_stages: int):
