@@ -12,7 +12,7 @@ import click
 from ..parallel.layout import CHECKPOINTING, KERNELS, PRECISIONS
 from ..audit.supervise import supervised
 from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, POS_INT, SECONDS, InputError,
-                    PlainNumber, check_output, gpu_part)
+                    PlainNumber, check_output, echo_out, gpu_part)
 
 __all__ = ["audit", "report"]
 
@@ -63,7 +63,7 @@ def _emit(text: str, output) -> None:
             raise InputError(f"--output {output}: cannot write ({e.strerror or e})") from None
         click.echo(f"torchledger: wrote {output}", err=True)
     else:
-        click.echo(text)
+        echo_out(text)
 
 
 #: The totals a record must carry to be rendered, and to serve as a --baseline (the numbers

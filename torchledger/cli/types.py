@@ -6,12 +6,28 @@ import math
 import click
 
 from .. import units
-from ..errors import InputError
+from ..errors import InputError, StdoutError
 
-__all__ = ["InputError", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT",
+__all__ = ["InputError", "StdoutError", "echo_out", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT",
            "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH", "MICRO_BATCHES", "GLOBAL_BATCH",
            "MAX_MICRO_BATCHES"]
 
+
+def echo_out(text: str, nl: bool = True) -> None:
+    """Write a command's data to stdout, or raise :class:`StdoutError`: a stdout closed before
+    the command started (``>&-``: Python has no ``sys.stdout``, and ``click.echo`` would write
+    nothing and report success), closed since, full (``>/dev/full``) or a pipe whose reader
+    went away (``| head -c0``)."""
+    import errno
+    import sys
+    if sys.stdout is None:
+        raise StdoutError(errno.EBADF, "stdout is closed")
+    try:
+        click.echo(text, nl=nl)
+    except ValueError as e:                     # "I/O operation on closed file"
+        raise StdoutError(errno.EBADF, f"stdout is closed ({e})") from None
+    except OSError as e:
+        raise StdoutError(e.errno or errno.EIO, e.strerror or str(e)) from None
 
 
 def check_output(output) -> None:
