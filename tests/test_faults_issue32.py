@@ -79,3 +79,54 @@ def test_a_closed_stdout_does_not_lend_its_number_to_a_file(tmp_path):
     r = cli("report", RECORD, "--format", "json", "--output", str(out), close_stdout=True)
     assert r.returncode == 0, r.stderr
     json.loads(out.read_text())        # the record alone, nothing printed into it
+
+
+# -- 7. a dangling symlink, Ledger(save_to=) on a FIFO, --mesh before the child ------------------------
+def test_a_dangling_links_missing_folder_is_the_targets(tmp_path):
+    """Was: 'the folder <the link's own folder> does not exist', a folder that exists."""
+    link = tmp_path / "out.json"
+    link.symlink_to(tmp_path / "gone" / "deeper" / "out.json")
+    r = run("report", RECORD, "--format", "json", "--output", str(link))
+    one_line_error(r, f"{link} is a link to {tmp_path / 'gone' / 'deeper' / 'out.json'}",
+                   f"the folder {tmp_path / 'gone' / 'deeper'} does not exist")
+    assert f"the folder {tmp_path} does" not in r.stderr
+    (tmp_path / "gone" / "deeper").mkdir(parents=True)          # made: the link is followed
+    assert run("report", RECORD, "--format", "json", "--output", str(link)).exit_code == 0
+    assert link.is_symlink() and json.loads(link.read_text())["schema"] == "torchledger/1"
+
+
+class _Hung(BaseException):
+    """Raised by SIGALRM: a BaseException, so that Ledger's `except Exception` cannot hide it."""
+
+
+def test_ledger_save_to_a_fifo_never_blocks_the_step(tmp_path):
+    """Was: open(O_WRONLY) of a FIFO with no reader blocked the training step forever."""
+    import signal
+    import warnings
+
+    import torch
+    from torchledger import Ledger
+    fifo = tmp_path / "steps.json"
+    os.mkfifo(fifo)
+    model = torch.nn.Linear(4, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = Ledger(model, optimizer=opt, save_to=str(fifo))
+
+    def hung(signum, frame):
+        raise _Hung()
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ledger.step(tokens=2):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any(f"{fifo} is a FIFO, not a regular file" in m and "step 0's record not saved" in m
+               for m in said), said
+    assert ledger.records and ledger.saved == [] and os.path.exists(fifo)     # the FIFO left alone
