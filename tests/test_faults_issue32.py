@@ -130,3 +130,21 @@ def test_ledger_save_to_a_fifo_never_blocks_the_step(tmp_path):
     assert any(f"{fifo} is a FIFO, not a regular file" in m and "step 0's record not saved" in m
                for m in said), said
     assert ledger.records and ledger.saved == [] and os.path.exists(fifo)     # the FIFO left alone
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--mesh", "3xx"], "--mesh: expected dims joined by x"),
+    (["--mesh", "dp=2,tp=2", "--world-size", "5"], "its dims multiply to 4, not --world-size 5"),
+    (["--mesh", "dp=2,zz=2"], "unknown dimension 'zz'"),
+    (["--world-size", "2", "--schedule", "gpipe"], "the mesh has no pp dimension"),
+    (["--world-size", "2", "--device", "cpu"], "--device cpu cannot")])
+def test_a_bad_mesh_is_refused_before_the_child_starts(args, needle, tmp_path, monkeypatch):
+    """Was: reported by the child, after it had imported torch and the model file (3-9 s)."""
+    marker = tmp_path / "imported"
+    model = write(tmp_path, "m.py", f"import pathlib; pathlib.Path({str(marker)!r}).touch()\n" + LINEAR)
+
+    def no_fork():
+        raise AssertionError("the audit's child was started for arguments the parent can refuse")
+    monkeypatch.setattr(os, "fork", no_fork)
+    one_line_error(run("audit", model, *args), needle)
+    assert not marker.exists()

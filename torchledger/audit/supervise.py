@@ -75,16 +75,20 @@ EXIT_GRACE_S = 3.0
 FRAMES_SHOWN = 4
 
 
-def supervised(emit):
+def supervised(emit, check=None):
     """Decorator for a click command whose body runs in a child process (``audit``): takes its
     ``timeout`` option away from the body, runs the body through ``supervise`` (unless
     ``--debug``), then hands each ``(text, output)`` the body wrote (``handed_over``) to
-    ``emit`` in this process and returns the body's exit code."""
+    ``emit`` in this process and returns the body's exit code. ``check(**kwargs)``, if given,
+    runs here first: arguments it refuses are reported before the child starts (and imports
+    torch: seconds)."""
     import functools
 
     def wrap(command):
         @functools.wraps(command)
         def run(*args, timeout=None, **kwargs):
+            if check is not None:
+                check(**kwargs)
             if _debug():
                 return command(*args, **kwargs)
 

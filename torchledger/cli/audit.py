@@ -204,7 +204,7 @@ def _exit_code(findings, fail_on: str) -> int:
               help="Stop an audit that runs longer (a loop in the model file) and say where it was; "
                    "0: no limit. The model file runs in a child process: its exit code, hang or prints "
                    "cannot decide the result (--debug: in this process, no limit).")
-@supervised(lambda text, output: _emit(text, output))   # cli/supervise.py
+@supervised(lambda text, output: _emit(text, output), check=lambda **kw: _check_world(**kw))
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
           virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision,
           link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False, kernels=None):
@@ -242,10 +242,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
             run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
                             torch_logs=_debug(), world_size=world_size, mesh=mesh,
                             timing_steps=timing_steps,
-                            plan={"virtual_stages": virtual_stages, "micro_batches": micro_batches,
-                                  "global_batch": global_batch, "schedule": schedule,
-                                  "checkpointing": checkpointing, "precision": precision,
-                                  "kernels": kernels})
+                            plan=_plan(virtual_stages, micro_batches, global_batch, schedule,
+                                       checkpointing, precision, kernels))
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
@@ -279,6 +277,27 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     text = render(rec, findings, fmt, depth=depth)
     _emit(text, output)
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
+
+
+def _plan(virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision, kernels) -> dict:
+    return {"virtual_stages": virtual_stages, "micro_batches": micro_batches, "global_batch": global_batch,
+            "schedule": schedule, "checkpointing": checkpointing, "precision": precision, "kernels": kernels}
+
+
+def _check_world(*, device, world_size, mesh, virtual_stages, micro_batches, global_batch, schedule,
+                 checkpointing, precision, compiled=False, kernels=None, **_) -> None:
+    """``--world-size``, ``--mesh`` and the plan options, checked in this process before the
+    audit's child starts (and spends seconds importing torch): the parsers import no torch. The
+    child checks them again where it uses them (``run_audit``)."""
+    from ..audit.layouts import resolve, resolve_layout
+    from ..audit.spec import AuditError
+    kernels = "compiled" if compiled and kernels in (None, "compiled") else kernels
+    try:
+        world = resolve(world_size, mesh, device)
+        resolve_layout(world, mesh, _plan(virtual_stages, micro_batches, global_batch, schedule,
+                                          checkpointing, precision, kernels))
+    except AuditError as e:
+        raise InputError(str(e)) from None
 
 
 def _check_counts(rec, micro_batches, global_batch) -> None:
