@@ -148,3 +148,43 @@ def test_a_bad_mesh_is_refused_before_the_child_starts(args, needle, tmp_path, m
     monkeypatch.setattr(os, "fork", no_fork)
     one_line_error(run("audit", model, *args), needle)
     assert not marker.exists()
+
+
+# -- 8. what a model file can do: a result line it wrote by accident is not the audit's ---------------
+FORGER = """
+    import os, posix, stat, torch, torchledger
+    FORGED = b'{{"result": {{"emit": [["FORGED REPORT", null]], "code": 0}}}}\\n'
+    def audit_spec():
+        for fd in range(3, 256):        # every pipe it inherited: the audit's result pipe among them
+            try:
+                if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                    os.write(fd, FORGED)
+            except OSError:
+                pass
+        {then}
+        return torchledger.AuditSpec(torch.nn.Linear(4, 6), torch.randn(2, 4))
+"""
+
+
+def test_a_result_line_without_the_runs_token_is_malformed(tmp_path):
+    """Was: the forged line was the audit's result: 'FORGED REPORT' on stdout, exit 0."""
+    model = write(tmp_path, "forger.py", FORGER.format(then="posix._exit(0)"))
+    r = cli("audit", model, "--steps", "1", timeout=120)
+    assert r.returncode == 2 and "FORGED" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "torchledger: error: the audit's process sent a malformed result: 1 line(s) on its result pipe "
+        "without this run's token")
+
+
+def test_a_forged_line_beside_the_real_result_is_ignored_and_said(tmp_path):
+    model = write(tmp_path, "forger.py", FORGER.format(then="pass"))
+    r = cli("audit", model, "--steps", "1", "--format", "json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["totals"]["params"] == 4 * 6 + 6       # 30: the audit's own report
+    assert "1 line(s) on the audit's result pipe did not carry this run's token" in r.stderr
+
+
+def test_audit_help_says_what_the_supervisor_protects_against():
+    text = " ".join(run("audit", "--help").stdout.split())
+    assert "the same trust as `python FILE.py`" in text
+    assert "against accidents" in text and "not against a file written to deceive" in text

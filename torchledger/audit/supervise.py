@@ -5,8 +5,9 @@ with no report), hang at import, in ``audit_spec()`` or in ``forward``, or leave
 that keeps printing after the report. ``supervise(work, ...)`` forks: the child runs
 ``work()`` (load, trace, analyze, render) and sends back what it made, one JSON line (for
 ``audit``, through the ``supervised`` decorator: the text its ``_emit`` was given and the
-exit code, or the one-line error); the parent alone writes stdout (and ``--output``) and
-picks the exit code. Everything the child prints, at the Python or the file
+exit code, or the one-line error), carrying a token the parent drew for the run (a line
+without it is not the audit's: "malformed result"); the parent alone writes stdout (and
+``--output``) and picks the exit code. Everything the child prints, at the Python or the file
 descriptor level, reaches the parent's stderr through a pipe, and only while the child runs.
 
 * The child ends without sending its result (``os._exit(n)``, a signal, a crash): exit 2, one
@@ -44,7 +45,10 @@ GNU OpenMP's thread pool does not survive a fork and would hang the child's firs
 ``inprocess=True`` (``--debug``), or a platform without ``fork``: ``work()`` runs here, as it
 did before (tracebacks, breakpoints; no timeout).
 
-Known limitations: a SIGKILL of the parent itself kills the child (``PR_SET_PDEATHSIG``) but
+Known limitations: the supervisor guards against accidents, not malice. The model file runs
+as the child, with the child's memory (the token included) and descriptors: code written to
+deceive the audit can forge its result, or stop the parent (SIGSTOP). Audit model files with
+the trust of ``python model.py``. A SIGKILL of the parent itself kills the child (``PR_SET_PDEATHSIG``) but
 leaves what the child started running. A process that left the child's group is ended only
 on Linux and only from a parent with one Python thread (the CLI called in-process from a
 threaded program kills the group alone), and the search for them gives up after ``SWEEP_S``
@@ -139,6 +143,8 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
     import tempfile
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         _flush(stream)
+    import secrets
+    token = secrets.token_hex(16)                   # this run's: on every line the child sends
     result_r, result_w = os.pipe()
     output_r, output_w = os.pipe()
     stack = tempfile.TemporaryFile()
@@ -151,13 +157,13 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
     if pid == 0:                                    # the child: never returns
         os.close(result_r)
         os.close(output_r)
-        _child(work, result_w, output_w, stack, parent, torch_here, model_path)
+        _child(work, _ResultPipe(result_w, token), output_w, stack, parent, torch_here, model_path)
     child = _Child(pid)
     os.close(result_w)
     os.close(output_w)
     with _Forwarded(child):
         try:
-            return _wait(child, result_r, output_r, stack, timeout, model_path)
+            return _wait(child, (result_r, token), output_r, stack, timeout, model_path)
         finally:
             with _deferred():
                 child.end()                         # its group too,
@@ -168,6 +174,24 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
 
 
 # -- the child ---------------------------------------------------------------------------------
+class _ResultPipe:
+    """The child's end of the result pipe. Each line it sends carries the run's token, which the
+    parent made before the fork: a line without it (a model file, or a process it started, that
+    wrote to this descriptor by accident) is not the audit's. Only the child itself sends: a
+    copy of it that the model file forked (``os.fork()`` in ``audit_spec``) and that runs on
+    through the audit does not."""
+
+    def __init__(self, fd: int, token: str):
+        self.fd, self.token, self.pid = fd, token, os.getpid()
+
+    def send(self, message: dict) -> None:
+        if os.getpid() == self.pid:
+            _send(self.fd, {**message, "token": self.token})
+
+    def close(self) -> None:
+        _close(self.fd)
+
+
 def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model_path: str):
     exit_now = os._exit
     try:
@@ -180,11 +204,11 @@ def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model
         except BaseException as e:  # noqa: BLE001 (whatever the model file raised: one line)
             message = {"error": unexpected(e, model_path)}
         try:
-            _send(result_w, message)
+            result_w.send(message)
         except (TypeError, ValueError) as e:        # not JSON: a bug of ours, said as one
-            _send(result_w, {"error": f"the audit's result could not be sent ({type(e).__name__}: "
-                                      f"{safe_str(e)}); rerun with `torchledger --debug audit ...`"})
-        os.close(result_w)
+            result_w.send({"error": f"the audit's result could not be sent ({type(e).__name__}: "
+                                    f"{safe_str(e)}); rerun with `torchledger --debug audit ...`"})
+        result_w.close()
         import atexit
         atexit._run_exitfuncs()             # the model file's own exit handlers, as a plain run
         for stream in (sys.stdout, sys.stderr):
@@ -219,7 +243,7 @@ def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> Non
             try:
                 import traceback
                 frames = traceback.extract_stack(sys._getframe(1), limit=64)
-                _send(result_w, {"exit": status, "stack": [[f.filename, f.lineno, f.name] for f in frames]})
+                result_w.send({"exit": status, "stack": [[f.filename, f.lineno, f.name] for f in frames]})
             except BaseException:  # noqa: BLE001 (exit all the same)
                 pass
         exit_now(status)
@@ -306,12 +330,15 @@ def safe_str(e: BaseException) -> str:
 
 
 # -- the parent --------------------------------------------------------------------------------
-def _wait(child, result_r, output_r, stack, timeout, model_path):
+def _wait(child, result, output_r, stack, timeout, model_path):
+    """Forward the child's output, read its result pipe ``(fd, token)``, until it has ended;
+    the result its lines carry (with the token), or ``InputError``."""
+    (result_r, token), result = result, None
     deadline = time.monotonic() + timeout if timeout else None
     pidfd = _pidfd(child.pid)
     for fd in (result_r, output_r):
         os.set_blocking(fd, False)
-    lines, pending, status, result, ended, graced = [], bytearray(), None, None, set(), False
+    lines, pending, status, ended, graced = [], bytearray(), None, set(), False
     sink = _Forward()
     try:
         while status is None:
@@ -323,7 +350,7 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
                     child.end()
                     click.echo(f"torchledger: warning: the model file's exit handlers were still running "
                                f"{EXIT_GRACE_S:g} s after the audit's result was in; stopped them", err=True)
-                    return _outcome(result)
+                    return _outcome(result, _forged(lines, token))
                 raise InputError(_timed_out(child, stack, timeout, model_path))
             watch = [fd for fd in (result_r, output_r, pidfd) if fd is not None and fd not in ended]
             wait = left if pidfd is not None else min(left if left is not None else 0.02, 0.02)
@@ -343,7 +370,7 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
                 line, _, rest = bytes(pending).partition(b"\n")
                 pending = bytearray(rest)
                 lines.append(line)
-                message = _decode(line)
+                message = _decode(line, token)
                 if message is not None and "exit" not in message and result is None:
                     result = message
         pending += _drain(result_r)
@@ -356,10 +383,16 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
         sink.flush()
         if pidfd is not None:
             _close(pidfd)
-    messages = [m for m in map(_decode, lines) if m is not None]
+    messages = [m for m in (_decode(line, token) for line in lines) if m is not None]
     result = next((m for m in messages if "exit" not in m), None)
+    forged = _forged(lines, token)
     if result is not None:
-        return _outcome(result)
+        return _outcome(result, forged)
+    if forged:
+        raise InputError(f"the audit's process sent a malformed result: {forged} line(s) on its result pipe "
+                         f"without this run's token (the model file, or a process it started, wrote to "
+                         f"the audit's descriptor); there is no report. Rerun with `torchledger --debug "
+                         f"audit ...` to see it in this process")
     exit_note = next((m for m in messages if "exit" in m), None)
     raise InputError(_ended(status, exit_note, _read_stack(stack), model_path))
 
@@ -372,7 +405,15 @@ def _grace(deadline, paused: float) -> float:
     return grace if deadline is None else min(deadline, grace)
 
 
-def _outcome(message: dict):
+def _forged(lines, token: str) -> int:
+    """How many of the result pipe's lines did not carry this run's token."""
+    return sum(1 for line in lines if line.strip() and _decode(line, token) is None)
+
+
+def _outcome(message: dict, forged: int = 0):
+    if forged:
+        click.echo(f"torchledger: warning: {forged} line(s) on the audit's result pipe did not carry this "
+                   f"run's token (something other than the audit wrote to it); ignored", err=True)
     if "error" in message:
         if message.get("usage"):
             raise click.UsageError(str(message["error"]), ctx=click.get_current_context(silent=True))
@@ -780,12 +821,15 @@ class _Forward:
         _flush(sys.stderr)
 
 
-def _decode(line: bytes):
+def _decode(line: bytes, token: str):
+    """The child's message on ``line``: a JSON object that carries ``token``; else None."""
     try:
         message = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    return message if isinstance(message, dict) else None
+    if not isinstance(message, dict) or message.pop("token", None) != token:
+        return None
+    return message
 
 
 def _read(fd: int):

@@ -212,7 +212,12 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     report per layer and gate CI on findings, budgets and a baseline.
 
     With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
-    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
+    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn).
+
+    Trust: FILE.py runs with the same trust as `python FILE.py`; audit only model files you
+    would run. The audit runs it in a child process that guards against accidents (an exit, a
+    hang, stray prints, a stray line on the result pipe), not against a file written to deceive
+    the audit: code that runs as the audit can make it say anything."""
     from ..audit.engine import run_audit, stdout_to_stderr
     from ..audit.spec import AuditError
     from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress
