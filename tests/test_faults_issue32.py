@@ -188,3 +188,180 @@ def test_audit_help_says_what_the_supervisor_protects_against():
     text = " ".join(run("audit", "--help").stdout.split())
     assert "the same trust as `python FILE.py`" in text
     assert "against accidents" in text and "not against a file written to deceive" in text
+
+
+# -- 2. calibrate: its output, its inputs, the fit's bounds, the GPU a record was measured on ---------
+def _cuda_record(path, seconds=0.01, gpu="NVIDIA H100 80GB HBM3"):
+    """A measured CUDA step of four 8192^3 bf16 matmuls: 4 * 2 * 8192^3 = 4.4e12 FLOPs, 4.4 ms at
+    H100's 989.5 TFLOP/s peak, so the default row predicts a few ms."""
+    from torchledger.record import StepRecord
+    rec = StepRecord()
+    rec.meta.update(device="cuda", dtype="bfloat16", **({"gpu": gpu} if gpu else {}))
+    rec.totals.update(tokens=1024, hardware_flops=0, step_seconds=seconds, params=1, peak_bytes=1,
+                      activation_bytes=0)
+    rec.totals["flops"] = {"forward": 0, "backward": 0, "optimizer": 0, "total": 0, "other": 0}
+    rec.ops = [{"op": "aten.mm.default", "phase": "forward", "module": "a", "kind": "matmul", "count": 4,
+                "flops": 4 * 2 * 8192 ** 3, "shapes": [{"mnk": [1, 8192, 8192, 8192], "dtype": "bf16",
+                                                       "count": 4, "flops": 4 * 2 * 8192 ** 3}]}]
+    return rec.save(str(path))
+
+
+def test_calibrate_refuses_to_write_over_one_of_its_records(tmp_path):
+    """Was: the record rewritten into a hardware table."""
+    rec = _cuda_record(tmp_path / "r.json")
+    before = open(rec, "rb").read()
+    (tmp_path / "link.json").symlink_to(rec)
+    os.link(rec, tmp_path / "hard.json")
+    for out in (rec, str(tmp_path / "link.json"), str(tmp_path / "hard.json")):
+        one_line_error(run("calibrate", rec, "--gpu", "h100", "--output", out),
+                       f"--output {out}: is the input record {rec}", "write elsewhere")
+    assert open(rec, "rb").read() == before
+
+
+#: an existing --output calibrate cannot update -> what the line names (were tracebacks)
+HOSTILE_OUTPUT = {
+    "a list": ("[1, 2]", "got list"),
+    "a row not an object": ('{"H100 SXM": 5}', "part 'H100 SXM': expected an object of fields"),
+    "deep nesting": ("[" * 100_000, "nested too deep"),
+    "efficiency not an object": ('{"H100 SXM": {"efficiency": 3}}', "part 'H100 SXM': efficiency"),
+    "sources not an object": ('{"H100 SXM": {"sources": [1]}}', "part 'H100 SXM': sources"),
+    "not JSON": ('{"H100 SXM": ', "not valid JSON"),
+    "another part's bad row": ('{"Z9": {"memory": -1}}', "part 'Z9': memory"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_OUTPUT))
+def test_calibrate_an_existing_output_it_cannot_update_is_one_line(case, tmp_path):
+    text, needle = HOSTILE_OUTPUT[case]
+    out = tmp_path / "hw.json"
+    out.write_text(text)
+    one_line_error(run("calibrate", _cuda_record(tmp_path / "r.json"), "--gpu", "h100", "--output", str(out)),
+                   f"--output {out}: exists and is not a hardware file calibrate can update", needle)
+    assert out.read_text() == text
+
+
+def test_calibrate_makes_a_missing_folder_and_keeps_the_rows_other_fields(tmp_path):
+    """Was: FileNotFoundError naming the temporary; now made, as audit --output makes it."""
+    out = tmp_path / "new" / "deeper" / "hw.json"
+    r = run("calibrate", _cuda_record(tmp_path / "r.json"), "--gpu", "h100", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    row = json.loads(out.read_text())["H100 SXM"]
+    out.write_text(json.dumps({"H100 SXM": {**row, "nic": "25GB/s", "efficiency": {
+        **row["efficiency"], "matmul_min_intensity": 100}}, "L4": {"efficiency": {"launch_s": 7e-6}}}))
+    assert run("calibrate", str(tmp_path / "r.json"), "--gpu", "h100", "--output", str(out)).exit_code == 0
+    table = json.loads(out.read_text())
+    assert table["L4"] == {"efficiency": {"launch_s": 7e-6}}
+    assert table["H100 SXM"]["nic"] == "25GB/s"
+    assert table["H100 SXM"]["efficiency"]["matmul_min_intensity"] == 100
+
+
+def test_calibrate_never_reads_a_device_or_fifo_output(tmp_path):
+    """Was: --output /dev/zero read without bound (24 GB before the kernel killed it); a FIFO
+    --output opened for reading, which hangs with no writer."""
+    import resource
+    import threading
+    import time
+    rec = _cuda_record(tmp_path / "r.json")
+
+    def small():                        # the old unbounded read fails fast instead of eating the host
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    r = subprocess.run([sys.executable, "-m", "torchledger", "calibrate", rec, "--gpu", "h100", "--output",
+                        "/dev/zero"], capture_output=True, text=True, env=ENV, timeout=60, preexec_fn=small)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    fifo = tmp_path / "hw.fifo"
+    os.mkfifo(fifo)
+    got = bytearray()
+
+    def read():                         # non-blocking: a calibrate that never writes cannot hang it
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        end = time.monotonic() + 60
+        try:
+            while time.monotonic() < end:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    chunk = None
+                if chunk:
+                    got.extend(chunk)
+                elif chunk == b"" and got:
+                    return              # the writer came and closed
+                time.sleep(0.01)
+        finally:
+            os.close(fd)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "torchledger", "calibrate", rec, "--gpu", "h100", "--output",
+                            str(fifo)], capture_output=True, text=True, env=ENV, timeout=60)
+    finally:
+        reader.join(70)
+    assert r.returncode == 0, r.stderr
+    assert "H100 SXM" in json.loads(bytes(got))
+
+
+def test_calibrate_refuses_a_fifo_record(tmp_path):
+    fifo = tmp_path / "r.json"
+    os.mkfifo(fifo)
+    one_line_error(run("calibrate", str(fifo), "--gpu", "h100", "--output", str(tmp_path / "hw.json")),
+                   "is a FIFO; expected a regular record JSON file")
+
+
+def test_calibrate_says_when_a_fit_is_pinned_at_a_bound(tmp_path):
+    """Was: written without a word. A step measured at 100 s that the default H100 row predicts
+    in ms asks for a matmul fraction far under the lowest the fit allows (0.05)."""
+    out = tmp_path / "hw.json"
+    r = run("calibrate", _cuda_record(tmp_path / "r.json", seconds=100.0), "--gpu", "h100", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    assert ("torchledger: warning: H100 SXM: matmul_peak_fraction = 0.05 is at its lower bound (0.05): the "
+            "records ask for a part slower than the model allows; written as fitted") in r.stderr
+    row = json.loads(out.read_text())["H100 SXM"]
+    assert row["efficiency"]["matmul_peak_fraction"] == pytest.approx(0.05, rel=1e-3)
+    assert "at a bound: matmul_peak_fraction" in row["sources"]["efficiency"]
+    ok = run("calibrate", _cuda_record(tmp_path / "ok.json"), "--gpu", "h100", "--output", str(tmp_path / "ok"))
+    assert ok.exit_code == 0 and "bound" not in ok.stderr         # 10 ms: inside the bounds
+
+
+def test_calibrate_refuses_records_of_another_part(tmp_path):
+    """Was: nothing said which GPU a record was measured on, so an A100's times fitted H100's row.
+    Decided: a record of another part is refused (its times would set the wrong part's row); a
+    record that does not say (older records) is taken as --gpu's, with a warning."""
+    out = str(tmp_path / "hw.json")
+    a100 = _cuda_record(tmp_path / "a.json", gpu="NVIDIA A100-SXM4-80GB")
+    one_line_error(run("calibrate", _cuda_record(tmp_path / "h.json"), a100, "--gpu", "h100", "--output", out),
+                   f"{a100}: measured on NVIDIA A100-SXM4-80GB (A100 SXM), not on --gpu H100 SXM")
+    odd = _cuda_record(tmp_path / "odd.json", gpu="Some Accelerator 9")
+    one_line_error(run("calibrate", odd, "--gpu", "h100", "--output", out),
+                   "no known part; if it is H100 SXM, add 'Some Accelerator 9' to its aliases")
+    assert not os.path.exists(out)
+    r = run("calibrate", _cuda_record(tmp_path / "h.json"), "--gpu", "h100", "--output", out)
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.stderr
+    r = run("calibrate", _cuda_record(tmp_path / "old.json", gpu=None), str(tmp_path / "h.json"), "--gpu", "h100",
+            "--output", out)
+    assert r.exit_code == 0
+    assert "1 of 2 record(s) do not say which GPU they were measured on (meta.gpu; older records)" in r.stderr
+
+
+def test_a_cuda_records_gpu_is_the_device_name(monkeypatch):
+    """meta.gpu of a real CUDA step: torch.cuda.get_device_name, which get_gpu resolves."""
+    import torch
+    from torchledger.formulas.hardware import get_gpu
+    from torchledger.tracer.build import device_gpu
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    assert device_gpu(torch.device("cuda", 0)) == "NVIDIA H100 80GB HBM3"
+    assert get_gpu(device_gpu(torch.device("cuda", 0))).name == "H100 SXM"
+
+    def no_driver(d=None):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_driver)
+    assert device_gpu(torch.device("cuda", 0)) is None
+
+
+def test_calibrate_shows_progress_for_many_records(tmp_path):
+    """Was: about 0.5 s a record with nothing shown."""
+    paths = [_cuda_record(tmp_path / f"r{i}.json") for i in range(8)]
+    r = run("calibrate", *paths, "--gpu", "h100", "--output", str(tmp_path / "hw.json"))
+    assert r.exit_code == 0, r.output
+    assert "torchledger: calibrate: reading record 1 of 8" in r.stderr
+    assert "torchledger: calibrate: sweep 1 of at most 6: rms log error" in r.stderr
+    few = run("calibrate", *paths[:7], "--gpu", "h100", "--output", str(tmp_path / "hw7.json"))
+    assert "calibrate:" not in few.stderr

@@ -12,7 +12,7 @@ import click
 from ..parallel.layout import CHECKPOINTING, KERNELS, PRECISIONS
 from ..audit.supervise import supervised
 from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, POS_INT, SECONDS, InputError,
-                    PlainNumber, check_output, echo_out, gpu_part)
+                    PlainNumber, check_folder, check_output, echo_out, gpu_part)
 
 __all__ = ["audit", "report"]
 
@@ -234,7 +234,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     except SettingsError as e:
         raise InputError(str(e)) from None
     for flag, path in (("--output", output), ("--memory-snapshot", memory_snapshot)):
-        _check_folder(flag, path)           # before the audit runs, not after minutes of it
+        check_folder(flag, path)            # before the audit runs, not after minutes of it
     base = load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
     if timing_steps is not None and device not in ("cpu", "cuda"):
         raise InputError(f"--timing-steps {timing_steps}: times real steps, so it needs --device cpu or cuda; "
@@ -331,26 +331,6 @@ def _rank_output(output):
         return output
     rank, world = launched or (0, 1)
     return rank_path(output, rank, world)
-
-
-def _check_folder(flag: str, path) -> None:
-    """``--output a/b/out.json``: folders that do not exist are made when the file is written
-    (as ``record.save()`` and ``Ledger.save()`` make them); one that cannot be made (a file in
-    the way, a folder not writable) is one line before the run, not after minutes of it."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if existing == folder:
-        return                               # written as before (write_atomic says the rest)
-    if not os.path.isdir(existing):
-        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
-                         f"{existing} is a file, not a folder; write elsewhere")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
-                         f"{existing} is not writable; write elsewhere")
 
 
 def _write_snapshot(run, path) -> None:
