@@ -365,3 +365,51 @@ def test_calibrate_shows_progress_for_many_records(tmp_path):
     assert "torchledger: calibrate: sweep 1 of at most 6: rms log error" in r.stderr
     few = run("calibrate", *paths[:7], "--gpu", "h100", "--output", str(tmp_path / "hw7.json"))
     assert "calibrate:" not in few.stderr
+
+
+# -- 5. estimate: its one file input is TORCHLEDGER_HARDWARE -----------------------------------------
+#: a hostile hardware file -> what the one line says (before item 1's checks: tracebacks from the
+#: default part's lookup, ``estimate train`` without --gpu, and a hang on a FIFO)
+HOSTILE_FILES = {
+    "directory": (None, "is a directory"),
+    "binary": (bytes(range(256)) * 4, "not UTF-8 text"),
+    "huge": ("sparse", "larger than 4 MiB"),
+    "bad JSON": (b'{"H100": ', "not valid JSON"),
+    "a list": (b"[1, 2]", "got list"),
+    "row a number": (b'{"H100": 5}', "part 'H100': expected an object of fields"),
+    "nvlink a list": (b'{"H100": {"nvlink": [1]}}', "part 'H100': nvlink"),
+    "deep": (b"[" * 100_000, "nested too deep"),
+    "byte-order mark": (b"\xff\xfe{}", "not UTF-8 text"),
+}
+ESTIMATES = [["train", "--params", "7B", "--tokens", "1T"], ["memory", "--params", "7B", "--gpu", "a100"],
+             ["decode", "--params", "7B", "--gpu", "h100"],
+             ["train", "--params", "7B", "--tokens", "1T", "--gpu", "h100", "--json"]]
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_FILES))
+def test_estimate_on_a_hostile_hardware_file_is_one_line(case, tmp_path, monkeypatch):
+    content, needle = HOSTILE_FILES[case]
+    path = tmp_path / "hw.json"
+    if content is None:
+        path.mkdir()
+    elif content == "sparse":
+        with open(path, "wb") as f:
+            f.truncate(5 << 20)         # 5 MiB of zeros, none written
+    else:
+        path.write_bytes(content)
+    monkeypatch.setenv("TORCHLEDGER_HARDWARE", str(path))
+    for args in ESTIMATES:
+        r = run("estimate", *args)
+        one_line_error(r, f"TORCHLEDGER_HARDWARE={path}: ", needle)
+        assert r.stdout == ""
+
+
+def test_estimate_on_a_hardware_fifo_does_not_hang(tmp_path):
+    fifo = tmp_path / "hw.json"
+    os.mkfifo(fifo)
+    r = subprocess.run([sys.executable, "-m", "torchledger", "estimate", "train", "--params", "7B", "--tokens", "1T"],
+                       capture_output=True, text=True, env=dict(ENV, TORCHLEDGER_HARDWARE=str(fifo)), timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"torchledger: error: TORCHLEDGER_HARDWARE={fifo}: is a FIFO; expected a regular hardware JSON file (save "
+        f"it to a file first); fix the file (or unset TORCHLEDGER_HARDWARE)"]
