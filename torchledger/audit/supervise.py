@@ -26,10 +26,14 @@ descriptor level, reaches the parent's stderr through a pipe, and only while the
   from ``/dev/null`` (it cannot read, or stop on, the terminal). Once it has ended, whatever
   ended it (its result sent, ``os._exit``, a crash, ``--timeout``), the parent SIGKILLs its
   group, before reaping the child: until then the group's id (the child's pid) cannot name
-  another process's group. Then, on Linux, from a parent with one Python thread (the command
-  line), the parent -- a child subreaper (``PR_SET_CHILD_SUBREAPER``) while the child runs --
-  kills and reaps the processes that left the group (``setsid``, a double-fork daemon,
-  ``start_new_session=True``) and were orphaned to it (``_Reaper``).
+  another process's group. On Linux, what left the group (``setsid``, a double-fork daemon,
+  ``start_new_session=True``) ends too, from any parent, threaded or not: the child is a
+  child subreaper, so those stay its descendants, and it SIGKILLs its descendants
+  (``end_descendants``, by ``/proc`` parentage) before it exits, after its result or at the
+  model file's ``os._exit``; a child the parent must end (``--timeout``, exit handlers past
+  their grace, a signal) is frozen (SIGSTOP) and its descendants ended first. Then, from a
+  parent with one Python thread (the command line), the parent -- a child subreaper while the
+  child runs -- kills and reaps what was orphaned to it all the same (``_Reaper``).
 * Signals to the parent: Ctrl-C reaches the parent alone (the foreground group); its
   ``KeyboardInterrupt`` ends the child's group ("aborted", 130, as before). SIGTERM (``kill``,
   ``timeout``, a CI runner), SIGHUP and SIGQUIT, where their handler is the default action,
@@ -49,10 +53,11 @@ Known limitations: the supervisor guards against accidents, not malice. The mode
 as the child, with the child's memory (the token included) and descriptors: code written to
 deceive the audit can forge its result, or stop the parent (SIGSTOP). Audit model files with
 the trust of ``python model.py``. A SIGKILL of the parent itself kills the child (``PR_SET_PDEATHSIG``) but
-leaves what the child started running. A process that left the child's group is ended only
-on Linux and only from a parent with one Python thread (the CLI called in-process from a
-threaded program kills the group alone), and the search for them gives up after ``SWEEP_S``
-seconds (a fork bomb outruns it). ``posix._exit`` called directly is not traced to its line
+leaves what the child started running. The child's group always ends with the audit; a
+process that left it is ended only on Linux, and where the child dies without ending its
+descendants (a crash, a SIGKILL from elsewhere) only from a parent with one Python thread
+(the CLI called in-process from a threaded program then kills the group alone); the
+searches give up after ``SWEEP_S`` seconds (a fork bomb outruns them). ``posix._exit`` called directly is not traced to its line
 (the message says the process ended, without a line).
 """
 from __future__ import annotations
@@ -68,7 +73,7 @@ import click
 
 from ..errors import InputError
 
-__all__ = ["supervise", "supervised", "handed_over"]
+__all__ = ["supervise", "supervised", "handed_over", "end_descendants"]
 
 #: Seconds to wait for the child's stack after asking for it on a timeout.
 STACK_WAIT_S = 2.0
@@ -216,6 +221,11 @@ def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model
     except BaseException:  # noqa: BLE001 (nothing may escape a forked child)
         pass
     finally:
+        try:
+            if os.getpid() == result_w.pid:     # the child, not a copy the model file forked
+                end_descendants(result_w.pid)
+        except BaseException:  # noqa: BLE001 (a handler of the model file's raising: exit all the same)
+            pass
         exit_now(0)
 
 
@@ -224,6 +234,7 @@ def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> Non
     import faulthandler
     import io
     _own_session()                           # first: what it starts is in its group
+    _adopt_orphans()                         # and what leaves the group stays its descendant
     atexit._clear()                          # the parent's handlers are the parent's
     _die_with_parent(parent, exit_now)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C: the parent stops, then kills us
@@ -244,6 +255,7 @@ def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> Non
                 import traceback
                 frames = traceback.extract_stack(sys._getframe(1), limit=64)
                 result_w.send({"exit": status, "stack": [[f.filename, f.lineno, f.name] for f in frames]})
+                end_descendants(me)
             except BaseException:  # noqa: BLE001 (exit all the same)
                 pass
         exit_now(status)
@@ -289,6 +301,68 @@ def _own_session() -> None:
         os.close(null)
     except OSError:
         pass
+
+
+def _adopt_orphans() -> None:
+    """Linux: the child is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a process the model
+    file starts that leaves its group and loses its parent (``setsid``, a double-fork daemon)
+    becomes the child's child, not init's, so ``end_descendants`` finds it. Unlike the
+    parent's ``_Reaper`` this needs no one-thread process: every descendant of the child is
+    the model file's."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)      # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def end_descendants(root: int, within: float = None) -> int:
+    """SIGKILL every living descendant of ``root`` (by ``/proc`` parentage, whatever their group
+    or session), again until none is left or ``within`` seconds (``SWEEP_S``) have passed (they
+    may be forking). Linux; elsewhere nothing. How many were signalled."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    if root == os.getpid():                 # ending: a SIGCHLD handler (DataLoader's raises when
+        try:                                # a worker dies) must not interrupt it
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        except (ValueError, OSError):       # not the main thread
+            pass
+    end = time.monotonic() + (SWEEP_S if within is None else within)
+    killed = 0
+    while True:
+        found = _descendants(root)
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not found or time.monotonic() >= end:
+            return killed
+        time.sleep(0.001)
+
+
+def _descendants(root: int) -> list:
+    """The living (not zombie) descendants of ``root``, from one read of ``/proc``."""
+    by_parent = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if name.isdigit():
+            st = _stat(name)
+            if st:
+                by_parent.setdefault(st["ppid"], []).append((int(name), st["state"]))
+    out, todo = [], [root]
+    while todo:
+        for pid, state in by_parent.get(todo.pop(), ()):
+            todo.append(pid)            # a zombie's children were reparented: none to follow
+            if state not in "ZX":
+                out.append(pid)
+    return out
 
 
 def _die_with_parent(parent: int, exit_now) -> None:
@@ -516,6 +590,12 @@ class _Child:
         """SIGKILL to the child's group and to the child (idle on a zombie), then reap it.
         Once; its wait status."""
         if self.status is None:
+            if self.unreaped() and _stat(self.pid).get("state", "Z") not in "ZX":
+                try:                        # alive: frozen, so that it starts no more, and what it
+                    os.kill(self.pid, signal.SIGSTOP)   # started (any group) ended while it is
+                except ProcessLookupError:              # their ancestor
+                    pass
+                end_descendants(self.pid)
             for kill in (os.killpg, os.kill) if self.unreaped() else ():
                 try:                        # killpg: ESRCH if it had not made its group yet
                     kill(self.pid, signal.SIGKILL)
@@ -708,7 +788,7 @@ def _stat(pid) -> dict:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
         rest = data[data.rindex(b")") + 2:].split()
-        return {"ppid": int(rest[1]), "session": int(rest[3]), "start": int(rest[19])}
+        return {"state": rest[0].decode(), "ppid": int(rest[1]), "session": int(rest[3]), "start": int(rest[19])}
     except (OSError, ValueError, IndexError):
         return {}
 
