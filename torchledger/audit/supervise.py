@@ -52,13 +52,13 @@ did before (tracebacks, breakpoints; no timeout).
 Known limitations: the supervisor guards against accidents, not malice. The model file runs
 as the child, with the child's memory (the token included) and descriptors: code written to
 deceive the audit can forge its result, or stop the parent (SIGSTOP). Audit model files with
-the trust of ``python model.py``. A SIGKILL of the parent itself kills the child (``PR_SET_PDEATHSIG``) but
-leaves what the child started running. The child's group always ends with the audit; a
+the trust of ``python model.py``. A SIGKILL of the parent itself kills the child
+(``PR_SET_PDEATHSIG``) but leaves what the child started running. The child's group always ends with the audit; a
 process that left it is ended only on Linux, and where the child dies without ending its
 descendants (a crash, a SIGKILL from elsewhere) only from a parent with one Python thread
 (the CLI called in-process from a threaded program then kills the group alone); the
-searches give up after ``SWEEP_S`` seconds (a fork bomb outruns them). ``posix._exit`` called directly is not traced to its line
-(the message says the process ended, without a line).
+searches give up after ``SWEEP_S`` seconds (a fork bomb outruns them). ``posix._exit`` called
+directly is not traced to its line (the message says the process ended, without a line).
 """
 from __future__ import annotations
 
