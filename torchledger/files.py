@@ -22,7 +22,7 @@ def check_output_path(path) -> None:
                          f"file name such as {os.path.join(name, 'report.json')!r}")
 
 
-def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
+def write_atomic(path, text: Union[str, Iterable[str]], *, regular_only: bool = False) -> None:
     """Write ``text`` (a string, bytes, or an iterable of string chunks) to ``path`` all at once.
 
     For a regular file (or a new one) the text goes to a temporary file in the same directory,
@@ -35,6 +35,8 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
     (a character device such as ``/dev/null``, a FIFO, ``/dev/stdout``) is written in place,
     never renamed over: the whole text is rendered first, then written, and a failed write
     (``ENOSPC`` on ``/dev/full``) raises ``OSError``. A directory raises ``IsADirectoryError``.
+    ``regular_only=True`` raises ``OSError`` for such a path instead of opening it: a FIFO with
+    no reader would block the open forever (``Ledger(save_to=)`` inside a training step).
 
     The temporary is named ``.<name>.torchledger-<pid>.<random>.tmp``. A write killed
     outright (SIGKILL, power loss) leaves one behind; the next write to the same file
@@ -58,13 +60,21 @@ def write_atomic(path, text: Union[str, Iterable[str]]) -> None:
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     if st is not None and not stat.S_ISREG(st.st_mode):
+        if regular_only:
+            raise OSError(errno.EINVAL, f"{path} is {_kind(st.st_mode)}, not a regular file; expected a file "
+                                        f"path (a FIFO or device would be written in place, and a FIFO "
+                                        f"with no reader blocks)", path)
         _write_in_place(path, chunks)
         return
     target = os.path.realpath(path)             # a link's target is replaced, not the link
     directory = os.path.dirname(target)
     if not os.path.isdir(directory or "."):    # else mkstemp's error names the temporary
-        raise FileNotFoundError(errno.ENOENT, f"the folder {os.path.dirname(path) or directory} does not "
-                                f"exist; create it first (mkdir -p) or write elsewhere", path)
+        # NB: a dangling link's folder is its target's, not the link's (which exists)
+        linked = os.path.islink(path)
+        folder = directory if linked else os.path.dirname(path) or directory
+        link = f"{path} is a link to {target}, and " if linked else ""
+        raise FileNotFoundError(errno.ENOENT, f"{link}the folder {folder} does not exist; create it first "
+                                f"(mkdir -p) or write elsewhere", path)
     _remove_stale_temporaries(directory, os.path.basename(target))
     fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(os.path.basename(target))}{os.getpid()}.",
                                suffix=".tmp", dir=directory)
@@ -162,6 +172,11 @@ def _write_in_place(path: str, chunks) -> None:
             view = view[n:]
     finally:
         os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
 
 
 def _mode_for(path: str) -> int:

@@ -151,7 +151,8 @@ class Ledger:
     takes the others down in the next collective, before any save after the loop: with
     ``save_to`` each rank's file holds its last completed traced step (a step that raised
     does not overwrite it). A write that fails is a ``RuntimeWarning``, never an error in the
-    loop.
+    loop; ``save_to`` must name a file (a FIFO or device is such a warning: a FIFO with no
+    reader would block the step).
 
     Known limitations: with ``sample_every > 1`` traced steps are not consecutive, so
     TL-LEAK-003 (gradients never cleared) needs ``sample_every=1``; growth slower than
@@ -216,7 +217,7 @@ class Ledger:
             folder = path if path.endswith(("/", os.sep)) else os.path.dirname(path)
             if folder:
                 os.makedirs(folder, exist_ok=True)
-            out = record.save(path)
+            out = record.save(path, regular_only=True)   # a FIFO with no reader would block the step
         except Exception as e:  # noqa: BLE001 (a full disk must not end the user's training)
             warnings.warn(f"torchledger Ledger(save_to={self.save_to!r}): step {index}'s record not "
                           f"saved: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)

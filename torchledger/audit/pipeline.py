@@ -59,7 +59,8 @@ from ..units import fmt_bytes
 from .errors import raised, where
 from .spec import AuditError, as_spec
 from ..analyzers.compare import record_predictions
-from ..formulas.pipeline import bubble_fraction, chunk_sizes, in_flight, rank_chunks, schedule_problem
+from ..formulas.pipeline import (bubble_fraction, chunk_sizes, in_flight, in_flight_bytes, rank_chunks,
+                                 schedule_problem)
 from ..parallel.layout import Layout
 from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
 from ..record import StepRecord
@@ -601,7 +602,6 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
     chunk but the first (allocated once, for every micro-batch; those in flight are their
     first block's saved input, in the activations already) and m of the output's gradient per
     chunk but the last (the traced micro-step receives its own)."""
-    from ..formulas.pipeline import in_flight_bytes
     p, v = layout.size("pp"), layout.virtual_stages
     last_chunk = p * v - 1
     steady = traced.get("steady") or traced.get("first") or traced["only"]

@@ -5,8 +5,9 @@ with no report), hang at import, in ``audit_spec()`` or in ``forward``, or leave
 that keeps printing after the report. ``supervise(work, ...)`` forks: the child runs
 ``work()`` (load, trace, analyze, render) and sends back what it made, one JSON line (for
 ``audit``, through the ``supervised`` decorator: the text its ``_emit`` was given and the
-exit code, or the one-line error); the parent alone writes stdout (and ``--output``) and
-picks the exit code. Everything the child prints, at the Python or the file
+exit code, or the one-line error), carrying a token the parent drew for the run (a line
+without it is not the audit's: "malformed result"); the parent alone writes stdout (and
+``--output``) and picks the exit code. Everything the child prints, at the Python or the file
 descriptor level, reaches the parent's stderr through a pipe, and only while the child runs.
 
 * The child ends without sending its result (``os._exit(n)``, a signal, a crash): exit 2, one
@@ -25,10 +26,14 @@ descriptor level, reaches the parent's stderr through a pipe, and only while the
   from ``/dev/null`` (it cannot read, or stop on, the terminal). Once it has ended, whatever
   ended it (its result sent, ``os._exit``, a crash, ``--timeout``), the parent SIGKILLs its
   group, before reaping the child: until then the group's id (the child's pid) cannot name
-  another process's group. Then, on Linux, from a parent with one Python thread (the command
-  line), the parent -- a child subreaper (``PR_SET_CHILD_SUBREAPER``) while the child runs --
-  kills and reaps the processes that left the group (``setsid``, a double-fork daemon,
-  ``start_new_session=True``) and were orphaned to it (``_Reaper``).
+  another process's group. On Linux, what left the group (``setsid``, a double-fork daemon,
+  ``start_new_session=True``) ends too, from any parent, threaded or not: the child is a
+  child subreaper, so those stay its descendants, and it SIGKILLs its descendants
+  (``end_descendants``, by ``/proc`` parentage) before it exits, after its result or at the
+  model file's ``os._exit``; a child the parent must end (``--timeout``, exit handlers past
+  their grace, a signal) is frozen (SIGSTOP) and its descendants ended first. Then, from a
+  parent with one Python thread (the command line), the parent -- a child subreaper while the
+  child runs -- kills and reaps what was orphaned to it all the same (``_Reaper``).
 * Signals to the parent: Ctrl-C reaches the parent alone (the foreground group); its
   ``KeyboardInterrupt`` ends the child's group ("aborted", 130, as before). SIGTERM (``kill``,
   ``timeout``, a CI runner), SIGHUP and SIGQUIT, where their handler is the default action,
@@ -62,12 +67,16 @@ What the standard library already does, and why the rest is here:
 ``inprocess=True`` (``--debug``), or a platform without ``fork``: ``work()`` runs here, as it
 did before (tracebacks, breakpoints; no timeout).
 
-Known limitations: a SIGKILL of the parent itself kills the child (``PR_SET_PDEATHSIG``) but
-leaves what the child started running. A process that left the child's group is ended only
-on Linux and only from a parent with one Python thread (the CLI called in-process from a
-threaded program kills the group alone), and the search for them gives up after ``SWEEP_S``
-seconds (a fork bomb outruns it). ``posix._exit`` called directly is not traced to its line
-(the message says the process ended, without a line).
+Known limitations: the supervisor guards against accidents, not malice. The model file runs
+as the child, with the child's memory (the token included) and descriptors: code written to
+deceive the audit can forge its result, or stop the parent (SIGSTOP). Audit model files with
+the trust of ``python model.py``. A SIGKILL of the parent itself kills the child
+(``PR_SET_PDEATHSIG``) but leaves what the child started running. The child's group always ends with the audit; a
+process that left it is ended only on Linux, and where the child dies without ending its
+descendants (a crash, a SIGKILL from elsewhere) only from a parent with one Python thread
+(the CLI called in-process from a threaded program then kills the group alone); the
+searches give up after ``SWEEP_S`` seconds (a fork bomb outruns them). ``posix._exit`` called
+directly is not traced to its line (the message says the process ended, without a line).
 """
 from __future__ import annotations
 
@@ -82,7 +91,7 @@ import click
 
 from ..errors import InputError
 
-__all__ = ["supervise", "supervised", "handed_over"]
+__all__ = ["supervise", "supervised", "handed_over", "end_descendants"]
 
 #: Seconds to wait for the child's stack after asking for it on a timeout.
 STACK_WAIT_S = 2.0
@@ -93,16 +102,20 @@ EXIT_GRACE_S = 3.0
 FRAMES_SHOWN = 4
 
 
-def supervised(emit):
+def supervised(emit, check=None):
     """Decorator for a click command whose body runs in a child process (``audit``): takes its
     ``timeout`` option away from the body, runs the body through ``supervise`` (unless
     ``--debug``), then hands each ``(text, output)`` the body wrote (``handed_over``) to
-    ``emit`` in this process and returns the body's exit code."""
+    ``emit`` in this process and returns the body's exit code. ``check(**kwargs)``, if given,
+    runs here first: arguments it refuses are reported before the child starts (and imports
+    torch: seconds)."""
     import functools
 
     def wrap(command):
         @functools.wraps(command)
         def run(*args, timeout=None, **kwargs):
+            if check is not None:
+                check(**kwargs)
             if _debug():
                 return command(*args, **kwargs)
 
@@ -153,6 +166,8 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
     import tempfile
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         _flush(stream)
+    import secrets
+    token = secrets.token_hex(16)                   # this run's: on every line the child sends
     result_r, result_w = os.pipe()
     output_r, output_w = os.pipe()
     stack = tempfile.TemporaryFile()
@@ -165,13 +180,13 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
     if pid == 0:                                    # the child: never returns
         os.close(result_r)
         os.close(output_r)
-        _child(work, result_w, output_w, stack, parent, torch_here, model_path)
+        _child(work, _ResultPipe(result_w, token), output_w, stack, parent, torch_here, model_path)
     child = _Child(pid)
     os.close(result_w)
     os.close(output_w)
     with _Forwarded(child):
         try:
-            return _wait(child, result_r, output_r, stack, timeout, model_path)
+            return _wait(child, (result_r, token), output_r, stack, timeout, model_path)
         finally:
             with _deferred():
                 child.end()                         # its group too,
@@ -182,6 +197,24 @@ def supervise(work, *, timeout, model_path: str, inprocess: bool = False):
 
 
 # -- the child ---------------------------------------------------------------------------------
+class _ResultPipe:
+    """The child's end of the result pipe. Each line it sends carries the run's token, which the
+    parent made before the fork: a line without it (a model file, or a process it started, that
+    wrote to this descriptor by accident) is not the audit's. Only the child itself sends: a
+    copy of it that the model file forked (``os.fork()`` in ``audit_spec``) and that runs on
+    through the audit does not."""
+
+    def __init__(self, fd: int, token: str):
+        self.fd, self.token, self.pid = fd, token, os.getpid()
+
+    def send(self, message: dict) -> None:
+        if os.getpid() == self.pid:
+            _send(self.fd, {**message, "token": self.token})
+
+    def close(self) -> None:
+        _close(self.fd)
+
+
 def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model_path: str):
     exit_now = os._exit
     try:
@@ -194,11 +227,11 @@ def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model
         except BaseException as e:  # noqa: BLE001 (whatever the model file raised: one line)
             message = {"error": unexpected(e, model_path)}
         try:
-            _send(result_w, message)
+            result_w.send(message)
         except (TypeError, ValueError) as e:        # not JSON: a bug of ours, said as one
-            _send(result_w, {"error": f"the audit's result could not be sent ({type(e).__name__}: "
-                                      f"{safe_str(e)}); rerun with `torchledger --debug audit ...`"})
-        os.close(result_w)
+            result_w.send({"error": f"the audit's result could not be sent ({type(e).__name__}: "
+                                    f"{safe_str(e)}); rerun with `torchledger --debug audit ...`"})
+        result_w.close()
         import atexit
         atexit._run_exitfuncs()             # the model file's own exit handlers, as a plain run
         for stream in (sys.stdout, sys.stderr):
@@ -206,6 +239,11 @@ def _child(work, result_w, output_w, stack, parent: int, torch_here: bool, model
     except BaseException:  # noqa: BLE001 (nothing may escape a forked child)
         pass
     finally:
+        try:
+            if os.getpid() == result_w.pid:     # the child, not a copy the model file forked
+                end_descendants(result_w.pid)
+        except BaseException:  # noqa: BLE001 (a handler of the model file's raising: exit all the same)
+            pass
         exit_now(0)
 
 
@@ -214,6 +252,7 @@ def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> Non
     import faulthandler
     import io
     _own_session()                           # first: what it starts is in its group
+    _adopt_orphans()                         # and what leaves the group stays its descendant
     atexit._clear()                          # the parent's handlers are the parent's
     _die_with_parent(parent, exit_now)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C: the parent stops, then kills us
@@ -233,7 +272,8 @@ def _child_setup(result_w, output_w, stack, parent, torch_here, exit_now) -> Non
             try:
                 import traceback
                 frames = traceback.extract_stack(sys._getframe(1), limit=64)
-                _send(result_w, {"exit": status, "stack": [[f.filename, f.lineno, f.name] for f in frames]})
+                result_w.send({"exit": status, "stack": [[f.filename, f.lineno, f.name] for f in frames]})
+                end_descendants(me)
             except BaseException:  # noqa: BLE001 (exit all the same)
                 pass
         exit_now(status)
@@ -282,6 +322,68 @@ def _own_session() -> None:
         pass
 
 
+def _adopt_orphans() -> None:
+    """Linux: the child is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a process the model
+    file starts that leaves its group and loses its parent (``setsid``, a double-fork daemon)
+    becomes the child's child, not init's, so ``end_descendants`` finds it. Unlike the
+    parent's ``_Reaper`` this needs no one-thread process: every descendant of the child is
+    the model file's."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)      # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def end_descendants(root: int, within: float = None) -> int:
+    """SIGKILL every living descendant of ``root`` (by ``/proc`` parentage, whatever their group
+    or session), again until none is left or ``within`` seconds (``SWEEP_S``) have passed (they
+    may be forking). Linux; elsewhere nothing. How many were signalled."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    if root == os.getpid():                 # ending: a SIGCHLD handler (DataLoader's raises when
+        try:                                # a worker dies) must not interrupt it
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        except (ValueError, OSError):       # not the main thread
+            pass
+    end = time.monotonic() + (SWEEP_S if within is None else within)
+    killed = 0
+    while True:
+        found = _descendants(root)
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not found or time.monotonic() >= end:
+            return killed
+        time.sleep(0.001)
+
+
+def _descendants(root: int) -> list:
+    """The living (not zombie) descendants of ``root``, from one read of ``/proc``."""
+    by_parent = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if name.isdigit():
+            st = _stat(name)
+            if st:
+                by_parent.setdefault(st["ppid"], []).append((int(name), st["state"]))
+    out, todo = [], [root]
+    while todo:
+        for pid, state in by_parent.get(todo.pop(), ()):
+            todo.append(pid)            # a zombie's children were reparented: none to follow
+            if state not in "ZX":
+                out.append(pid)
+    return out
+
+
 def _die_with_parent(parent: int, exit_now) -> None:
     """Linux: the child is killed when the parent dies (a CI job cancelled)."""
     try:
@@ -321,12 +423,15 @@ def safe_str(e: BaseException) -> str:
 
 
 # -- the parent --------------------------------------------------------------------------------
-def _wait(child, result_r, output_r, stack, timeout, model_path):
+def _wait(child, result, output_r, stack, timeout, model_path):
+    """Forward the child's output, read its result pipe ``(fd, token)``, until it has ended;
+    the result its lines carry (with the token), or ``InputError``."""
+    (result_r, token), result = result, None
     deadline = time.monotonic() + timeout if timeout else None
     pidfd = _pidfd(child.pid)
     for fd in (result_r, output_r):
         os.set_blocking(fd, False)
-    lines, pending, status, result, ended, graced = [], bytearray(), None, None, set(), False
+    lines, pending, status, ended, graced = [], bytearray(), None, set(), False
     sink = _Forward()
     try:
         while status is None:
@@ -338,7 +443,7 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
                     child.end()
                     click.echo(f"torchledger: warning: the model file's exit handlers were still running "
                                f"{EXIT_GRACE_S:g} s after the audit's result was in; stopped them", err=True)
-                    return _outcome(result)
+                    return _outcome(result, _forged(lines, token))
                 raise InputError(_timed_out(child, stack, timeout, model_path))
             watch = [fd for fd in (result_r, output_r, pidfd) if fd is not None and fd not in ended]
             wait = left if pidfd is not None else min(left if left is not None else 0.02, 0.02)
@@ -358,7 +463,7 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
                 line, _, rest = bytes(pending).partition(b"\n")
                 pending = bytearray(rest)
                 lines.append(line)
-                message = _decode(line)
+                message = _decode(line, token)
                 if message is not None and "exit" not in message and result is None:
                     result = message
         pending += _drain(result_r)
@@ -371,10 +476,16 @@ def _wait(child, result_r, output_r, stack, timeout, model_path):
         sink.flush()
         if pidfd is not None:
             _close(pidfd)
-    messages = [m for m in map(_decode, lines) if m is not None]
+    messages = [m for m in (_decode(line, token) for line in lines) if m is not None]
     result = next((m for m in messages if "exit" not in m), None)
+    forged = _forged(lines, token)
     if result is not None:
-        return _outcome(result)
+        return _outcome(result, forged)
+    if forged:
+        raise InputError(f"the audit's process sent a malformed result: {forged} line(s) on its result pipe "
+                         f"without this run's token (the model file, or a process it started, wrote to "
+                         f"the audit's descriptor); there is no report. Rerun with `torchledger --debug "
+                         f"audit ...` to see it in this process")
     exit_note = next((m for m in messages if "exit" in m), None)
     raise InputError(_ended(status, exit_note, _read_stack(stack), model_path))
 
@@ -387,7 +498,15 @@ def _grace(deadline, paused: float) -> float:
     return grace if deadline is None else min(deadline, grace)
 
 
-def _outcome(message: dict):
+def _forged(lines, token: str) -> int:
+    """How many of the result pipe's lines did not carry this run's token."""
+    return sum(1 for line in lines if line.strip() and _decode(line, token) is None)
+
+
+def _outcome(message: dict, forged: int = 0):
+    if forged:
+        click.echo(f"torchledger: warning: {forged} line(s) on the audit's result pipe did not carry this "
+                   f"run's token (something other than the audit wrote to it); ignored", err=True)
     if "error" in message:
         if message.get("usage"):
             raise click.UsageError(str(message["error"]), ctx=click.get_current_context(silent=True))
@@ -490,6 +609,12 @@ class _Child:
         """SIGKILL to the child's group and to the child (idle on a zombie), then reap it.
         Once; its wait status."""
         if self.status is None:
+            if self.unreaped() and _stat(self.pid).get("state", "Z") not in "ZX":
+                try:                        # alive: frozen, so that it starts no more, and what it
+                    os.kill(self.pid, signal.SIGSTOP)   # started (any group) ended while it is
+                except ProcessLookupError:              # their ancestor
+                    pass
+                end_descendants(self.pid)
             for kill in (os.killpg, os.kill) if self.unreaped() else ():
                 try:                        # killpg: ESRCH if it had not made its group yet
                     kill(self.pid, signal.SIGKILL)
@@ -682,7 +807,7 @@ def _stat(pid) -> dict:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
         rest = data[data.rindex(b")") + 2:].split()
-        return {"ppid": int(rest[1]), "session": int(rest[3]), "start": int(rest[19])}
+        return {"state": rest[0].decode(), "ppid": int(rest[1]), "session": int(rest[3]), "start": int(rest[19])}
     except (OSError, ValueError, IndexError):
         return {}
 
@@ -795,12 +920,15 @@ class _Forward:
         _flush(sys.stderr)
 
 
-def _decode(line: bytes):
+def _decode(line: bytes, token: str):
+    """The child's message on ``line``: a JSON object that carries ``token``; else None."""
     try:
         message = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    return message if isinstance(message, dict) else None
+    if not isinstance(message, dict) or message.pop("token", None) != token:
+        return None
+    return message
 
 
 def _read(fd: int):

@@ -2,7 +2,10 @@
 
 Exit codes everywhere: 0 clean, 1 findings at or above ``--fail-on``, 2 bad usage or bad
 input. Bad input is one line on stderr (``torchledger: error: ...``) with no traceback
-unless ``--debug`` is given. Data goes to stdout, logs to stderr.
+unless ``--debug`` is given. Data goes to stdout, logs to stderr. A stdout that cannot take
+the data (closed with ``>&-``, full as ``/dev/full``) is one line and exit 2; a reader that
+went away (``| head -c0``) ends the command silently with 141, as a shell shows a process
+that SIGPIPE ended (``yes | head``).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import sys
 
 import click
 
-from .types import InputError
+from .types import InputError, StdoutError
 
 __all__ = ["main", "cli"]
 
@@ -54,6 +57,7 @@ class LedgerGroup(click.Group):
         if args is None:
             args = sys.argv[1:]
         args = list(args)
+        _hold_closed_streams()
         debug = "--debug" in args or os.environ.get("TORCHLEDGER_DEBUG") == "1"
         try:
             rv = super().main(args=args, prog_name=prog_name or "torchledger",
@@ -68,11 +72,60 @@ class LedgerGroup(click.Group):
                 raise
             click.echo(f"torchledger: error: {_one_line(e)}", err=True)
             code = 2
+        except BrokenPipeError as e:                 # a pipe's reader gone, wherever it was written
+            code = _stdout_failed(StdoutError(e.errno, e.strerror or str(e)))
+        except StdoutError as e:
+            code = _stdout_failed(e)
         else:
             code = rv if isinstance(rv, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _hold_closed_streams() -> None:
+    """A standard descriptor closed before the start (``>&-``) is held on ``/dev/null``, so the
+    next file or pipe opened does not take its number (a record file on fd 1 would receive
+    what a model file prints). ``sys.stdout`` stays None: ``echo_out`` still reports it."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                null = os.open(os.devnull, os.O_RDWR)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
+            except OSError:
+                pass
+
+
+#: Exit status when stdout's reader went away (``EPIPE``): 128 + SIGPIPE, what a shell shows
+#: for a process that SIGPIPE ended.
+EXIT_PIPE = 141
+
+
+def _stdout_failed(e: StdoutError) -> int:
+    """One line (exit 2) for a stdout that cannot be written; silence (141) for a reader gone.
+    Either way the data left in stdout's buffer is dropped, so that no later flush (at exit)
+    raises again."""
+    import errno
+    stream = sys.stdout
+    if stream is not None and stream is sys.__stdout__:
+        try:                                # Python's recipe: point fd 1 at /dev/null
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+    if e.errno == errno.EPIPE:
+        return EXIT_PIPE
+    try:
+        click.echo(f"torchledger: error: cannot write the output to stdout ({e.reason}); write it to a "
+                   f"file: --output FILE (audit, report) or a redirect", err=True)
+    except (OSError, ValueError):           # stderr gone too: the exit code says it
+        pass
+    return 2
 
 
 def _one_line(e: click.ClickException) -> str:
@@ -125,7 +178,8 @@ def main() -> None:  # console script entry point (and ``python -m torchledger``
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:       # None: closed before the start (`>&-`)
+                stream.flush()
         except (OSError, ValueError):    # a closed pipe (`| head`) or a closed stream
             pass
     os._exit(code)

@@ -12,7 +12,7 @@ import click
 from ..parallel.layout import CHECKPOINTING, KERNELS, PRECISIONS
 from ..audit.supervise import supervised
 from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, POS_INT, SECONDS, InputError,
-                    PlainNumber, check_output, gpu_part)
+                    PlainNumber, check_folder, check_output, echo_out, gpu_part)
 
 __all__ = ["audit", "report"]
 
@@ -63,7 +63,7 @@ def _emit(text: str, output) -> None:
             raise InputError(f"--output {output}: cannot write ({e.strerror or e})") from None
         click.echo(f"torchledger: wrote {output}", err=True)
     else:
-        click.echo(text)
+        echo_out(text)
 
 
 #: The totals a record must carry to be rendered, and to serve as a --baseline (the numbers
@@ -204,7 +204,7 @@ def _exit_code(findings, fail_on: str) -> int:
               help="Stop an audit that runs longer (a loop in the model file) and say where it was; "
                    "0: no limit. The model file runs in a child process: its exit code, hang or prints "
                    "cannot decide the result (--debug: in this process, no limit).")
-@supervised(lambda text, output: _emit(text, output))   # cli/supervise.py
+@supervised(lambda text, output: _emit(text, output), check=lambda **kw: _check_world(**kw))
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
           virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision,
           link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False, kernels=None):
@@ -212,10 +212,16 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     report per layer and gate CI on findings, budgets and a baseline.
 
     With --world-size N (or --mesh DxD) the step runs as rank 0 of N simulated ranks: fake
-    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn)."""
-    from ..audit.engine import run_audit, stdout_to_stderr  # lazy: CLI startup
+    tensors under a fake process group, sharded by the file's AuditSpec(parallelize=fn).
+
+    Trust: FILE.py runs with the same trust as `python FILE.py`; audit only model files you
+    would run. The audit runs it in a child process that guards against accidents (an exit, a
+    hang, stray prints, a stray line on the result pipe), not against a file written to deceive
+    the audit: code that runs as the audit can make it say anything."""
+    from ..audit.engine import run_audit, stdout_to_stderr
     from ..audit.spec import AuditError  # lazy: CLI startup
-    from ..settings import SettingsError, check_budgets, compare_baseline, load_settings, rule_ids, suppress  # lazy: CLI startup
+    from ..settings import (SettingsError, check_budgets, compare_baseline, load_settings,  # lazy: CLI startup
+                            rule_ids, suppress)
 
     if compiled and kernels not in (None, "compiled"):
         raise InputError(f"--compiled and --kernels {kernels}: --compiled is --kernels compiled; give one")
@@ -229,7 +235,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     except SettingsError as e:
         raise InputError(str(e)) from None
     for flag, path in (("--output", output), ("--memory-snapshot", memory_snapshot)):
-        _check_folder(flag, path)           # before the audit runs, not after minutes of it
+        check_folder(flag, path)            # before the audit runs, not after minutes of it
     base = load_record(baseline, f"--baseline {baseline}", BASELINE_TOTALS) if baseline else None
     if timing_steps is not None and device not in ("cpu", "cuda"):
         raise InputError(f"--timing-steps {timing_steps}: times real steps, so it needs --device cpu or cuda; "
@@ -242,10 +248,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
             run = run_audit(file, entry=entry, device=device, steps=steps, peak_flops=peak,
                             torch_logs=_debug(), world_size=world_size, mesh=mesh,
                             timing_steps=timing_steps,
-                            plan={"virtual_stages": virtual_stages, "micro_batches": micro_batches,
-                                  "global_batch": global_batch, "schedule": schedule,
-                                  "checkpointing": checkpointing, "precision": precision,
-                                  "kernels": kernels})
+                            plan=_plan(virtual_stages, micro_batches, global_batch, schedule,
+                                       checkpointing, precision, kernels))
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
@@ -281,6 +285,27 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
 
 
+def _plan(virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision, kernels) -> dict:
+    return {"virtual_stages": virtual_stages, "micro_batches": micro_batches, "global_batch": global_batch,
+            "schedule": schedule, "checkpointing": checkpointing, "precision": precision, "kernels": kernels}
+
+
+def _check_world(*, device, world_size, mesh, virtual_stages, micro_batches, global_batch, schedule,
+                 checkpointing, precision, compiled=False, kernels=None, **_) -> None:
+    """``--world-size``, ``--mesh`` and the plan options, checked in this process before the
+    audit's child starts (and spends seconds importing torch): the parsers import no torch. The
+    child checks them again where it uses them (``run_audit``)."""
+    from ..audit.layouts import resolve, resolve_layout  # lazy: CLI startup
+    from ..audit.spec import AuditError  # lazy: CLI startup
+    kernels = "compiled" if compiled and kernels in (None, "compiled") else kernels
+    try:
+        world = resolve(world_size, mesh, device)
+        resolve_layout(world, mesh, _plan(virtual_stages, micro_batches, global_batch, schedule,
+                                          checkpointing, precision, kernels))
+    except AuditError as e:
+        raise InputError(str(e)) from None
+
+
 def _check_counts(rec, micro_batches, global_batch) -> None:
     """Records hold counts (FLOPs, bytes) in int64, as ``report`` reads them back: a step past
     that (1e6 micro-batches of a large step) is one line naming the count, not a record that
@@ -307,26 +332,6 @@ def _rank_output(output):
         return output
     rank, world = launched or (0, 1)
     return rank_path(output, rank, world)
-
-
-def _check_folder(flag: str, path) -> None:
-    """``--output a/b/out.json``: folders that do not exist are made when the file is written
-    (as ``record.save()`` and ``Ledger.save()`` make them); one that cannot be made (a file in
-    the way, a folder not writable) is one line before the run, not after minutes of it."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if existing == folder:
-        return                               # written as before (write_atomic says the rest)
-    if not os.path.isdir(existing):
-        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
-                         f"{existing} is a file, not a folder; write elsewhere")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
-                         f"{existing} is not writable; write elsewhere")
 
 
 def _write_snapshot(run, path) -> None:

@@ -23,7 +23,7 @@ from ..formulas.inference import DTYPE_BYTES, KV_DTYPES
 from ..formulas.memory import WEIGHT_DTYPES
 from ..models.config import MLP_KINDS, NORM_KINDS, TransformerConfig, get_config
 from ..units import GiB, fmt_bytes, fmt_count, fmt_flops, fmt_int
-from .types import BYTES, COUNT, FLOPS, FRACTION, POS_FLOAT, POS_INT, InputError, PlainNumber, gpu_part
+from .types import BYTES, COUNT, FLOPS, FRACTION, POS_FLOAT, POS_INT, InputError, PlainNumber, echo_out, gpu_part
 
 __all__ = ["estimate"]
 
@@ -90,15 +90,12 @@ def _peak(gpu, dtype: str, peak_flops, hint: str):
 def _emit(data: dict, as_json: bool, title: str, rows: list, notes: list) -> None:
     """One JSON object, or a table of (quantity, value, formula) rows plus notes."""
     if as_json:
-        click.echo(json.dumps({"schema": SCHEMA, **data}))
+        echo_out(json.dumps({"schema": SCHEMA, **data}))
         return
     from tabulate import tabulate
 
-    click.echo(title)
-    click.echo(tabulate(rows, headers=["quantity", "value", "formula"], disable_numparse=True))
-    click.echo("\nAssumptions:")
-    for note in notes + CONVENTIONS:
-        click.echo(f"  - {note}")
+    table = tabulate(rows, headers=["quantity", "value", "formula"], disable_numparse=True)
+    echo_out("\n".join([title, table, "\nAssumptions:", *(f"  - {note}" for note in notes + CONVENTIONS)]))
 
 
 def _whole(data: dict, *keys) -> dict:

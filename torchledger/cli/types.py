@@ -2,16 +2,34 @@
 from __future__ import annotations
 
 import math
+import os
 
 import click
 
 from .. import units
-from ..errors import InputError
+from ..errors import InputError, StdoutError
 
-__all__ = ["InputError", "check_output", "gpu_part", "PlainNumber", "SECONDS", "MAX_TIMEOUT_S", "COUNT",
+__all__ = ["InputError", "StdoutError", "echo_out", "check_output", "check_folder", "gpu_part", "PlainNumber",
+           "SECONDS", "MAX_TIMEOUT_S", "COUNT",
            "POS_INT", "BYTES", "FLOPS", "POS_FLOAT", "FRACTION", "BANDWIDTH", "MICRO_BATCHES", "GLOBAL_BATCH",
            "MAX_MICRO_BATCHES"]
 
+
+def echo_out(text: str, nl: bool = True) -> None:
+    """Write a command's data to stdout, or raise :class:`StdoutError`: a stdout closed before
+    the command started (``>&-``: Python has no ``sys.stdout``, and ``click.echo`` would write
+    nothing and report success), closed since, full (``>/dev/full``) or a pipe whose reader
+    went away (``| head -c0``)."""
+    import errno
+    import sys
+    if sys.stdout is None:
+        raise StdoutError(errno.EBADF, "stdout is closed")
+    try:
+        click.echo(text, nl=nl)
+    except ValueError as e:                     # "I/O operation on closed file"
+        raise StdoutError(errno.EBADF, f"stdout is closed ({e})") from None
+    except OSError as e:
+        raise StdoutError(e.errno or errno.EIO, e.strerror or str(e)) from None
 
 
 def check_output(output) -> None:
@@ -23,6 +41,26 @@ def check_output(output) -> None:
             check_output_path(output)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
+
+
+def check_folder(flag: str, path) -> None:
+    """``--output a/b/out.json``: folders that do not exist are made when the file is written
+    (as ``record.save()`` and ``Ledger.save()`` make them); one that cannot be made (a file in
+    the way, a folder not writable) is one line before the run, not after minutes of it."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing == folder:
+        return                               # written as before (write_atomic says the rest)
+    if not os.path.isdir(existing):
+        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
+                         f"{existing} is a file, not a folder; write elsewhere")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: cannot create the folder {os.path.dirname(path) or folder}: "
+                         f"{existing} is not writable; write elsewhere")
 
 
 def gpu_part(name, flag: str = "--gpu", ctx=None, param=None):

@@ -47,7 +47,7 @@ from ..inputs import InputFileError, read_input
 from .hardware_fields import DTYPES, HardwareFieldError, check_row, normalize_dtype
 
 __all__ = ["GPUSpec", "get_gpu", "register_gpu", "known_gpus", "normalize_dtype", "DTYPES",
-           "HARDWARE_ENV", "HardwareFileError"]
+           "HARDWARE_ENV", "HardwareFileError", "read_table"]
 
 #: Environment variable naming a JSON file of extra or overriding GPU specs.
 HARDWARE_ENV = "TORCHLEDGER_HARDWARE"
@@ -282,6 +282,17 @@ def _read_table(path: str) -> dict:
         raise InputFileError(f"nested too deep to read; {_SHAPE}") from None
     if not isinstance(table, dict):
         raise InputFileError(f"{_SHAPE}, got {type(table).__name__}")
+    return table
+
+
+def read_table(path: str) -> dict:
+    """The parts of a file in ``TORCHLEDGER_HARDWARE``'s format, each row checked as loading
+    checks it, none registered (``calibrate --output`` onto an existing file). A file that is
+    not a regular JSON object of at most ``HARDWARE_MAX_BYTES`` raises ``InputFileError``, a bad
+    row ``HardwareFieldError``: one line each (ValueErrors)."""
+    table = _read_table(path)
+    for name, row in table.items():
+        check_row(name, row)
     return table
 
 

@@ -183,7 +183,7 @@ class StepRecord:
         The clock is synthetic (1 op = 1 us): see :mod:`torchledger.render.trace_events`."""
         return trace_events(self, findings)
 
-    def save(self, path) -> str:
+    def save(self, path, *, regular_only: bool = False) -> str:
         """Write the record as JSON (atomically, UTF-8) and return the path written.
 
         Under torchrun each rank can save to the same ``path``: ``{rank}`` in it becomes
@@ -193,10 +193,12 @@ class StepRecord:
         with ``torchledger report runs/step.rank*.json``.
 
         Missing folders on the way are created (``mkdir -p``; ranks racing to make the same
-        one is fine); a folder that cannot be made raises ``OSError`` naming it."""
+        one is fine); a folder that cannot be made raises ``OSError`` naming it.
+        ``regular_only``: a path that is a FIFO or a device raises ``OSError`` rather than being
+        written in place (``write_atomic``; ``Ledger(save_to=)`` must never block a step)."""
         out = rank_path(path, self.totals.get("rank", 0), self.totals.get("world_size", 1))
         make_folders(out, f"save({os.fspath(path)!r})")
-        write_atomic(out, self.to_json() + "\n")
+        write_atomic(out, self.to_json() + "\n", regular_only=regular_only)
         return out
 
     @classmethod

@@ -238,7 +238,7 @@ COMPILED = _Obj({"modules": _List(STR), "calls": COUNT, "traced_step": STR, "not
 AUTOCAST = _Obj({"device_type": STR, "dtype": STR})
 GPU_KERNELS = _Obj(other=_Obj({"calls": COUNT, "note": STR}, required=("calls", "note")))
 SUPPRESSED = _Obj({"ignore": _List(STR), "count": COUNT, "rules": COUNTS})
-META = _Obj({"model": OPT_STR, "device": OPT_STR, "dtype": OPT_STR, "torch": OPT_STR,
+META = _Obj({"model": OPT_STR, "device": OPT_STR, "gpu": OPT_STR, "dtype": OPT_STR, "torch": OPT_STR,
              "attention_kernels": _Null(_List(STR)), "step_index": OPT_COUNT, "ops": COUNT,
              "failed": _Bool(), "phases": _List(STR), "seq_len": OPT_COUNT, "audit": AUDIT,
              "compiled": _Null(COMPILED), "autocast": _Null(AUTOCAST),

@@ -19,7 +19,10 @@ The fit is of whole measured steps, so the fractions it writes are sustained one
 sets ``sustained_fraction`` to 1 (the default derates single-kernel figures instead).
 
 A parameter the records cannot see (no attention in any of them, no launch-bound op) keeps
-its value (the search finds a flat objective and stays put). More varied records (large and
+its value (the search finds a flat objective and stays put). A parameter the search drove to
+one of its bounds (``at_bounds``) did not fit: the records ask for a part faster or slower
+than any physical setting (records of another GPU, a step time that includes data loading);
+the caller writes it with a warning naming the parameter and the bound. More varied records (large and
 small matmuls, long and short sequences) pin more of them; one record pins at most a blend.
 
 Known limitations: collective constants are not fitted (use ``nccl-tests`` figures in the
@@ -33,12 +36,14 @@ from ..formulas import steptime as st
 from ..formulas.hardware import get_gpu
 from .predict import predict_step_time
 
-__all__ = ["fit_efficiency", "measured_seconds", "FITTED"]
+__all__ = ["fit_efficiency", "measured_seconds", "FITTED", "AT_BOUND"]
 
 #: name -> (low, high) bounds of each fitted parameter
 FITTED = {"matmul_peak_fraction": (0.05, 1.0), "memory_fraction": (0.05, 1.0), "launch_s": (0.5e-6, 100e-6),
           "attention_scale": (0.1, 3.0)}
 _GOLDEN = (math.sqrt(5) - 1) / 2
+#: A fitted value within this fraction of its bounds' log range from a bound is at that bound.
+AT_BOUND = 1e-3
 
 
 def measured_seconds(rec):
@@ -57,11 +62,14 @@ def _apply(base: dict, params: dict) -> dict:
     return eff
 
 
-def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40) -> dict:
-    """``{"efficiency": {...fitted values...}, "rms_log_error": before/after, "records": n}``.
+def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40, progress=None) -> dict:
+    """``{"efficiency": {...fitted values...}, "rms_log_error": before/after, "records": n,
+    "at_bounds": [...]}``.
 
     ``efficiency`` holds the part's ``efficiency`` row to write into ``TORCHLEDGER_HARDWARE``
-    (``attention`` as the scaled fractions)."""
+    (``attention`` as the scaled fractions). ``at_bounds`` lists the parameters the search moved
+    onto a bound of ``FITTED``: ``{"name", "value", "bound": "lower"|"upper"}``.
+    ``progress(sweep, sweeps, rms_log_error)``, if given, is called after each sweep."""
     from dataclasses import replace
 
     gpu = get_gpu(gpu)
@@ -87,7 +95,8 @@ def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40)
               "attention_scale": 1.0}
     start = loss(params)
     best = start
-    for _ in range(sweeps):
+    first = dict(params)
+    for sweep in range(sweeps):
         moved = False
         for name, (lo, hi) in FITTED.items():
             a, b = math.log(lo), math.log(hi)
@@ -111,6 +120,8 @@ def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40)
                 if abs(math.exp(x) - params[name]) > 1e-9 * params[name]:
                     moved = True
                 params[name], best = math.exp(x), value
+        if progress is not None:
+            progress(sweep + 1, sweeps, math.sqrt(best / len(pairs)))
         if not moved:
             break
     eff = _apply(base, params)
@@ -118,4 +129,19 @@ def fit_efficiency(records, gpu, options=None, sweeps: int = 6, steps: int = 40)
     row["attention"] = eff["attention"]
     n = len(pairs)
     return {"efficiency": row, "attention_scale": params["attention_scale"], "records": n,
-            "rms_log_error_before": math.sqrt(start / n), "rms_log_error_after": math.sqrt(best / n)}
+            "rms_log_error_before": math.sqrt(start / n), "rms_log_error_after": math.sqrt(best / n),
+            "at_bounds": at_bounds(params, first)}
+
+
+def at_bounds(params: dict, start: dict) -> list:
+    """The parameters a fit moved (from ``start``) onto one of their ``FITTED`` bounds."""
+    out = []
+    for name, (lo, hi) in FITTED.items():
+        value = params[name]
+        if value == start[name]:
+            continue                    # kept: the records do not see it
+        span = math.log(hi) - math.log(lo)
+        for bound, limit in (("lower", lo), ("upper", hi)):
+            if abs(math.log(value) - math.log(limit)) <= AT_BOUND * span:
+                out.append({"name": name, "value": value, "bound": bound, "limit": limit})
+    return out

@@ -16,7 +16,7 @@ from .segments import op_namer
 from .cuda_history import UNAVAILABLE
 from .shape import model_config
 
-__all__ = ["build_record", "ATTENTION_KERNELS"]
+__all__ = ["build_record", "ATTENTION_KERNELS", "device_gpu"]
 
 #: What each attention entry point is, for reports ("which kernel do these numbers describe").
 ATTENTION_KERNELS = {
@@ -420,6 +420,7 @@ def _meta(tracer, model, mode, failed) -> dict:
         device, dtype = f"fake ({p.device.type})", str(p.dtype).replace("torch.", "")
     else:
         device, dtype = p.device.type, str(p.dtype).replace("torch.", "")
+    gpu = device_gpu(p.device) if p is not None and device == "cuda" else None
     kernels = sorted({ATTENTION_KERNELS.get(k, k) for k in mode.attention_kernels})
     try:
         config = model_config(model) if model is not None else None
@@ -430,7 +431,18 @@ def _meta(tracer, model, mode, failed) -> dict:
             "step_index": tracer.step_index, "ops": mode.n_ops,
             "attention_kernels": kernels or None, "failed": failed,
             "phases": sorted({PHASES[ph] for _, ph in mode.phase_changes}, key=PHASES.index),
-            **_gpu_kernels(tracer)}
+            **({"gpu": gpu} if gpu else {}), **_gpu_kernels(tracer)}
+
+
+def device_gpu(device):
+    """The name of the GPU a real CUDA step ran on (``NVIDIA H100 80GB HBM3``: ``get_gpu``
+    resolves it to its part), as ``meta.gpu``; None when it cannot be read. ``calibrate`` reads
+    it to refuse records of another part than the one it fits."""
+    try:
+        name = torch.cuda.get_device_name(device)
+    except Exception:            # a name we cannot read must not cost the user the record
+        return None
+    return name.strip() if isinstance(name, str) and name.strip() else None
 
 
 def _gpu_kernels(tracer) -> dict:
