@@ -16,7 +16,7 @@ from typing import Optional
 from ..record import TOKENS_FROM_SPEC
 from ..record.tokens import infer_tokens, tokens_warning
 from .errors import USER_ERRORS, device_hint, raised, step_error, where
-from .layouts import accumulated, cp_part, parallelize, resolve, resolve_layout, standard_plan
+from .layouts import accumulated, batch_part, cp_part, parallelize, resolve, resolve_layout, standard_plan
 from .loading import (DEVICES, AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs,  # noqa: F401
                       stdout_to_stderr, to_device)
 from .spec import AuditError, call_model, pick_loss
@@ -101,7 +101,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
         model = spec.model
         if device in ("meta", "cuda"):
             model = model.to(device)
-        inputs = to_device(spec.inputs, device)
+        inputs = batch_part(to_device(spec.inputs, device), spec, layout)     # --micro-batch-size
         plan_notes = []
         if world is not None:
             model, plan_notes = parallelize(spec, model, world, path, layout, infer_tokens(inputs).seq_len)
