@@ -8,7 +8,7 @@ import sys
 import time
 from collections import Counter
 
-from .evaluate import audit_args, probe, run_chain
+from .evaluate import audit_args, probe, run_chain, warm
 from .space import DEFAULT_CHECKPOINTING, DEFAULT_DIMS, DEFAULT_SCHEDULES, enumerate_space
 
 __all__ = ["search", "rank", "versus_best", "chains", "DEFAULT_MAX_MEMORY", "DEFAULT_TOP"]
@@ -58,6 +58,7 @@ def search(path: str, gpu: str, gpus: int, global_batch: int, *, entry: str = "a
     part = get_gpu(gpu)
     limit = max_memory * part.memory_bytes
     facts = probe(path, entry)
+    warm()
     space = enumerate_space(facts, gpus, global_batch, dims, checkpointing, schedules, precision, kernels,
                             part.gpus_per_node)
     rejected = Counter(space.rejected)
