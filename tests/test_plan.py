@@ -159,6 +159,11 @@ def test_rejected_by_reason_heads_not_divisible_by_three(tmp_path):
     assert sorted((p["mesh"], p["micro_batch_size"]) for p in got["plans"]) == [
         ("dp=3,tp=2", 1), ("dp=3,tp=2", 2), ("dp=6,tp=1", 1)]
     assert got["searched"] == 5 and got["traced"] == 3
+    # the JSON names of INTERFACE's "Plan"
+    assert {"plans", "rejected", "searched", "traced", "seconds"} <= set(got)
+    assert {"mesh", "virtual_stages", "micro_batch_size", "micro_batches", "checkpointing", "precision", "kernels",
+            "schedule", "step_seconds", "tokens_per_s_per_gpu", "mfu", "peak_bytes", "fits", "versus_best",
+            "audit_args"} <= set(got["plans"][0])
 
 
 def test_nothing_fits_exit_1_and_larger_micro_batches_not_traced(tmp_path):
@@ -237,3 +242,29 @@ def test_unknown_gpu_and_missing_file_exit_2(tmp_path):
     path = _write(tmp_path, TINY2, "tiny.py")
     out = runner.invoke(cli, ["plan", path, "--gpu", "h999", "--gpus", "2", "--global-batch", "2"])
     assert out.exit_code == 2 and len(out.stderr.strip().splitlines()) == 1
+
+
+def _result(plans_fit=True):
+    row = {"mesh": "dp=2,tp=1", "virtual_stages": 1, "micro_batch_size": 1, "micro_batches": 2,
+           "checkpointing": "none", "precision": "bf16-mixed", "kernels": "eager", "schedule": None,
+           "step_seconds": 0.5, "tokens_per_s_per_gpu": 1000.0, "mfu": 0.4, "peak_bytes": 3 * 2 ** 30,
+           "peak_rank": 0, "fits": plans_fit, "versus_best": "best", "audit_args": ["--mesh", "dp=2,tp=1"]}
+    return {"plans": [row], "candidates": [row], "rejected": {"attention heads 4 not divisible by tp=3": 1},
+            "searched": 2, "traced": 1, "seconds": 1.0, "file": "m.py", "gpu": "H100 SXM", "gpu_flag": "h100",
+            "gpus": 2, "global_batch": 4, "memory_limit_bytes": 2 * 2 ** 30 if not plans_fit else 72 * 10 ** 9}
+
+
+@pytest.mark.parametrize("fmt", ["table", "json", "markdown", "html"])
+def test_every_format_renders(fmt):
+    from torchledger.render.plan import render_plan
+    for fits in (True, False):
+        text = render_plan(_result(fits), fmt)
+        assert "dp=2,tp=1" in text
+        if fmt == "json":
+            assert "candidates" not in json.loads(text)
+        if fmt == "html":
+            assert text.count("<svg") == 1 and "memory limit" in text
+        if fmt == "table":
+            assert "3.0 GiB" in text and "attention heads 4 not divisible by tp=3" in text
+            if not fits:      # 3 GiB against a 2 GiB limit: 1 GiB over
+                assert "1.0 GiB over the limit" in text

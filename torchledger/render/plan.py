@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from html import escape
 
-from ..units import fmt_bytes
+from ..units import fmt_bytes, fmt_mfu
 
 __all__ = ["render_plan", "plan_rows", "frontier"]
 
-GIB = 1024 ** 3
-HEADER = ("#", "mesh", "mb x n", "ckpt", "schedule", "step", "tok/s/GPU", "MFU", "peak GiB", "fits", "versus best")
+HEADER = ("#", "mesh", "mb x n", "ckpt", "schedule", "step", "tok/s/GPU", "MFU", "peak", "fits", "versus best")
 #: Keys of the JSON a plan row keeps (INTERFACE), then the figures that explain it.
 JSON_DROP = ("candidates",)
 
@@ -37,7 +36,7 @@ def plan_rows(result: dict) -> list:
     for i, p in enumerate(result["plans"], 1):
         rows.append((str(i), p["mesh"], f"{p['micro_batch_size']} x {p['micro_batches']}", p["checkpointing"],
                      _schedule(p), f"{p['step_seconds'] * 1e3:,.1f} ms", f"{p['tokens_per_s_per_gpu']:,.0f}",
-                     f"{p['mfu']:.1%}", f"{p['peak_bytes'] / GIB:,.1f}", "yes" if p["fits"] else "no",
+                     fmt_mfu(p["mfu"]), fmt_bytes(p["peak_bytes"], binary=True), "yes" if p["fits"] else "no",
                      p["versus_best"]))
     return rows
 
