@@ -30,6 +30,7 @@ LAYERS = {
     "lint": 4,              # judge source files
     "render": 5,            # records and findings -> text
     "ledger": 6, "audit": 6,   # compose tracer, plans, checks and renderers
+    "plan": 6,              # searches layouts by auditing them (audit's room, beside it)
     "cli": 7, "__main__": 7,
     "testing": 7, "pytest_plugin": 7, "integrations": 7,   # where users already work
     # deprecated import paths kept for a release: they may import anything, nothing imports them

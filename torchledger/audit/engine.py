@@ -21,7 +21,7 @@ from ..record import TOKENS_FROM_SPEC
 from ..record.tokens import infer_tokens, tokens_warning
 from ..render.sarif import spec_location
 from .errors import USER_ERRORS, device_hint, raised, step_error, where
-from .layouts import accumulated, cp_part, parallelize, resolve, resolve_layout, standard_plan
+from .layouts import accumulated, batch_part, cp_part, parallelize, resolve, resolve_layout, standard_plan
 from .loading import (DEVICES, AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs,  # noqa: F401
                       stdout_to_stderr, to_device)
 from .spec import AuditError, as_spec, call_model, pick_loss
@@ -140,7 +140,7 @@ def _build(fn, path, entry, device, world, layout) -> _Built:
     model = spec.model
     if device in ("meta", "cuda"):
         model = model.to(device)
-    inputs = to_device(spec.inputs, device)
+    inputs = batch_part(to_device(spec.inputs, device), spec, layout)     # --micro-batch-size
     plan_notes = []
     if world is not None:
         model, plan_notes = parallelize(spec, model, world, path, layout, infer_tokens(inputs).seq_len)

@@ -14,7 +14,7 @@ from ..parallel.layout import parse_layout
 from ..parallel.plan import PlanError, apply_standard_plan, cp_inputs
 from .world import WorldError, resolve_world
 
-__all__ = ["resolve_layout", "resolve", "standard_plan", "parallelize", "accumulated", "cp_part"]
+__all__ = ["resolve_layout", "resolve", "standard_plan", "parallelize", "accumulated", "cp_part", "batch_part"]
 
 
 def resolve_layout(world, mesh, plan):
@@ -103,3 +103,35 @@ def cp_part(inputs, spec, layout, world):
         return inputs
     seq = infer_tokens(inputs).seq_len
     return cp_inputs(inputs, layout.size("cp"), 0, seq) if seq else inputs
+
+
+def batch_part(inputs, spec, layout):
+    """The spec's inputs at ``--micro-batch-size B``: every tensor whose first dim is the spec's
+    batch (token ids, targets, masks) repeated or cut along it to B rows, its values kept (real
+    token ids on a real device). Unchanged without the option or at the spec's own batch."""
+    b = None if layout is None else layout.micro_batch_size
+    if b is None:
+        return inputs
+    count = infer_tokens(inputs)
+    batch = count.tokens // count.seq_len if count.tokens and count.seq_len else None
+    if batch is None:
+        raise AuditError(f"--micro-batch-size {b}: the spec's inputs have no [batch, sequence] token ids to "
+                         f"resize; drop --micro-batch-size and set the batch in the model file")
+    if b == batch:
+        return inputs
+    if spec.tokens:
+        raise AuditError(f"--micro-batch-size {b}: the spec fixes AuditSpec.tokens={spec.tokens:,} for its "
+                         f"batch of {batch}; drop tokens= from the spec (they are read off the inputs) or "
+                         f"drop --micro-batch-size")
+    import torch
+
+    def resize(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch:
+            reps = -(-b // batch)
+            return x.repeat(reps, *([1] * (x.dim() - 1)))[:b] if reps > 1 else x[:b]
+        if isinstance(x, dict):
+            return {k: resize(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(resize(v) for v in x)
+        return x
+    return resize(inputs)

@@ -66,7 +66,7 @@ from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
 from ..record import StepRecord
 from ..record.tokens import infer_tokens
 from ..render.sarif import spec_location
-from .layouts import standard_plan
+from .layouts import batch_part, standard_plan
 from .loading import AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs, stdout_to_stderr
 from .world import WorldError, fake_world
 
@@ -90,7 +90,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     except ValueError as e:
         raise _error(f"--mesh {layout.text()} --virtual-stages {v}: {e} (the model has {n_blocks}); "
                      f"use fewer stages or virtual stages") from None
-    m = _micro_batches(layout, batch, p)
+    m = _micro_batches(layout, layout.micro_batch_size or batch, p)
     schedule = layout.schedule_name
     problem = schedule_problem(p, v, m, schedule)
     if problem:
@@ -175,15 +175,20 @@ def _micro_batches(layout, batch: int, p: int) -> int:
 
 
 # -- one rank --------------------------------------------------------------------------------
+#: How each distinct rank is traced in its own process: ``spawn`` a fresh Python (the audit's
+#: default: nothing of the caller's process is shared), or ``fork`` the caller (no second
+#: import of torch and the model file's modules: ``torchledger plan`` sets it in its own forked
+#: children, whose process has made no world yet). POSIX only for ``fork``.
+RANK_PROCESS = {"start": "spawn"}
+
+
 def _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype=None):
-    """``_trace_rank`` in a fresh Python process: each rank is its own fake world, and DTensor
+    """``_trace_rank`` in a process of its own: each rank is its own fake world, and DTensor
     keeps caches keyed by meshes that compare equal across worlds (a second world in the same
     process would be handed the first one's process groups)."""
     import dataclasses
     import json
     import os
-    import subprocess
-    import sys
     import tempfile
     args = {"path": os.path.abspath(path), "entry": entry, "world": [world[0], list(world[1])],
             "layout": {k: (list(map(list, v)) if k == "dims" else v)
@@ -191,17 +196,10 @@ def _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype=None):
             "rank": r, "sizes": list(sizes), "m": m, "act_dtype": act_dtype}
     with tempfile.TemporaryDirectory(prefix="torchledger-pp-") as tmp:
         out = os.path.join(tmp, "out.json")
-        code = "from torchledger.audit.pipeline import _child; _child()"
-        env = dict(os.environ)
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join([here] + [x for x in [env.get("PYTHONPATH")] if x])
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps(args), out], env=env,
-                              capture_output=True, text=True, cwd=os.getcwd())
-        if os.environ.get("TORCHLEDGER_DEBUG") == "1" and proc.stderr:
-            sys.stderr.write(proc.stderr)
+        run = _forked if RANK_PROCESS["start"] == "fork" else _spawned
+        code, tail = run(args, out)
         if not os.path.exists(out):
-            tail = " ".join((proc.stderr or "").strip().splitlines()[-1:])[:300]
-            raise _error(f"{path}: tracing pipeline rank {r} failed (exit {proc.returncode}): {tail}")
+            raise _error(f"{path}: tracing pipeline rank {r} failed (exit {code}): {tail}")
         with open(out, encoding="utf-8") as f:
             data = json.load(f)
     if "error" in data:
@@ -214,11 +212,50 @@ def _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype=None):
     return traced, data["notes"], data["meta"]
 
 
+def _spawned(args, out):
+    """A fresh Python runs :func:`_child`; (exit code, its last stderr line)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = "from torchledger.audit.pipeline import _child; _child()"
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([here] + [x for x in [env.get("PYTHONPATH")] if x])
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args), out], env=env,
+                          capture_output=True, text=True, cwd=os.getcwd())
+    if os.environ.get("TORCHLEDGER_DEBUG") == "1" and proc.stderr:
+        sys.stderr.write(proc.stderr)
+    return proc.returncode, " ".join((proc.stderr or "").strip().splitlines()[-1:])[:300]
+
+
+def _forked(args, out):
+    """A fork of this process runs :func:`_trace_to_file`; (exit code, "")."""
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:                    # the child: trace, write, leave without the parent's clean-up
+        code = 1
+        try:
+            _trace_to_file(args, out)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), "the forked tracer died"
+
+
 def _child() -> None:
     """The child process of :func:`_trace_in_child`: trace one rank, write JSON."""
     import json
     import sys
-    args, out = json.loads(sys.argv[1]), sys.argv[2]
+    _trace_to_file(json.loads(sys.argv[1]), sys.argv[2])
+
+
+def _trace_to_file(args, out) -> None:
+    import json
     lay = dict(args["layout"])
     lay["dims"] = tuple(tuple(d) for d in lay["dims"])
     layout = Layout(**lay)
@@ -257,7 +294,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             raise _error(f"{where(e, path)}: {entry}() {raised(e)}") from None
         model = spec.model
         dec = find_decoder(model)
-        inputs = spec.inputs
+        inputs = batch_part(spec.inputs, spec, layout)        # --micro-batch-size
         seq = infer_tokens(inputs)
         _prune(model, dec, keep, has_first=0 in chunks, has_last=last in chunks)
         if spec.parallelize is not None:

@@ -27,6 +27,7 @@ COMMANDS = {
     "lint": "torchledger.cli.lint:lint",
     "snapshot": "torchledger.cli.snapshot:snapshot",
     "calibrate": "torchledger.cli.calibrate:calibrate",
+    "plan": "torchledger.cli.plan:plan",
 }
 
 

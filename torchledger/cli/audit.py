@@ -164,6 +164,9 @@ def _exit_code(findings, fail_on: str) -> int:
               help="Pipeline: model chunks per pp rank (interleaved schedule) [default: 1].")
 @click.option("--micro-batches", type=MICRO_BATCHES, default=None,
               help="Pipeline: micro-batches per step, each the AuditSpec's inputs [default: pp].")
+@click.option("--micro-batch-size", type=MICRO_BATCHES, default=None, metavar="B",
+              help="Sequences in one micro-batch of one data-parallel rank: the spec's inputs repeated or cut "
+                   "along their batch dim to B rows [default: the spec's batch].")
 @click.option("--global-batch", type=GLOBAL_BATCH, default=None,
               help="Pipeline: sequences per step over all data-parallel ranks (micro-batches = G / (dp x B)).")
 @click.option("--schedule", type=click.Choice(["1f1b", "interleaved", "gpipe", "zero-bubble"]), default=None,
@@ -207,7 +210,8 @@ def _exit_code(findings, fail_on: str) -> int:
 @supervised(lambda text, output: _emit(text, output), check=lambda **kw: _check_world(**kw))
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
           virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision,
-          link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False, kernels=None):
+          link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False, kernels=None,
+          micro_batch_size=None):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
 
@@ -249,7 +253,7 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
                             torch_logs=_debug(), world_size=world_size, mesh=mesh,
                             timing_steps=timing_steps,
                             plan=_plan(virtual_stages, micro_batches, global_batch, schedule,
-                                       checkpointing, precision, kernels))
+                                       checkpointing, precision, kernels, micro_batch_size))
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
@@ -285,13 +289,15 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
     return _exit_code(findings, fail_on or settings.get("fail_on", "error"))
 
 
-def _plan(virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision, kernels) -> dict:
+def _plan(virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision, kernels,
+          micro_batch_size=None) -> dict:
     return {"virtual_stages": virtual_stages, "micro_batches": micro_batches, "global_batch": global_batch,
-            "schedule": schedule, "checkpointing": checkpointing, "precision": precision, "kernels": kernels}
+            "schedule": schedule, "micro_batch_size": micro_batch_size, "checkpointing": checkpointing,
+            "precision": precision, "kernels": kernels}
 
 
 def _check_world(*, device, world_size, mesh, virtual_stages, micro_batches, global_batch, schedule,
-                 checkpointing, precision, compiled=False, kernels=None, **_) -> None:
+                 checkpointing, precision, compiled=False, kernels=None, micro_batch_size=None, **_) -> None:
     """``--world-size``, ``--mesh`` and the plan options, checked in this process before the
     audit's child starts (and spends seconds importing torch): the parsers import no torch. The
     child checks them again where it uses them (``run_audit``)."""
@@ -301,7 +307,7 @@ def _check_world(*, device, world_size, mesh, virtual_stages, micro_batches, glo
     try:
         world = resolve(world_size, mesh, device)
         resolve_layout(world, mesh, _plan(virtual_stages, micro_batches, global_batch, schedule,
-                                          checkpointing, precision, kernels))
+                                          checkpointing, precision, kernels, micro_batch_size))
     except AuditError as e:
         raise InputError(str(e)) from None
 

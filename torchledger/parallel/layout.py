@@ -100,6 +100,9 @@ class Layout:
     """Micro-batches per step and pipeline; None: from ``global_batch``, else pp (1 without pp)."""
     global_batch: Optional[int] = None
     """Sequences per step over all data-parallel ranks; micro-batches = G / (dp x B)."""
+    micro_batch_size: Optional[int] = None
+    """B: sequences in one micro-batch of one data-parallel rank; the spec's inputs repeated or
+    cut along their batch dim to B rows (``audit/layouts.batch_part``); None: as the spec has them."""
     schedule: str = "1f1b"
     """Pipeline schedule; ``interleaved`` when ``virtual_stages`` > 1 and 1f1b is asked."""
     checkpointing: str = "none"
@@ -118,7 +121,8 @@ class Layout:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise _error(f"--virtual-stages: expected a whole number >= 1, got {v!r}")
-        for key, flag in (("micro_batches", "--micro-batches"), ("global_batch", "--global-batch")):
+        for key, flag in (("micro_batches", "--micro-batches"), ("global_batch", "--global-batch"),
+                          ("micro_batch_size", "--micro-batch-size")):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise _error(f"{flag}: expected a whole number >= 1, got {v!r}")

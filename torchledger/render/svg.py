@@ -9,7 +9,7 @@ from html import escape
 
 from ..units import fmt_bytes, fmt_count
 
-__all__ = ["bar_chart", "timeline_chart", "legend", "PHASE_COLORS", "CATEGORY_COLORS"]
+__all__ = ["bar_chart", "timeline_chart", "scatter_chart", "legend", "PHASE_COLORS", "CATEGORY_COLORS"]
 
 CATEGORY_COLORS = {
     "parameters": "#4e79a7", "buffers": "#76b7b2", "gradients": "#f28e2b", "optimizer_state": "#b07aa1",
@@ -164,3 +164,47 @@ def legend(categories) -> str:
 def _colors(categories) -> dict:
     spare = iter(_SPARE_COLORS * 4)
     return {c: CATEGORY_COLORS.get(c) or next(spare, "#888") for c in categories}
+
+
+def scatter_chart(points, *, x_limit=None, title="", x_label="", y_label="", width=760, height=320) -> str:
+    """Points ``(x bytes, y seconds, label, kind)`` (kind: ``fits``, ``over``, ``frontier``),
+    the frontier joined by a line, and ``x_limit`` (bytes) as a dashed vertical line."""
+    left, right, top, bottom = 70, 16, 30, 40
+    pw, ph = width - left - right, height - top - bottom
+    xs = [p[0] for p in points] + ([x_limit] if x_limit else [])
+    xt = _ticks(max(xs or [1]) or 1, 1024)
+    yt = _ticks(max([p[1] for p in points] or [1]) or 1, 1)
+    xmax, ymax = xt[-1] or 1, yt[-1] or 1
+
+    def px(x):
+        return left + pw * x / xmax
+
+    def py(y):
+        return top + ph - ph * y / ymax
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
+           f"<title>{escape(title)}</title>"]
+    for y in yt:
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{_n(py(y))}" y2="{_n(py(y))}" stroke="#ddd"/>')
+        out.append(_text(left - 6, py(y) + 4, f"{y * 1e3:.3g} ms", "end"))
+    for x in xt:
+        out.append(_text(px(x), top + ph + 14, fmt_bytes(x, binary=True), "middle"))
+    out.append(_text(left + pw / 2, height - 6, x_label, "middle"))
+    out.append(_text(left, top - 8, y_label))
+    if x_limit:
+        out.append(f'<line x1="{_n(px(x_limit))}" x2="{_n(px(x_limit))}" y1="{top}" y2="{top + ph}" '
+                   f'stroke="#c00" stroke-dasharray="4 3"/>')
+        out.append(_text(px(x_limit) - 4, top + 12, f"memory limit {fmt_bytes(x_limit, binary=True)}", "end",
+                         ' fill="#c00"'))
+    front = sorted((p for p in points if p[3] == "frontier"), key=lambda p: p[0])
+    if len(front) > 1:
+        pts = " ".join(f"{_n(px(p[0]))},{_n(py(p[1]))}" for p in front)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="#4e79a7" stroke-width="1.5"/>')
+    colors = {"fits": "#9ab7d3", "over": "#e15759", "frontier": "#4e79a7"}
+    for x, y, label, kind in points:
+        out.append(f'<circle cx="{_n(px(x))}" cy="{_n(py(y))}" r="{4 if kind == "frontier" else 3}" '
+                   f'fill="{colors.get(kind, "#999")}"><title>{escape(label)}</title></circle>')
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
+    out.append("</svg>")
+    return "\n".join(out)
