@@ -67,15 +67,19 @@ def _imports(path: str, module: str, is_package: bool):
             for a in node.names:
                 yield a.name, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _target(node, package)
             yield target, node.lineno
             for a in node.names:        # ``from . import analyzers`` names a module too
                 yield f"{target}.{a.name}", node.lineno
+
+
+def _target(node, package: str) -> str:
+    """The absolute module an ``ImportFrom`` names, its relative dots resolved in ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _part(dotted: str):
@@ -228,12 +232,7 @@ def _private_imports():
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _target(node, package)
             if not target.startswith("torchledger"):
                 continue
             for a in node.names:
@@ -309,8 +308,7 @@ def _heavy_modules() -> set:
                 if isinstance(sub, ast.Import):
                     names = [a.name for a in sub.names]
                 elif isinstance(sub, ast.ImportFrom):
-                    base = package.split(".")[:len(package.split(".")) - sub.level + 1] if sub.level else []
-                    target = ".".join(base + ([sub.module] if sub.module else [])) if sub.level else (sub.module or "")
+                    target = _target(sub, package)
                     names = [target] + [f"{target}.{a.name}" for a in sub.names]
                 else:
                     continue
@@ -346,8 +344,7 @@ def test_function_local_imports_save_a_heavy_import_or_say_why():
             for node in ast.walk(fn):
                 if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("torchledger")):
                     continue
-                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
-                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                target = _target(node, package)
                 named = {f"{target}.{a.name}" for a in node.names} | {target}
                 if named & heavy or any("#" in lines[i] for i in range(node.lineno - 1, node.end_lineno)):
                     continue

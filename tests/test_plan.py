@@ -15,19 +15,10 @@ from click.testing import CliRunner
 from torchledger.cli import cli
 from torchledger.plan.space import Candidate, ModelFacts, enumerate_space, factorisations
 
+from _pipeline_models import TINY4     # llama-tiny, 4 blocks, 4 KV heads, 2 x 32 tokens
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: llama-tiny with 4 blocks and 4 KV heads, one micro-batch of 2 x 32 tokens.
-TINY4 = """
-    import torch, torchledger
-    from torchledger.models import build_model, get_config
-
-    def audit_spec():
-        cfg = get_config("llama-tiny").replace(n_kv_heads=4, n_layers=4)
-        model = build_model(cfg)
-        idx = torch.randint(0, cfg.vocab_size, (2, 32))
-        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
-"""
 #: llama-tiny as bundled (2 blocks, 4 heads, 2 KV heads), one sequence of 32 tokens.
 TINY2 = TINY4.replace('.replace(n_kv_heads=4, n_layers=4)', '').replace("(2, 32)", "(1, 32)")
 

@@ -13,7 +13,7 @@ from ..units import fmt_bytes, fmt_count, fmt_mfu
 __all__ = ["EMPTY_SENTENCE", "is_empty", "as_findings", "module_rows", "frontier", "title",
            "kernel_line", "CONVENTIONS_LINE", "comparison_rows", "fmt_value", "SEVERITY_ORDER",
            "totals_rows", "measured_static_bytes", "with_hint", "tokens_note", "attention_kernels",
-           "NO_ATTENTION_KERNEL", "run_notes", "mfu_line", "dtype_text", "attention_text"]
+           "NO_ATTENTION_KERNEL", "run_notes", "mfu_line", "dtype_text", "attention_text", "tool_version"]
 
 CONVENTIONS_LINE = ("FLOP = 2 x multiply-add; totals count matmul-class work; attention counted dense "
                     "(no causal discount; causal kernels' halved count beside it); element-wise FLOPs "
@@ -311,3 +311,9 @@ def totals_rows(record) -> list:
     if t.get("step_seconds") is not None:
         rows.append(["step time (traced)", f"{t['step_seconds'] * 1e3:.1f} ms"])
     return rows
+
+
+def tool_version() -> str:
+    """torchledger's version, read when a report is written (a test pins it for the goldens)."""
+    from .. import __version__  # read at call time: the root attribute may be replaced
+    return __version__

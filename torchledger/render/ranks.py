@@ -16,7 +16,7 @@ from ..units import fmt_bytes, fmt_count, printable
 from .data import csv_cell
 from .markdown import md_escape, md_table
 from .sarif import findings_to_sarif
-from .. import __version__
+from .common import tool_version
 
 __all__ = ["render_ranks", "RANK_FORMATS", "RANK_COLUMNS"]
 
@@ -153,7 +153,7 @@ def _markdown(merged) -> str:
 
 
 def _sarif(merged) -> str:
-    log = findings_to_sarif(merged["findings"], __version__, notifications=_notes(merged))
+    log = findings_to_sarif(merged["findings"], tool_version(), notifications=_notes(merged))
     return json.dumps(log, indent=2, default=str)
 
 

@@ -32,8 +32,8 @@ from urllib.parse import quote
 from ..record import Finding
 from ..rules import RULES, title
 from .common import EMPTY_SENTENCE, as_findings, is_empty, with_hint
+from .common import tool_version as current_version
 from ..inputs import SOURCE_MAX_BYTES, InputFileError, read_input
-from .. import __version__
 
 __all__ = ["findings_to_sarif", "render_sarif", "SARIF_SCHEMA", "LEVELS", "artifact_uri", "spec_location"]
 
@@ -59,7 +59,7 @@ def findings_to_sarif(findings, tool_version=None, *, rules=None, notifications=
     to torchledger's.
     """
     if tool_version is None:
-        tool_version = __version__
+        tool_version = current_version()
     items = [f if isinstance(f, Finding) else Finding.from_dict(f) for f in findings]
     listed = list(rules or ())
     described = dict(rules) if isinstance(rules, Mapping) else {}
@@ -118,7 +118,7 @@ def render_sarif(record, findings=None, *, source=None, **_options) -> str:
         audit = (record.meta or {}).get("audit") or {}
         if isinstance(audit.get("file"), str) and audit["file"].strip():
             source = (audit["file"], audit.get("spec_line") or 1)
-    log = findings_to_sarif(as_findings(record, findings), __version__, notifications=notes,
+    log = findings_to_sarif(as_findings(record, findings), current_version(), notifications=notes,
                             source=source)
     return json.dumps(log, indent=2, default=str)
 

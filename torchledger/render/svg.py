@@ -93,6 +93,19 @@ def _ticks(vmax: float, base: int, n: int = 4) -> list:
     return ticks
 
 
+def _scales(left, top, pw, ph, xmax, ymax) -> tuple:
+    """``(px, py)``: data x and y to pixels in a plot of ``pw`` x ``ph`` at ``(left, top)``, the y
+    axis upwards."""
+    return (lambda x: left + pw * x / xmax), (lambda y: top + ph - ph * y / ymax)
+
+
+def _svg_open(width, height, title) -> list:
+    """The opening ``<svg>`` element and its title, as a list of lines to append to."""
+    return [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
+            f"<title>{escape(title)}</title>"]
+
+
 def timeline_chart(rows, categories, *, title="", width=760, height=280) -> str:
     """Stacked live bytes per category over op index, with phase bands and the peak marked."""
     left, right, top, bottom = 70, 16, 30, 36
@@ -103,15 +116,8 @@ def timeline_chart(rows, categories, *, title="", width=760, height=280) -> str:
     yt = _ticks(max(totals) or 1, 1024)
     ymax = yt[-1] or 1
 
-    def px(x):
-        return left + pw * x / xmax
-
-    def py(y):
-        return top + ph - ph * y / ymax
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
-           f"<title>{escape(title)}</title>"]
+    px, py = _scales(left, top, pw, ph, xmax, ymax)
+    out = _svg_open(width, height, title)
     start = 0                                         # phase bands behind everything
     for i in range(1, len(rows) + 1):
         if i == len(rows) or rows[i].get("phase") != rows[start].get("phase"):
@@ -176,15 +182,8 @@ def scatter_chart(points, *, x_limit=None, title="", x_label="", y_label="", wid
     yt = _ticks(max([p[1] for p in points] or [1]) or 1, 1)
     xmax, ymax = xt[-1] or 1, yt[-1] or 1
 
-    def px(x):
-        return left + pw * x / xmax
-
-    def py(y):
-        return top + ph - ph * y / ymax
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
-           f"<title>{escape(title)}</title>"]
+    px, py = _scales(left, top, pw, ph, xmax, ymax)
+    out = _svg_open(width, height, title)
     for y in yt:
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{_n(py(y))}" y2="{_n(py(y))}" stroke="#ddd"/>')
         out.append(_text(left - 6, py(y) + 4, f"{y * 1e3:.3g} ms", "end"))
