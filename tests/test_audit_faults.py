@@ -274,3 +274,23 @@ def test_debug_runs_the_model_file_in_this_process(tmp_path):
 def test_timeout_must_be_a_number_of_seconds(tmp_path):
     r = run("audit", write(tmp_path, "m.py", LINEAR), "--timeout", "-1")
     one_line_error(r, "--timeout", "-1")
+
+
+def test_where_names_the_users_frame_not_one_of_torchledgers_rooms(tmp_path, monkeypatch):
+    """A failure raised inside torchledger (here units.parse_int, at the package root; before the
+    rooms every engine module was there too) is placed at the deepest frame outside torch and
+    torchledger: the library line that called it, not torchledger's own."""
+    import importlib
+    import sys as _sys
+
+    from torchledger.audit.errors import where
+    (tmp_path / "userlib.py").write_text("from torchledger.units import parse_int\n\n\n"
+                                         "def bad():\n    return parse_int('many')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    userlib = importlib.import_module("userlib")
+    try:
+        userlib.bad()
+    except ValueError as e:
+        place = where(e, str(tmp_path / "model.py"))
+    _sys.modules.pop("userlib", None)
+    assert place.endswith("userlib.py:5"), place

@@ -148,7 +148,8 @@ def where(e: BaseException, path: str) -> str:
             best = fr
     if best is None:
         import torch
-        skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # torchledger/, every room
+        skip = (os.path.dirname(torch.__file__), package)
         for fr in tb:
             if not fr.filename.startswith(skip):
                 best = fr
