@@ -1,0 +1,93 @@
+"""Layouts off the main path (issue 30 items 8 and 9).
+
+Item 8, tied embeddings under pp: GPT-2's wte is its lm_head's weight; cut into stages, the
+first stage holds it as the embedding and the last as the head, each a copy with its own
+gradient. Megatron-LM all-reduces that gradient between the two once a step
+(``finalize_model_grads`` -> ``_allreduce_word_embedding_grads``); PyTorch's pipelining leaves
+it to the training loop (``torch/distributed/pipelining/_IR.py``: "investigate gradient sync
+for shared parameters" is a TODO). The audit models Megatron's all-reduce and says so."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from _pipeline_models import write_model
+
+GPT = """
+    import torch, torchledger
+    from torchledger.models import build_model, get_config
+
+    def audit_spec():
+        cfg = get_config("gpt2-tiny").replace(n_layers=2)
+        model = build_model(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (2, 32))
+        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
+"""
+# gpt2-tiny: V = 512, d = 64, fp32: the tied weight's gradient 512 x 64 x 4 B = 131,072 B
+V, D = 512, 64
+TIED_GRAD = V * D * 4
+
+
+def _tied_rows(rec):
+    return [c for c in rec.collectives if c["op"] == "all_reduce"]
+
+
+@pytest.fixture(scope="module")
+def gpt_pp2(tmp_path_factory):
+    from torchledger.audit.engine import run_audit
+    path = write_model(tmp_path_factory.mktemp("tied"), GPT, "gpt.py")
+    return run_audit(path, mesh="pp=2", plan={"micro_batches": 2})
+
+
+@pytest.mark.slow
+def test_tied_embedding_gradient_all_reduced_between_end_stages(gpt_pp2):
+    for r, rec in gpt_pp2.stage_records.items():
+        rows = _tied_rows(rec)
+        # one all-reduce a step (the last micro-step only), between the 2 end stages, of the
+        # whole tied gradient: 512 x 64 x 4 = 131,072 B, after the backward
+        assert [(c["bytes"], c["group_size"], c["count"], c["micro_steps"], c["phase"]) for c in rows] == \
+            [(TIED_GRAD, 2, 1, 1, "other")], (r, rows)
+        assert rec.totals["comm_bytes"]["other"] == TIED_GRAD
+        assert any("tied embedding under pp" in n and "diverge" in n for n in rec.meta["audit"]["plan"])
+
+
+@pytest.mark.slow
+def test_tied_sync_counts_in_the_step_time(gpt_pp2):
+    from torchledger.steptime.predict import predict_step_time
+    rec = gpt_pp2.stage_records[0]
+    pred = predict_step_time(rec, "h100")
+    with_sync = pred["seconds"]
+    without = copy.deepcopy(rec)
+    without.collectives = [c for c in without.collectives if c["op"] != "all_reduce"]
+    (i,) = [k for k, c in enumerate(rec.collectives) if c["op"] == "all_reduce"]
+    secs = pred["_collectives"][i][0]       # the row's priced seconds
+    # exposed once, after the passes (as Megatron runs it: after the backward, before the step)
+    assert secs > 0
+    assert with_sync - predict_step_time(without, "h100")["seconds"] == pytest.approx(secs, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_tied_sync_under_fsdp_is_the_shard(tmp_path):
+    from torchledger.audit.engine import run_audit
+    path = write_model(tmp_path, GPT, "gpt.py")
+    run = run_audit(path, mesh="pp=2,dp=2", plan={"micro_batches": 2})
+    for r, rec in run.stage_records.items():
+        # FSDP2 shards the weight over dp = 2 (both ends alike): 131,072 / 2 = 65,536 B
+        assert [(c["bytes"], c["group_size"]) for c in _tied_rows(rec)
+                if c["group_size"] == 2 and c["phase"] == "other"] == [(TIED_GRAD // 2, 2)], r
+
+
+def test_tied_weight_found_on_the_end_stages_only():
+    import torch
+    from torchledger.audit.pipeline import tied_weight
+    from torchledger.models import build_model, get_config
+    from torchledger.parallel.plan import find_decoder
+    with torch.device("meta"):
+        gpt = build_model(get_config("gpt2-tiny"))
+        llama = build_model(get_config("llama-tiny"))
+    dec = find_decoder(gpt)
+    assert tied_weight(gpt, dec, has_first=True, has_last=False) == "tok_emb.weight"
+    assert tied_weight(gpt, dec, has_first=False, has_last=True) == "lm_head.weight"
+    assert tied_weight(gpt, dec, has_first=False, has_last=False) is None      # a middle stage
+    assert tied_weight(llama, find_decoder(llama), has_first=True, has_last=False) is None  # untied
