@@ -91,3 +91,34 @@ def test_tied_weight_found_on_the_end_stages_only():
     assert tied_weight(gpt, dec, has_first=False, has_last=True) == "lm_head.weight"
     assert tied_weight(gpt, dec, has_first=False, has_last=False) is None      # a middle stage
     assert tied_weight(llama, find_decoder(llama), has_first=True, has_last=False) is None  # untied
+
+
+# -- item 9c: collectives issued in backward outside every module's nodes -----------------------
+LLAMA = """
+    import torch, torchledger
+    from torchledger.models import build_model, get_config
+
+    def audit_spec():
+        cfg = get_config("llama-tiny").replace(n_kv_heads=4, n_layers=2)
+        model = build_model(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (2, 32))
+        return torchledger.AuditSpec(model, {"idx": idx, "targets": idx})
+"""
+
+
+def test_fsdp_root_reductions_under_tp_belong_to_the_root(tmp_path):
+    """FSDP2 x TP: the root unit's post-backward runs in the engine's final callback (the
+    root's forward inputs, token ids, need no gradient): its reduce-scatter and the final
+    norm's Partial -> Replicate all-reduce were "(no module)"; they are the root's ("")."""
+    from torchledger.audit.engine import run_audit
+    rec = run_audit(write_model(tmp_path, LLAMA, "llama.py"), mesh="dp=2,tp=2").record
+    back = [c for c in rec.collectives if c["phase"] == "backward"]
+    assert not [c for c in back if c["module"] == "(no module)"], back
+    root = sorted((c["op"], c["bytes"]) for c in back if c["module"] == "")
+    # the root unit's parameters on a tp rank: the embedding and the head V x d / tp each,
+    # the final norm d whole: 512 x 64 / 2 x 2 + 64 = 32,832 x 4 B = 131,328 B reduce-scattered;
+    # the final norm's gradient (Partial over tp) all-reduced first: 64 x 4 = 256 B
+    assert ("reduce_scatter", 131_328) in root and ("all_reduce", 256) in root, root
+    # the blocks' units: their own post-backward, each with its two norms' all-reduces (2 x 256)
+    assert sorted((c["module"], c["bytes"]) for c in back if c["op"] == "all_reduce") == \
+        [("", 256), ("blocks.0", 512), ("blocks.1", 512)]
