@@ -122,3 +122,22 @@ def test_fsdp_root_reductions_under_tp_belong_to_the_root(tmp_path):
     # the blocks' units: their own post-backward, each with its two norms' all-reduces (2 x 256)
     assert sorted((c["module"], c["bytes"]) for c in back if c["op"] == "all_reduce") == \
         [("", 256), ("blocks.0", 512), ("blocks.1", 512)]
+
+
+# -- item 9d: FSDP2's accumulated gradients under pp ---------------------------------------------
+@pytest.mark.slow
+def test_fsdp_accumulated_gradients_are_gradients_under_pp(tmp_path):
+    """pp=2 x dp=2 under bf16-mixed: between micro-batches FSDP2 keeps each unsharded gradient
+    upcast to fp32 in ``FSDPParam.unsharded_accumulated_grad``; they were "temporaries"."""
+    from torchledger.audit.engine import run_audit
+    run = run_audit(write_model(tmp_path, LLAMA, "llama.py"), mesh="pp=2,dp=2",
+                    plan={"micro_batches": 4, "precision": "bf16-mixed"})
+    last = run.stage_records[1]
+    assert last.totals["pipeline"]["per_stage"][1]["peak_micro_step"] == "steady"
+    # the last stage's parameters: block 1 (50,176 matmul weights + 2 norms of 64), the final
+    # norm 64, the head 512 x 64: 83,136 x 4 B (fp32, unsharded) = 332,544 B, all of them
+    # accumulated at a steady micro-step's peak (its own bf16 gradients are folded in by then)
+    assert last.memory["peak_breakdown"]["gradients"] == (50_176 + 128 + 64 + 512 * 64) * 4
+    first = run.stage_records[0]
+    # the first stage's: the embedding 512 x 64 and block 0: 83,072 x 4 = 332,288 B at least
+    assert first.memory["peak_breakdown"]["gradients"] >= (512 * 64 + 50_176 + 128) * 4
