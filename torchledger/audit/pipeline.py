@@ -21,6 +21,9 @@ from what each rank runs, traced on fake tensors under the fake process group:
    gradient sync and no reshard until the last micro-batch. The micro-steps traced are the
    first (parameters all-gathered), a steady one (nothing but the micro-batch) and the last
    (gradients reduce-scattered, optimizer step): the step is first + (m - 2) x steady + last.
+   An embedding the head shares (GPT-2's wte): the first and last stages each keep a copy,
+   whose gradient the last micro-step all-reduces between the two before the optimizer step
+   (Megatron-LM's embedding group; :data:`TIED_NOTE`): a row of the "other" phase.
 3. Memory: a micro-step's peak holds one micro-batch's activations in each of the rank's v
    chunks; the rank's action list says which chunk-micro-batches the schedule holds at its
    peak (:func:`torchledger.formulas.pipeline.in_flight_bytes`: the first micro-step's up to
@@ -296,6 +299,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
         dec = find_decoder(model)
         inputs = batch_part(spec.inputs, spec, layout)        # --micro-batch-size
         seq = infer_tokens(inputs)
+        tied = tied_weight(model, dec, has_first=0 in chunks, has_last=last in chunks)
         _prune(model, dec, keep, has_first=0 in chunks, has_last=last in chunks)
         if spec.parallelize is not None:
             model = spec.parallelize(model, mesh)
@@ -307,6 +311,9 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
         opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
         runner = _StageRunner(model, dec, inputs, chunks, blocks, last, pp_ranks, mesh["pp"].get_group(),
                               layout, spec, _dtype_named(act_dtype))
+        if tied:
+            runner.tie(tied, [pp_ranks[0], pp_ranks[-1]])
+            notes.append(TIED_NOTE)
         _warm_optimizer(model, opt)
         kinds = ["only"] if m == 1 else ["first", "last"] if m == 2 else ["first", "steady", "last"]
         ledger = Ledger(model, optimizer=opt, keep=len(kinds))
@@ -333,7 +340,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             "sent_dtypes": sorted(_dtype_name(d) for d in runner.sent_dtypes),
             "recv_bytes": {str(c): n for c, n in runner.recv_bytes.items()},
             "grad_recv_bytes": {str(c): n for c, n in runner.grad_recv_bytes.items()},
-            "output_bytes": runner.output_bytes}
+            "output_bytes": runner.output_bytes, "tied_weight": tied, "tied_grad_bytes": runner.tied_bytes}
     return traced, notes, meta
 
 
@@ -355,6 +362,32 @@ def _prune(model, dec, keep, has_first: bool, has_last: bool) -> None:
     for fqn in drop:
         parent, _, name = fqn.rpartition(".")
         setattr(dec.module(model, parent), name, nn.Identity())
+
+
+#: What the stage runner does with an embedding the first and last stages share (GPT-2's wte
+#: and lm_head): each stage keeps its own copy and its own gradient; Megatron-LM all-reduces
+#: that gradient between the two after the backward (``finalize_model_grads`` ->
+#: ``_allreduce_word_embedding_grads``, over its embedding group), so the copies stay equal.
+#: PyTorch's ``torch.distributed.pipelining`` does not (``_IR.py``: "investigate gradient sync
+#: for shared parameters" is a TODO; a manually split model holds two unrelated parameters):
+#: without that all-reduce in the training loop the two copies diverge from the first step.
+TIED_NOTE = ("tied embedding under pp: the first and last stages each hold the shared weight; its "
+             "gradient is all-reduced between them once a step, after the last micro-batch's backward "
+             "(Megatron-LM's embedding-group all-reduce; torch.distributed.pipelining does not do it: "
+             "without it in the training loop the two copies diverge)")
+
+
+def tied_weight(model, dec, has_first: bool, has_last: bool):
+    """The FQN of this stage's copy of an embedding the head shares (the embedding's on the
+    first stage, the head's on the last), or None: untied, or the stage holds neither end."""
+    try:
+        embed = dec.module(model, dec.embed).weight
+        head = dec.module(model, dec.head).weight
+    except AttributeError:
+        return None
+    if embed is not head or has_first == has_last:
+        return None
+    return f"{dec.embed}.weight" if has_first else f"{dec.head}.weight"
 
 
 def _warm_optimizer(model, opt) -> None:
@@ -405,6 +438,25 @@ class _StageRunner:
         # ``output_chunks``: the logits, held until the next step starts)
         self.recv_bytes, self.grad_recv_bytes, self.output_bytes = {}, {}, 0
         self.outputs = []
+        self.tied, self.tied_ranks, self.tied_bytes = None, None, 0
+
+    def tie(self, fqn: str, ranks: list) -> None:
+        """Sync the gradient of parameter ``fqn`` (a tied embedding's copy) with the other
+        end's stage (global ``ranks``) after the last micro-batch's backward."""
+        import torch.distributed as dist
+        self.tied, self.tied_ranks = fqn, ranks
+        self.tied_group = dist.new_group(ranks)
+
+    def _sync_tied(self) -> None:
+        """Megatron-LM's embedding-group all-reduce of the tied weight's gradient (this
+        rank's shard of it under FSDP2 / TP: both ends hold the same shards)."""
+        import torch.distributed as dist
+        grad = self.model.get_parameter(self.tied).grad
+        if grad is None:
+            return
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        self.tied_bytes = local.numel() * local.element_size()
+        dist.all_reduce(local, group=self.tied_group)
 
     def _ids(self):
         x = self.inputs
@@ -432,6 +484,8 @@ class _StageRunner:
         # one backward over the rank's chunks (last first), as FSDP2 sees one backward per
         # micro-batch: its end-of-backward callback (reshard, reduce) runs once
         torch.autograd.backward(handles[::-1])
+        if optimizer is not None and self.tied:
+            self._sync_tied()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -96,6 +96,11 @@ def _is_alias_op(func) -> bool:
 _RUNNER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "audit", "engine.py")
 
 
+#: How far up the stack a collective issued in backward outside every module looks for the
+#: FSDP2 unit reducing (its ``post_backward`` frame is within a few calls of the collective).
+_UNIT_FRAMES = 24
+
+
 def user_frame(skip=_SKIP_DIRS) -> str | None:
     """``path:line`` of the first frame outside torch and torchledger (the user's line), or
     None when the op was reached from ``audit``'s own default step (no user line above it)."""
@@ -539,6 +544,8 @@ class LedgerMode(TorchDispatchMode):
         op, n, span, nbytes = describe(func, args, kwargs, out)
         if phase == OTHER and _graph_task() != -1:    # an engine's final callback (FSDP2's last
             phase = BACKWARD                            # reduce-scatters): still the backward
+        if phase == BACKWARD and mod == NO_MODULE:
+            mod = self._post_backward_unit()
         key = (op, n, span, phase, mod, user_frame(_COLLECTIVE_SKIP))
         row = self.collectives.get(key)
         if row is None:
@@ -550,6 +557,24 @@ class LedgerMode(TorchDispatchMode):
         row[4] += nbytes["bus_bytes"]
         if self.on_collective is not None:
             self.on_collective(op, func, args, kwargs, out)
+
+    def _post_backward_unit(self) -> int:
+        """The module a collective issued in backward outside every module's nodes belongs
+        to: the FSDP2 unit whose ``post_backward`` is on the stack (the root's, run by the
+        engine's final callback: its forward's inputs need no gradient, so its hook never
+        fires), else the model (a reducer's final flush)."""
+        f = sys._getframe(2)
+        for _ in range(_UNIT_FRAMES):
+            if f is None:
+                break
+            if f.f_code.co_name == "post_backward":
+                modules = getattr(f.f_locals.get("self"), "modules", None)
+                if isinstance(modules, (tuple, list)) and modules:
+                    i = self.scope.index_of(modules[0])
+                    if i != NO_MODULE:
+                        return i
+            f = f.f_back
+        return 0
 
     def _life(self, t):
         """``t``'s storage by identity that dies with it: the storage's lifetime index while the

@@ -18,6 +18,12 @@ activations: the saved-tensor hook leaves every storage in ``gathered_params`` o
 Known limitations: any storage grown by ``resize_`` during a distributed step is counted as
 unsharded parameters (FSDP is the one user of that idiom in PyTorch); the padded unsharded
 gradients FSDP builds for the reduce-scatter (``fsdp.chunk_cat``) are temporaries.
+
+Gradient accumulation under FSDP2 with a ``reduce_dtype`` (``set_requires_gradient_sync(False)``
+between micro-batches, as a pipeline stage runs): FSDP2 moves each unsharded gradient out of
+``.grad`` into ``FSDPParam.unsharded_accumulated_grad`` (upcast to the reduce dtype) and adds the
+next micro-batches' into it until the last reduces it. Those are gradients: made so by
+``to_accumulated_grad_if_needed`` here, and found at a step's start by :func:`accumulated_grads`.
 """
 from __future__ import annotations
 
@@ -26,9 +32,9 @@ import sys
 
 import torch
 
-from .memory import TEMP, UNSHARDED, storages
+from .memory import GRAD, TEMP, UNSHARDED, storages
 
-__all__ = ["install_distributed"]
+__all__ = ["install_distributed", "accumulated_grads"]
 
 
 def install_distributed(tracer, life) -> None:
@@ -76,6 +82,7 @@ def install_distributed(tracer, life) -> None:
 
     mode.on_collective = on_collective
     _follow_fsdp_outputs(tracer, life, mode, tracker)
+    _follow_accumulated_grads(tracer, life, tracker)
     _count_api_calls(tracer, life, mode)
 
 
@@ -154,6 +161,55 @@ def _follow_fsdp_outputs(tracer, life, mode, tracker) -> None:
 
     init_all_gather_outputs.__wrapped__ = original
     life.patch(FSDPParam, "init_all_gather_outputs", init_all_gather_outputs)
+
+
+def _follow_accumulated_grads(tracer, life, tracker) -> None:
+    """FSDP2's accumulated unsharded gradient (see the module's docstring): a gradient."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:             # another torch: they stay temporaries
+        return
+    original = FSDPParam.__dict__.get("to_accumulated_grad_if_needed")
+    if original is None:
+        return
+
+    def to_accumulated_grad_if_needed(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        try:
+            grad = getattr(self, "unsharded_accumulated_grad", None)
+            if grad is not None and tracer._ours() and not tracker.closed:
+                for s in storages(grad):
+                    tracker.promote(s, GRAD, only_from=None)
+        except Exception as e:              # never raise into the user's step
+            tracer._warn(f"FSDP accumulated gradients: {type(e).__name__}: {e}")
+        return out
+
+    to_accumulated_grad_if_needed.__wrapped__ = original
+    life.patch(FSDPParam, "to_accumulated_grad_if_needed", to_accumulated_grad_if_needed)
+
+
+def accumulated_grads(model) -> list:
+    """The unsharded gradients FSDP2 accumulates for ``model``'s ``fully_shard`` units between
+    micro-batches (``FSDPParam.unsharded_accumulated_grad``), those that exist now."""
+    out = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            state = get_state()
+        except Exception:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()) or ():
+                grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                if grad is not None:
+                    out.append(grad)
+    return out
 
 
 _FSDP_DIR = os.path.join("distributed", "fsdp", "")

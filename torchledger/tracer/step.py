@@ -25,7 +25,7 @@ from .compiled import observe_run
 from .dispatch import LedgerMode, attention_hook, is_wrapper_subclass
 from .phases import BACKWARD, PHASES
 from .fake import foreign_fake_params
-from .dist_memory import install_distributed
+from .dist_memory import accumulated_grads, install_distributed
 from .lifecycle import ACTIVE, TRIES, Installed, in_tls
 from .memory import ACT, BUFFER, GRAD, OPT, PARAM, PLAIN, TEMP, StorageTracker, data_tensors, state_tensors, tensor_bytes
 from .modules import ModuleScope
@@ -286,6 +286,8 @@ class StepTracer:
                 st.add(s, PARAM, at=0)
             if p.grad is not None:
                 self._track(p.grad, GRAD, "gradient", at=0)
+        for g in accumulated_grads(model):         # FSDP2's, between micro-batches
+            self._track(g, GRAD, "gradient", at=0)
         for b in model.buffers():
             self._track(b, BUFFER, "buffer", at=0)
         for opt in self._optimizers:
