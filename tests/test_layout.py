@@ -357,3 +357,48 @@ def test_the_heavy_finder_sees_torch_through_the_tracer():
     heavy = _heavy_modules()
     assert {"torchledger.tracer.step", "torchledger.ledger", "torchledger.audit.engine"} <= heavy
     assert not {"torchledger.formulas.steptime", "torchledger.record.core", "torchledger.steptime.predict"} & heavy
+
+
+#: Where no function may run past LONGEST lines (issue 34: the audit and prediction paths read as
+#: sequences of named steps). NB: ``tracer/dispatch.py``'s ``LedgerMode._record`` stays one
+#: function on purpose (it runs once per traced op; its comment says why), so the tracer is not
+#: listed whole.
+SHORT_FUNCTIONS = ("audit", "steptime", "parallel", "plan", os.path.join("tracer", "build.py"),
+                   os.path.join("analyzers", "compare.py"))
+LONGEST = 80
+
+
+def _long_functions(paths, longest: int = LONGEST) -> list:
+    """``path:line name (n lines)`` for each function (methods and nested ones too) in the
+    files or folders ``paths`` longer than ``longest`` lines, counted from its ``def`` to its
+    last line."""
+    files = []
+    for p in paths:
+        files += [p] if p.endswith(".py") else sorted(os.path.join(root, n) for root, _, names in os.walk(p)
+                                                      for n in names if n.endswith(".py"))
+    hits = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = fn.end_lineno - fn.lineno + 1
+                if n > longest:
+                    hits.append(f"{os.path.relpath(path, REPO)}:{fn.lineno} {fn.name} ({n} lines)")
+    return hits
+
+
+def test_no_function_in_the_audit_and_prediction_paths_is_long():
+    long = _long_functions([os.path.join(PACKAGE, p) for p in SHORT_FUNCTIONS])
+    assert not long, (f"functions over {LONGEST} lines (split them into named steps):\n" + "\n".join(long))
+
+
+def test_the_length_checker_counts_def_to_end(tmp_path):
+    # def line + 79 body lines = 80 lines: allowed; one more body line = 81: reported
+    body = "\n".join(f"    x{i} = {i}" for i in range(79))
+    (tmp_path / "ok.py").write_text(f"def fits():\n{body}\n")
+    (tmp_path / "long.py").write_text(f"class C:\n    @staticmethod\n    def grows():\n"
+                                      + "\n".join(f"        x{i} = {i}" for i in range(80)) + "\n")
+    assert _long_functions([str(tmp_path / "ok.py")]) == []
+    long = _long_functions([str(tmp_path)])
+    assert len(long) == 1 and long[0].endswith("long.py:3 grows (81 lines)"), long

@@ -121,8 +121,33 @@ def _cp(totals) -> int:
 
 
 def predictions(record) -> dict:
-    """Closed-form predictions for what ``record`` measured (keys absent when not computable)."""
+    """Closed-form predictions for what ``record`` measured (keys absent when not computable),
+    in this order: the weights' FLOPs, parameters, FLOPs with attention, activations, static
+    bytes (the record's JSON keeps it)."""
     t = record.totals
+    out = _weight_flops(t)
+    cfg, shape, T, D = _config(record), _shape(record), _seq_len(record), t.get("tokens", 0)
+    stage = _stage(record)
+    if cfg is not None and _exact_formula_fits(record.meta.get("config")):
+        count = count_params(cfg)
+        out["params_exact"] = count.total
+        if stage is not None:       # a pipeline stage: its blocks, and the ends it holds
+            b = count.breakdown
+            out["params_exact"] -= ((0 if stage["embedding"] else b["embeddings"] + b["positions"])
+                                    + (0 if stage["head"] else b["final_norm"] + b["lm_head"]))
+    lengths = _enc_dec_lengths(record, shape, D, T)
+    if shape is not None and lengths is not None:       # encoder-decoder (T5, BART)
+        _predict_enc_dec_flops(out, t, shape, lengths)
+    elif shape is not None:
+        _predict_decoder_flops(out, t, shape, T, stage)
+    if cfg is not None and D and T:
+        out.update(_predict_activations(record, cfg, shape, lengths, stage))
+    out.update(_predict_static(record))
+    return out
+
+
+def _weight_flops(t) -> dict:
+    """The weights' terms: 6ND, 6 x sum(weight x rows), and forward plus the gradients made."""
     out: dict = {}
     N, D = t.get("matmul_params", 0), t.get("tokens", 0)
     if D:
@@ -137,117 +162,114 @@ def predictions(record) -> dict:
             # weight gradient, inputs that need none (pixels, a frozen stem's output) no input
             # gradient; 6 x sum(P x rows) when everything trains
             out["flops_per_weight_grads"] = int(t["param_matmul_flops_forward"]) + int(t["param_matmul_flops_grad"])
-    cfg, shape, T = _config(record), _shape(record), _seq_len(record)
-    stage = _stage(record)
-    if cfg is not None and _exact_formula_fits(record.meta.get("config")):
-        count = count_params(cfg)
-        out["params_exact"] = count.total
-        if stage is not None:       # a pipeline stage: its blocks, and the ends it holds
-            b = count.breakdown
-            out["params_exact"] -= ((0 if stage["embedding"] else b["embeddings"] + b["positions"])
-                                    + (0 if stage["head"] else b["final_norm"] + b["lm_head"]))
-    lengths = _enc_dec_lengths(record, shape, D, T)
-    if shape is not None and lengths is not None:       # encoder-decoder (T5, BART)
-        L, d, V, d_attn, n_enc, n_dec = shape[:6]
-        out["params_12ld2"] = params_12ld2_encoder_decoder(d, n_enc, n_dec, V)
-        args = (n_enc, n_dec, lengths.t_enc, lengths.t_dec, d_attn, lengths.d_enc, lengths.d_dec)
-        # decoder tokens != encoder tokens: 6ND is not the weights' work; 6 x sum(weight x
-        # rows) is (each stack's weights at its own tokens, cross K/V at the encoder's)
-        kind = _base(t, out)
-        if kind == "6nd" and lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in out:
-            kind = "per_weight"
-        base = _base_value(out, kind) if kind != "6nd" else 6 * N * D
-        out["flops_6nd_attention"] = base + encoder_decoder_attention_flops(*args)
-        out["flops_6nd_attention_causal"] = base + encoder_decoder_attention_flops(*args, causal=True)
-    elif shape is not None:
-        L, d, V, d_attn = shape[:4]
-        out["params_12ld2"] = (params_12ld2_encoder_decoder(d, shape.n_enc, shape.n_dec, V)
-                               if shape.n_enc is not None else 12 * L * d * d + V * d)
-        if D and T:
-            # per token and layer: Q K^T 2*T*d_qk + x V 2*T*d_v forward, 3x for training;
-            # tensor parallelism splits the heads over its ranks (Megatron's plan); under
-            # context parallelism a rank's T/cp queries (its D tokens) attend all T = cp x T/cp keys
-            attn = 6 * L * T * _cp(t) * (shape.attn_width or 2 * d_attn) * D // _tp(t)
-            base = _base_value(out, _base(t, out))
-            out["flops_6nd_attention"] = base + attn
-            out["flops_6nd_attention_causal"] = base + attn // 2
-        if stage is not None and shape.n_enc is None:   # one V*d if the stage holds an end
-            out["params_12ld2"] = 12 * L * d * d + (V * d if stage["embedding"] or stage["head"] else 0)
-    if cfg is not None and D and T:
-        fused = _attention_storage(record)[0]
-        if lengths is not None:
-            b = D // T
-            enc = korthikanti_layer_bytes(lengths.t_enc, b, cfg.d_model, cfg.n_heads, fused_attention=fused)
-            dec = (korthikanti_layer_bytes(lengths.t_dec, b, cfg.d_model, cfg.n_heads, fused_attention=fused)
-                   + korthikanti_cross_attention_bytes(lengths.t_dec, lengths.t_enc, b, cfg.d_model,
-                                                       cfg.n_heads, fused_attention=fused))
-            out["activation_bytes_korthikanti_16bit"] = shape.n_enc * enc + shape.n_dec * dec
-        else:
-            tp, sp = _tp(t), sequence_parallel(record)
-            if stage is not None:   # one micro-batch's layers, as many as the schedule keeps
-                layer = korthikanti_layer(T, D // T // stage["micro_batches"], cfg.d_model, cfg.n_heads,
-                                          tp=tp, sp=sp, fused=fused)
-                out["activation_bytes_korthikanti_16bit"] = round(stage["layers_in_flight"] * layer)
-            else:
-                layer = korthikanti_layer(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, sp=sp, fused=fused)
-                out["activation_bytes_korthikanti_16bit"] = round(cfg.n_layers * layer)
-            if tp > 1:
-                out["activation_korthikanti_row"] = ("tp+sp (PyTorch)" if sp else "tp", tp)
+    return out
+
+
+def _predict_enc_dec_flops(out: dict, t, shape, lengths) -> None:
+    """An encoder-decoder's (T5, BART) 12Ld^2 and FLOPs with attention, into ``out``."""
+    N, D = t.get("matmul_params", 0), t.get("tokens", 0)
+    L, d, V, d_attn, n_enc, n_dec = shape[:6]
+    out["params_12ld2"] = params_12ld2_encoder_decoder(d, n_enc, n_dec, V)
+    args = (n_enc, n_dec, lengths.t_enc, lengths.t_dec, d_attn, lengths.d_enc, lengths.d_dec)
+    # decoder tokens != encoder tokens: 6ND is not the weights' work; 6 x sum(weight x
+    # rows) is (each stack's weights at its own tokens, cross K/V at the encoder's)
+    kind = _base(t, out)
+    if kind == "6nd" and lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in out:
+        kind = "per_weight"
+    base = _base_value(out, kind) if kind != "6nd" else 6 * N * D
+    out["flops_6nd_attention"] = base + encoder_decoder_attention_flops(*args)
+    out["flops_6nd_attention_causal"] = base + encoder_decoder_attention_flops(*args, causal=True)
+
+
+def _predict_decoder_flops(out: dict, t, shape, T, stage) -> None:
+    """A decoder's (or encoder's) 12Ld^2 + Vd and FLOPs with attention, into ``out``."""
+    D = t.get("tokens", 0)
+    L, d, V, d_attn = shape[:4]
+    out["params_12ld2"] = (params_12ld2_encoder_decoder(d, shape.n_enc, shape.n_dec, V)
+                           if shape.n_enc is not None else 12 * L * d * d + V * d)
+    if D and T:
+        # per token and layer: Q K^T 2*T*d_qk + x V 2*T*d_v forward, 3x for training;
+        # tensor parallelism splits the heads over its ranks (Megatron's plan); under
+        # context parallelism a rank's T/cp queries (its D tokens) attend all T = cp x T/cp keys
+        attn = 6 * L * T * _cp(t) * (shape.attn_width or 2 * d_attn) * D // _tp(t)
+        base = _base_value(out, _base(t, out))
+        out["flops_6nd_attention"] = base + attn
+        out["flops_6nd_attention_causal"] = base + attn // 2
+    if stage is not None and shape.n_enc is None:   # one V*d if the stage holds an end
+        out["params_12ld2"] = 12 * L * d * d + (V * d if stage["embedding"] or stage["head"] else 0)
+
+
+def _predict_activations(record, cfg, shape, lengths, stage) -> dict:
+    """Korthikanti's activation bytes (16-bit) for the step's layers; with tensor parallelism,
+    which of Table 2's rows applies."""
+    t, T = record.totals, _seq_len(record)
+    D = t.get("tokens", 0)
+    out: dict = {}
+    fused = _attention_storage(record)[0]
+    if lengths is not None:
+        b = D // T
+        enc = korthikanti_layer_bytes(lengths.t_enc, b, cfg.d_model, cfg.n_heads, fused_attention=fused)
+        dec = (korthikanti_layer_bytes(lengths.t_dec, b, cfg.d_model, cfg.n_heads, fused_attention=fused)
+               + korthikanti_cross_attention_bytes(lengths.t_dec, lengths.t_enc, b, cfg.d_model,
+                                                   cfg.n_heads, fused_attention=fused))
+        out["activation_bytes_korthikanti_16bit"] = shape.n_enc * enc + shape.n_dec * dec
+        return out
+    tp, sp = _tp(t), sequence_parallel(record)
+    if stage is not None:   # one micro-batch's layers, as many as the schedule keeps
+        layer = korthikanti_layer(T, D // T // stage["micro_batches"], cfg.d_model, cfg.n_heads,
+                                  tp=tp, sp=sp, fused=fused)
+        out["activation_bytes_korthikanti_16bit"] = round(stage["layers_in_flight"] * layer)
+    else:
+        layer = korthikanti_layer(T, D // T, cfg.d_model, cfg.n_heads, tp=tp, sp=sp, fused=fused)
+        out["activation_bytes_korthikanti_16bit"] = round(cfg.n_layers * layer)
+    if tp > 1:
+        out["activation_korthikanti_row"] = ("tp+sp (PyTorch)" if sp else "tp", tp)
+    return out
+
+
+def _predict_static(record) -> dict:
+    """Parameters + gradients + optimizer state (+ master weights) this rank holds, where the
+    optimizer and its precision are known."""
+    t, out = record.totals, {}
     opt = record.optimizer or {}
-    if opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params"):
-        # trainable: params + grads + master + optimizer state; frozen: their weights only
-        gpus, zero = sharding(record)               # (1, 0) unless a distributed rank holds shards
-        sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
-        frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
-        layout = t.get("layout") or {}
-        if layout.get("params") and (gpus > 1 or _tp(t) > 1 or layout.get("tp", 1) > 1):
-            # the mesh as PyTorch laid it out: each parameter's shard on this rank (TP's split,
-            # then FSDP2's padded dim 0), x bytes per parameter; replicate groups divide nothing
-            out["static_bytes"], out["static_bytes_layout"] = layout_static(layout, opt)
-        elif zero and _tp(t) > 1:
-            # FSDP x TP: a tensor-parallel weight is split over every rank, a replicated one
-            # (norms, embeddings, the head in most plans) over the data-parallel ranks only:
-            # this rank's share lies between the two
-            dp = max(gpus // _tp(t), 1)
-            out["static_bytes"] = round(sm.per_gpu_bytes + frozen / gpus)
-            out["static_bytes_upper"] = round(sm.total_bytes / dp + frozen / dp)
-            out["static_bytes_zero"] = [gpus, zero]
-            out["static_bytes_tp"] = [dp, _tp(t)]
-        elif zero:                                  # ZeRO-3: this rank's share of everything
-            out["static_bytes"] = round(sm.per_gpu_bytes + frozen / gpus)
-            out["static_bytes_zero"] = [gpus, zero]
-        else:
-            out["static_bytes"] = sm.total_bytes + frozen
-        out["static_bytes_per_param"] = sm.bytes_per_param
-        if frozen:
-            out["static_bytes_frozen"] = frozen
+    if not (opt.get("kind") in OPTIMIZERS and opt.get("precision") and t.get("trainable_params")):
+        return out
+    # trainable: params + grads + master + optimizer state; frozen: their weights only
+    gpus, zero = sharding(record)               # (1, 0) unless a distributed rank holds shards
+    sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
+    frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
+    layout = t.get("layout") or {}
+    if layout.get("params") and (gpus > 1 or _tp(t) > 1 or layout.get("tp", 1) > 1):
+        # the mesh as PyTorch laid it out: each parameter's shard on this rank (TP's split,
+        # then FSDP2's padded dim 0), x bytes per parameter; replicate groups divide nothing
+        out["static_bytes"], out["static_bytes_layout"] = layout_static(layout, opt)
+    elif zero and _tp(t) > 1:
+        # FSDP x TP: a tensor-parallel weight is split over every rank, a replicated one
+        # (norms, embeddings, the head in most plans) over the data-parallel ranks only:
+        # this rank's share lies between the two
+        dp = max(gpus // _tp(t), 1)
+        out["static_bytes"] = round(sm.per_gpu_bytes + frozen / gpus)
+        out["static_bytes_upper"] = round(sm.total_bytes / dp + frozen / dp)
+        out["static_bytes_zero"] = [gpus, zero]
+        out["static_bytes_tp"] = [dp, _tp(t)]
+    elif zero:                                  # ZeRO-3: this rank's share of everything
+        out["static_bytes"] = round(sm.per_gpu_bytes + frozen / gpus)
+        out["static_bytes_zero"] = [gpus, zero]
+    else:
+        out["static_bytes"] = sm.total_bytes + frozen
+    out["static_bytes_per_param"] = sm.bytes_per_param
+    if frozen:
+        out["static_bytes_frozen"] = frozen
     return out
 
 
 def comparisons(record, p=None) -> list:
     """Rows of measured vs predicted with the gap explained (``p``: ``predictions(record)``,
-    when the caller has it already)."""
+    when the caller has it already): parameters, FLOPs, static bytes, activations."""
     t, p = record.totals, p if p is not None else predictions(record)
-    rows = []
-    cfg = _config(record)
-    if "params_exact" in p:
-        stage = _stage(record)
-        rows.append(_row("parameters (exact formula)", t["params"], p["params_exact"],
-                         (_stage_text(stage) if stage is not None else "")
-                         + ("exact count from the config" if t["params"] == p["params_exact"] else
-                            "the model has parameters the config formula does not describe")))
-    shape = _shape(record)
+    cfg, shape = _config(record), _shape(record)
     lengths = _enc_dec_lengths(record, shape, t.get("tokens", 0), _seq_len(record))
-    if "params_12ld2" in p:
-        enc_dec = ""
-        if shape is not None and shape.n_enc is not None:
-            enc_dec = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; cross-attention "
-                       f"counted: 12d^2 per encoder layer, 16d^2 per decoder layer (self 4d^2 + "
-                       f"cross 4d^2 + MLP 8d^2), 12*{shape.n_enc}*d^2 + 16*{shape.n_dec}*d^2 + V*d; ")
-        stage = _stage(record)
-        rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
-                         (_stage_text(stage) if stage is not None else "") + enc_dec + (_explain_12ld2(cfg, record.meta.get("config")) if cfg is not None else
-                                    "L, d and V found from the modules (no config): " + _explain_partial(record))))
+    rows = _param_rows(record, p, cfg, shape)
     base = _base(t, p)
     if base == "6nd" and "flops_6nd" in p:
         f = t["flops"]["total"]
@@ -262,82 +284,122 @@ def comparisons(record, p=None) -> list:
     elif base != "6nd":
         rows.append(_weights_row(record, p, base))
     if "flops_6nd_attention" in p:
-        if lengths is not None:
-            text = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; attention counted dense: "
-                    f"encoder self 12*L_enc*T_enc*d*D_enc + decoder self 12*L_dec*T_dec*d*D_dec + "
-                    f"cross 12*L_dec*T_enc*d*D_dec, {lengths.how}; causal prediction {p['flops_6nd_attention_causal']:,} halves "
-                    f"the decoder self-attention only")
-            if lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in p and base != "grads":
-                text += (f"; the weights' term is 6 x sum(weight x rows it multiplied) = "
-                         f"{_base_value(p, 'per_weight'):,}, not 6ND: the decoder's weights saw "
-                         f"{lengths.d_dec:,} tokens, the encoder's {lengths.d_enc:,}")
-            elif lengths.d_dec != lengths.d_enc and base != "grads":
-                text += (f"; 6ND takes every weight at D = {t['tokens']:,} tokens, the encoder's "
-                         f"saw {lengths.d_enc:,} rows, the decoder's {lengths.d_dec:,}")
-        else:
-            text = _dense_attention_text(record, p)
-            if _tp(t) > 1:
-                text += (f"; tensor parallel {_tp(t)}: N is this rank's part of the split weights, "
-                         f"the attention term its share of the heads (1/{_tp(t)})")
-            if _cp(t) > 1:
-                T = _seq_len(record)
-                text += (f"; context parallel {_cp(t)}: this rank's {T:,} queries a sequence attend all "
-                         f"T = {_cp(t)} x {T:,} = {_cp(t) * T:,} keys (K and V all-gathered)")
-        if base != "6nd" and lengths is None:
-            text += f"; the weights' term is {_BASES[base].split(' vs ')[1]} = {_base_value(p, base):,}, not 6ND"
-        elif base == "grads":
-            text += f"; the weights' term is their forward + the gradients made = {_base_value(p, base):,} (frozen weights)"
-        rows.append(_row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
-                         text + _width_text(record, shape)))
+        rows.append(_attention_flops_row(record, p, base, shape, lengths))
     if "static_bytes" in p:
-        measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
-                    + (record.optimizer or {}).get("master_weight_bytes", 0))
-        opt = record.optimizer
-        frozen = (f" + {p['static_bytes_frozen']:,} bytes of {_frozen_params(t):,} frozen params "
-                  f"(their weights only: no gradient, no optimizer state)" if p.get("static_bytes_frozen") else "")
-        whole = (f"trainable param x {t['trainable_params']:,}{frozen} predicted" if not p.get("static_bytes_layout")
-                 else f"trainable param (a frozen one: its weight only), of the {t['trainable_params']:,} "
-                      f"trainable params")
-        rows.append(_row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
-                         f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes per "
-                         + whole
-                         + (layout_text(p["static_bytes_layout"]) if p.get("static_bytes_layout") else "")
-                         + (" / {} ranks (ZeRO-3: this rank's shards; padding to a multiple of {} "
-                            "rows makes rank 0's larger)".format(p["static_bytes_zero"][0], p["static_bytes_zero"][0])
-                            if p.get("static_bytes_zero") and not p.get("static_bytes_tp") else "")
-                         + (" / {} ranks if every weight were split both ways; up to {:,} (/ {} data-parallel "
-                            "ranks) for weights tensor parallelism ({}) leaves whole (norms, embeddings, "
-                            "head)".format(p["static_bytes_zero"][0], p["static_bytes_upper"],
-                                           p["static_bytes_tp"][0], p["static_bytes_tp"][1])
-                            if p.get("static_bytes_tp") else "")
-                         + " (per-tensor step scalars make the difference)"))
+        rows.append(_static_row(record, p))
     if "activation_bytes_korthikanti_16bit" in p:
-        layers = ""
-        if lengths is not None:
-            layers = (f"L = {shape.n_enc} encoder layers at s = {lengths.t_enc:,} + {shape.n_dec} decoder "
-                      f"layers at s = {lengths.t_dec:,}, each decoder layer with its cross-attention "
-                      f"block (9*s_d*b*h + 4*s_e*b*h + 5*a*s_d*s_e*b; {lengths.how}); ")
-        kind = p.get("activation_korthikanti_row")
-        stage = _stage(record)
-        if stage is not None and lengths is None:
-            layers += (f"pipeline stage: one micro-batch ({t.get('tokens', 0) // stage['micro_batches']:,} tokens) "
-                       f"x {stage['layers_in_flight']:g} layers, its {stage['blocks']} blocks and the schedule's "
-                       f"extra in-flight micro-batches of a chunk's blocks; ")
-        if kind and kind[0] == "tp":
-            layers += (f"tensor parallel {kind[1]}: Table 2's TP row sbh(10 + 24/t + 5as/(ht)) (LayerNorm and "
-                       f"block inputs and dropout masks, 10sbh, stay whole on every rank); ")
-        elif kind:
-            layers += (f"tensor + sequence parallel {kind[1]}: what PyTorch saves, Table 2's TP+SP row "
-                       f"sbh(34/t + 5as/(ht)) plus the all-gathered inputs of attention and MLP that its "
-                       f"column-parallel linears keep, 2 x 2sbh(1 - 1/t) (Megatron keeps the shard and "
-                       f"re-gathers in backward); ")
-        block = _korthikanti_block(cfg) if cfg is not None else ""
-        rows.append(_row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
-                         p["activation_bytes_korthikanti_16bit"],
-                         layers + f"{_measured_dtype(record)}; the formula assumes 16-bit "
-                         f"activations and dropout masks; {block}{_attention_storage(record)[1]}; "
-                         "embeddings, LM head and loss are outside it"))
+        rows.append(_activation_row(record, p, cfg, shape, lengths))
     return rows
+
+
+def _param_rows(record, p, cfg, shape) -> list:
+    """Parameters against the exact formula and against 12Ld^2 + Vd, where predicted."""
+    t, rows = record.totals, []
+    stage = _stage(record)
+    if "params_exact" in p:
+        rows.append(_row("parameters (exact formula)", t["params"], p["params_exact"],
+                         (_stage_text(stage) if stage is not None else "")
+                         + ("exact count from the config" if t["params"] == p["params_exact"] else
+                            "the model has parameters the config formula does not describe")))
+    if "params_12ld2" in p:
+        enc_dec = ""
+        if shape is not None and shape.n_enc is not None:
+            enc_dec = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; cross-attention "
+                       f"counted: 12d^2 per encoder layer, 16d^2 per decoder layer (self 4d^2 + "
+                       f"cross 4d^2 + MLP 8d^2), 12*{shape.n_enc}*d^2 + 16*{shape.n_dec}*d^2 + V*d; ")
+        rows.append(_row("parameters (12*L*d^2 + V*d)", t["params"], p["params_12ld2"],
+                         (_stage_text(stage) if stage is not None else "") + enc_dec + (_explain_12ld2(cfg, record.meta.get("config")) if cfg is not None else
+                                    "L, d and V found from the modules (no config): " + _explain_partial(record))))
+    return rows
+
+
+def _attention_flops_row(record, p, base: str, shape, lengths) -> dict:
+    """Training FLOPs against 6ND + 12LTd (the weights' term ``base``), the attention term
+    explained: encoder-decoder lengths, or tensor and context parallelism."""
+    t = record.totals
+    if lengths is not None:
+        text = (f"L = {shape.n_enc} encoder + {shape.n_dec} decoder layers; attention counted dense: "
+                f"encoder self 12*L_enc*T_enc*d*D_enc + decoder self 12*L_dec*T_dec*d*D_dec + "
+                f"cross 12*L_dec*T_enc*d*D_dec, {lengths.how}; causal prediction {p['flops_6nd_attention_causal']:,} halves "
+                f"the decoder self-attention only")
+        if lengths.d_dec != lengths.d_enc and "flops_6nd_per_weight" in p and base != "grads":
+            text += (f"; the weights' term is 6 x sum(weight x rows it multiplied) = "
+                     f"{_base_value(p, 'per_weight'):,}, not 6ND: the decoder's weights saw "
+                     f"{lengths.d_dec:,} tokens, the encoder's {lengths.d_enc:,}")
+        elif lengths.d_dec != lengths.d_enc and base != "grads":
+            text += (f"; 6ND takes every weight at D = {t['tokens']:,} tokens, the encoder's "
+                     f"saw {lengths.d_enc:,} rows, the decoder's {lengths.d_dec:,}")
+    else:
+        text = _dense_attention_text(record, p)
+        if _tp(t) > 1:
+            text += (f"; tensor parallel {_tp(t)}: N is this rank's part of the split weights, "
+                     f"the attention term its share of the heads (1/{_tp(t)})")
+        if _cp(t) > 1:
+            T = _seq_len(record)
+            text += (f"; context parallel {_cp(t)}: this rank's {T:,} queries a sequence attend all "
+                     f"T = {_cp(t)} x {T:,} = {_cp(t) * T:,} keys (K and V all-gathered)")
+    if base != "6nd" and lengths is None:
+        text += f"; the weights' term is {_BASES[base].split(' vs ')[1]} = {_base_value(p, base):,}, not 6ND"
+    elif base == "grads":
+        text += f"; the weights' term is their forward + the gradients made = {_base_value(p, base):,} (frozen weights)"
+    return _row("training FLOPs vs 6ND + 12LTd", t["flops"]["total"], p["flops_6nd_attention"],
+                text + _width_text(record, shape))
+
+
+def _static_row(record, p) -> dict:
+    """Parameters + gradients + optimizer state measured against the closed form, with the
+    sharding that divided it."""
+    t, opt = record.totals, record.optimizer
+    measured = (t["param_bytes"] + t.get("trainable_param_bytes", 0) + t["optimizer_state_bytes"]
+                + (record.optimizer or {}).get("master_weight_bytes", 0))
+    frozen = (f" + {p['static_bytes_frozen']:,} bytes of {_frozen_params(t):,} frozen params "
+              f"(their weights only: no gradient, no optimizer state)" if p.get("static_bytes_frozen") else "")
+    whole = (f"trainable param x {t['trainable_params']:,}{frozen} predicted" if not p.get("static_bytes_layout")
+             else f"trainable param (a frozen one: its weight only), of the {t['trainable_params']:,} "
+                  f"trainable params")
+    return _row("static bytes (params+grads+optimizer)", measured, p["static_bytes"],
+                f"{opt['kind']} x {opt['precision']}: {p['static_bytes_per_param']} bytes per "
+                + whole
+                + (layout_text(p["static_bytes_layout"]) if p.get("static_bytes_layout") else "")
+                + (" / {} ranks (ZeRO-3: this rank's shards; padding to a multiple of {} "
+                   "rows makes rank 0's larger)".format(p["static_bytes_zero"][0], p["static_bytes_zero"][0])
+                   if p.get("static_bytes_zero") and not p.get("static_bytes_tp") else "")
+                + (" / {} ranks if every weight were split both ways; up to {:,} (/ {} data-parallel "
+                   "ranks) for weights tensor parallelism ({}) leaves whole (norms, embeddings, "
+                   "head)".format(p["static_bytes_zero"][0], p["static_bytes_upper"],
+                                  p["static_bytes_tp"][0], p["static_bytes_tp"][1])
+                   if p.get("static_bytes_tp") else "")
+                + " (per-tensor step scalars make the difference)")
+
+
+def _activation_row(record, p, cfg, shape, lengths) -> dict:
+    """Activation bytes against Korthikanti's 16-bit closed form, with which of its rows and
+    which layers (encoder-decoder, pipeline stage, tensor parallelism) it describes."""
+    t, layers = record.totals, ""
+    if lengths is not None:
+        layers = (f"L = {shape.n_enc} encoder layers at s = {lengths.t_enc:,} + {shape.n_dec} decoder "
+                  f"layers at s = {lengths.t_dec:,}, each decoder layer with its cross-attention "
+                  f"block (9*s_d*b*h + 4*s_e*b*h + 5*a*s_d*s_e*b; {lengths.how}); ")
+    kind = p.get("activation_korthikanti_row")
+    stage = _stage(record)
+    if stage is not None and lengths is None:
+        layers += (f"pipeline stage: one micro-batch ({t.get('tokens', 0) // stage['micro_batches']:,} tokens) "
+                   f"x {stage['layers_in_flight']:g} layers, its {stage['blocks']} blocks and the schedule's "
+                   f"extra in-flight micro-batches of a chunk's blocks; ")
+    if kind and kind[0] == "tp":
+        layers += (f"tensor parallel {kind[1]}: Table 2's TP row sbh(10 + 24/t + 5as/(ht)) (LayerNorm and "
+                   f"block inputs and dropout masks, 10sbh, stay whole on every rank); ")
+    elif kind:
+        layers += (f"tensor + sequence parallel {kind[1]}: what PyTorch saves, Table 2's TP+SP row "
+                   f"sbh(34/t + 5as/(ht)) plus the all-gathered inputs of attention and MLP that its "
+                   f"column-parallel linears keep, 2 x 2sbh(1 - 1/t) (Megatron keeps the shard and "
+                   f"re-gathers in backward); ")
+    block = _korthikanti_block(cfg) if cfg is not None else ""
+    return _row("activation bytes vs Korthikanti (16-bit)", t["activation_bytes"],
+                p["activation_bytes_korthikanti_16bit"],
+                layers + f"{_measured_dtype(record)}; the formula assumes 16-bit "
+                f"activations and dropout masks; {block}{_attention_storage(record)[1]}; "
+                "embeddings, LM head and loss are outside it")
 
 
 def _dense_attention_text(record, p) -> str:

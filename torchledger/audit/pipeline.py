@@ -745,27 +745,8 @@ def _composed_record(traced, stage, m, dims):
     t["parallel_dims"] = dims
     if dims.get("cp", 1) > 1:            # every rank's inputs cut to T/cp (cp_inputs)
         t["context_parallel"] = dims["cp"]
-    for key in ADDITIVE:
-        values = [r.totals.get(key) for r in traced.values()]
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in values):
-            t[key] = sum(w[k] * r.totals[key] for k, r in traced.items())
-        elif all(isinstance(x, dict) for x in values):
-            t[key] = {sub: sum(w[k] * (r.totals[key].get(sub) or 0) for k, r in traced.items())
-                      for sub in values[-1]}
-    t["peak_bytes"] = stage["peak_bytes"]
-    # the peak's categories add up to it: the micro-step that peaked, the sharded parameters
-    # alive beside the gathered ones, the schedule's extra chunk-micro-batches as activations
-    src = traced.get(stage.get("peak_micro_step")) or last
-    breakdown = dict((src.memory or {}).get("peak_breakdown") or {})
-    if breakdown:
-        breakdown["parameters"] = breakdown.get("parameters", 0) + stage.get("peak_sharded_param_bytes", 0)
-        breakdown["activations"] = breakdown.get("activations", 0) + stage["extra_activation_bytes"]
-        # the stage's receive buffers and held outputs: not autograd's, the stage's own
-        breakdown["temporaries"] = breakdown.get("temporaries", 0) + sum(stage["stage_buffer_bytes"].values())
-        rec.memory["peak_breakdown"] = breakdown
-        rec.memory["peak_bytes"] = stage["peak_bytes"]
-        for key in ("peak_phase", "peak_module"):
-            t[key] = src.totals.get(key, t.get(key))
+    _sum_micro_steps(t, traced, w)
+    _compose_peak(rec, traced, stage, last)
     first = traced.get("first") or traced["only"]
     # the static figures as the step starts (the first micro-step's): in the later ones FSDP2
     # keeps the parameters gathered, so model.parameters() are the unsharded tensors, and the
@@ -787,20 +768,7 @@ def _composed_record(traced, stage, m, dims):
                                   stage_micro_batches=m,
                                   stage_layers_in_flight=stage["blocks"] + extra * stage["blocks"] / len(stage["chunks"]))
     rec.predictions = record_predictions(rec)
-    rows = {}
-    for kind, r in traced.items():
-        for c in r.collectives:
-            key = tuple(c.get(k) for k in ("op", "group_size", "phase", "module", "location", "group_span"))
-            row = rows.setdefault(key, dict(c, count=0, bytes=0, bytes_received=0, algo_bytes=0, bus_bytes=0,
-                                            micro_steps=0))
-            for k in ("count", "bytes", "bytes_received", "algo_bytes", "bus_bytes"):
-                row[k] += w[kind] * (c.get(k) or 0)
-        for key in {tuple(c.get(k) for k in ("op", "group_size", "phase", "module", "location", "group_span"))
-                    for c in r.collectives}:
-            # how many of the m micro-steps issue this row (m: every one; 1: FSDP2's gathers
-            # in the first, its reductions in the last): the step-time prediction's schedule
-            rows[key]["micro_steps"] += w[kind]
-    rec.collectives = sorted(rows.values(), key=lambda c: -c["bytes"] - c["bytes_received"])
+    rec.collectives = _composed_collectives(traced, w)
     # the rank's own modules: the placeholders of what other ranks hold are not its rows
     rec.modules = [row for row in rec.modules if not (row.get("type") == "Identity" and not row.get("params"))]
     for row in rec.modules:
@@ -814,3 +782,55 @@ def _composed_record(traced, stage, m, dims):
         f"and the stage's buffers (PipelineStage's receive buffers for all m micro-batches, the last "
         f"stage's outputs held until the step ends): {fmt_bytes(sum(stage['stage_buffer_bytes'].values()))}")
     return rec
+
+
+def _sum_micro_steps(t: dict, traced, w) -> None:
+    """The ADDITIVE totals into ``t``: each traced micro-step's times its weight ``w[kind]``
+    (how many of the m micro-steps it stands for)."""
+    for key in ADDITIVE:
+        values = [r.totals.get(key) for r in traced.values()]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+            t[key] = sum(w[k] * r.totals[key] for k, r in traced.items())
+        elif all(isinstance(x, dict) for x in values):
+            t[key] = {sub: sum(w[k] * (r.totals[key].get(sub) or 0) for k, r in traced.items())
+                      for sub in values[-1]}
+
+
+def _compose_peak(rec, traced, stage, last) -> None:
+    """The stage's peak into ``rec``: its bytes, and its categories (which add up to it)."""
+    t = rec.totals
+    t["peak_bytes"] = stage["peak_bytes"]
+    # the peak's categories add up to it: the micro-step that peaked, the sharded parameters
+    # alive beside the gathered ones, the schedule's extra chunk-micro-batches as activations
+    src = traced.get(stage.get("peak_micro_step")) or last
+    breakdown = dict((src.memory or {}).get("peak_breakdown") or {})
+    if breakdown:
+        breakdown["parameters"] = breakdown.get("parameters", 0) + stage.get("peak_sharded_param_bytes", 0)
+        breakdown["activations"] = breakdown.get("activations", 0) + stage["extra_activation_bytes"]
+        # the stage's receive buffers and held outputs: not autograd's, the stage's own
+        breakdown["temporaries"] = breakdown.get("temporaries", 0) + sum(stage["stage_buffer_bytes"].values())
+        rec.memory["peak_breakdown"] = breakdown
+        rec.memory["peak_bytes"] = stage["peak_bytes"]
+        for key in ("peak_phase", "peak_module"):
+            t[key] = src.totals.get(key, t.get(key))
+
+
+_COLLECTIVE_KEY = ("op", "group_size", "phase", "module", "location", "group_span")
+
+
+def _composed_collectives(traced, w) -> list:
+    """The traced micro-steps' collectives, each times its weight, merged by (op, group, phase,
+    module, location, span); most bytes first."""
+    rows = {}
+    for kind, r in traced.items():
+        for c in r.collectives:
+            key = tuple(c.get(k) for k in _COLLECTIVE_KEY)
+            row = rows.setdefault(key, dict(c, count=0, bytes=0, bytes_received=0, algo_bytes=0, bus_bytes=0,
+                                            micro_steps=0))
+            for k in ("count", "bytes", "bytes_received", "algo_bytes", "bus_bytes"):
+                row[k] += w[kind] * (c.get(k) or 0)
+        for key in {tuple(c.get(k) for k in _COLLECTIVE_KEY) for c in r.collectives}:
+            # how many of the m micro-steps issue this row (m: every one; 1: FSDP2's gathers
+            # in the first, its reductions in the last): the step-time prediction's schedule
+            rows[key]["micro_steps"] += w[kind]
+    return sorted(rows.values(), key=lambda c: -c["bytes"] - c["bytes_received"])

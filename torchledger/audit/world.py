@@ -297,6 +297,14 @@ def simulated_ddp():
     except ImportError:             # pragma: no cover - a torch without distributed
         yield
         return
+    with _ready_order_buckets(dist, ddp_mod), _simulated_ddp_class(dist, ddp_mod):
+        yield
+
+
+@contextlib.contextmanager
+def _simulated_ddp_class(dist, ddp_mod):
+    """DDP's constructor and comm-hook registration routed to the simulated hook, and its
+    cross-rank shape check skipped; the originals put back on the way out."""
     DDP = ddp_mod.DistributedDataParallel
     saved = {"verify": ddp_mod.__dict__.get("_verify_param_shape_across_processes"),
              "__init__": DDP.__dict__["__init__"], "register_comm_hook": DDP.__dict__["register_comm_hook"],
@@ -322,6 +330,25 @@ def simulated_ddp():
     def _register_builtin_comm_hook(self, comm_hook_type):
         sim_of(self).target = "fp16" if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS else None
 
+    ddp_mod._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    DDP.__init__ = __init__
+    DDP.register_comm_hook = register_comm_hook
+    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
+    try:
+        yield
+    finally:
+        if saved["verify"] is not None:
+            ddp_mod._verify_param_shape_across_processes = saved["verify"]
+        else:                           # another torch without it: leave nothing of ours behind
+            ddp_mod.__dict__.pop("_verify_param_shape_across_processes", None)
+        for name in ("__init__", "register_comm_hook", "_register_builtin_comm_hook"):
+            setattr(DDP, name, saved[name])
+
+
+@contextlib.contextmanager
+def _ready_order_buckets(dist, ddp_mod):
+    """DDP's buckets cut as its rebuild after the first step cuts them (its caps, gradients in
+    ready order) from the start; the originals put back on the way out."""
     config = getattr(ddp_mod, "_BucketCapacityConfig", None)
     limits = config.__dict__.get("compute_bucket_size_limits") if config is not None else None
     if limits is not None:
@@ -344,19 +371,9 @@ def simulated_ddp():
             buckets = [[n - 1 - i for i in b] for b in buckets]
             return list(reversed(buckets)), list(reversed(caps))
         dist._compute_bucket_assignment_by_size = by_ready_order
-    ddp_mod._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    DDP.__init__ = __init__
-    DDP.register_comm_hook = register_comm_hook
-    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
     try:
         yield
     finally:
-        if saved["verify"] is not None:
-            ddp_mod._verify_param_shape_across_processes = saved["verify"]
-        else:                           # another torch without it: leave nothing of ours behind
-            ddp_mod.__dict__.pop("_verify_param_shape_across_processes", None)
-        for name in ("__init__", "register_comm_hook", "_register_builtin_comm_hook"):
-            setattr(DDP, name, saved[name])
         if limits is not None:
             config.compute_bucket_size_limits = limits
         if assign is not None:

@@ -709,11 +709,32 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     """Apply the layout's standard plan to ``model`` in place; returns (model, notes).
 
     ``blocks``: indices of the blocks this rank holds (a pipeline stage), None for all.
-    PlanError (one line) when the layout cannot apply to this model."""
+    PlanError (one line) when the layout cannot apply to this model. In torchtitan's order:
+    precision, TP, CP, EP, checkpointing, data parallelism."""
     import torch
     notes = []
     dec = find_decoder(model)
-    tp, cp = layout.size("tp"), layout.size("cp")
+    _check_plan_applies(model, dec, layout, seq_len)
+    mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
+    _apply_precision(model, layout, notes)
+    chosen = _block_fqns(dec, blocks) if dec is not None else []
+    tp_split = _apply_model_parallel(model, dec, chosen, mesh, layout, notes, pipelined)
+    dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
+    _apply_data_parallel(model, dec, chosen, mesh, layout, notes, pipelined=pipelined, mixed=mixed,
+                         tp_split=tp_split, dp_mesh=dp_mesh, kind=kind)
+    if mixed is not None:
+        if kind is None:
+            _autocast_forward(model, mixed)
+            notes.append(f"precision {layout.precision}: autocast around the forward (fp32 parameters)")
+        else:
+            notes.append(f"precision {layout.precision}: MixedPrecisionPolicy(param_dtype="
+                         f"{str(mixed).replace('torch.', '')}, reduce_dtype=float32)")
+    return model, notes
+
+
+def _check_plan_applies(model, dec, layout, seq_len) -> None:
+    """PlanError when the layout needs a decoder the standard plan does not recognise, or does
+    not divide this one."""
     if dec is None:
         needs = [n for n in ("tp", "cp", "pp", "ep") if layout.size(n) > 1]
         if needs or layout.checkpointing != "none":
@@ -726,7 +747,12 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     else:
         _check_moe(dec, layout, model)
         _check_divides(layout, dec, seq_len)
-    mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
+
+
+def _apply_precision(model, layout, notes: list) -> None:
+    """``bf16`` and Megatron-style 16-bit weights: the parameters cast in place (mixed
+    precision is applied with data parallelism or autocast, later)."""
+    import torch
     if layout.precision == "bf16":
         _to_dtype(model, torch.bfloat16)
         notes.append("precision bf16: parameters, gradients and optimizer state in bf16")
@@ -736,7 +762,12 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
                      f"master weights and optimizer state (Megatron's mixed precision)"
                      + ("; the blocks' GEMMs priced in fp8 (Transformer Engine), traced in bf16"
                         if layout.precision == "fp8" else ""))
-    chosen = _block_fqns(dec, blocks) if dec is not None else []
+
+
+def _apply_model_parallel(model, dec, chosen, mesh, layout, notes: list, pipelined: bool):
+    """TP, CP, EP and checkpointing on the ``chosen`` blocks; returns whether the experts were
+    split over tp (data parallelism then shards them differently)."""
+    tp, cp = layout.size("tp"), layout.size("cp")
     if dec is not None and tp > 1:
         _apply_tp(model, dec, mesh["tp"], chosen, notes)
     tp_split = tp > 1 and _split_experts_over_tp(dec, chosen, mesh, layout, notes)
@@ -759,7 +790,14 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     elif dec is not None:
         _no_cache_in_recompute(model, dec, layout.checkpointing, notes)
         _apply_checkpointing(chosen, layout.checkpointing, notes)
-    dp_mesh, kind = _dp_mesh(mesh, layout) if mesh is not None else (None, None)
+    return tp_split
+
+
+def _apply_data_parallel(model, dec, chosen, mesh, layout, notes: list, *, pipelined, mixed, tp_split,
+                         dp_mesh, kind) -> None:
+    """FSDP2 or HSDP per block and the root, DDP as FSDP2's ``replicate``, or (tp alone) the
+    experts split over tp sharded; ``kind`` and ``dp_mesh`` from :func:`_dp_mesh`."""
+    import torch
     if kind in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         kw = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}
@@ -787,11 +825,3 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
         replicate(model, **kw)
         notes.append(f"DDP over {dp_mesh.size()} ranks (FSDP2's replicate: gradients all-reduced)")
-    if mixed is not None:
-        if kind is None:
-            _autocast_forward(model, mixed)
-            notes.append(f"precision {layout.precision}: autocast around the forward (fp32 parameters)")
-        else:
-            notes.append(f"precision {layout.precision}: MixedPrecisionPolicy(param_dtype="
-                         f"{str(mixed).replace('torch.', '')}, reduce_dtype=float32)")
-    return model, notes

@@ -1,6 +1,7 @@
 """Turn a finished tracer's raw counters into a plain ``StepRecord`` (runs once, after the step)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from operator import itemgetter
 
 import numpy as np
@@ -12,7 +13,7 @@ from .flops_attention import score_recompute_flops
 from .memory import ACT, ALL_CATEGORIES, CATEGORIES, GRAD, UNSHARDED, state_tensors, tensor_bytes
 from .modules import NO_MODULE
 from .ranks import rank_totals
-from .segments import op_namer
+from .segments import op_namer, op_segments
 from .cuda_history import UNAVAILABLE
 from .shape import model_config
 
@@ -61,64 +62,109 @@ def step_seconds(seconds, warnings: list, clock=None):
 
 
 def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRecord:
-    mode, scope, storages = tracer.mode, tracer.scope, tracer.storages
+    """The record of the step ``tracer`` watched, section by section. The order of the calls
+    below is the order of the record's keys (the JSON and the golden reports depend on it)."""
+    mode, scope = tracer.mode, tracer.scope
     n_mod = len(scope.names)
     rec = StepRecord()
-    t = rec.totals
-
-    # -- FLOPs by phase and by module ----------------------------------------------------
-    flops = [0] * len(PHASES)
-    causal = [0] * len(PHASES)
-    attn_dense = attn_causal = rescored = 0
-    read = written = 0
-    mod_flops = np.zeros((n_mod + 1, len(PHASES)), dtype=np.int64)      # last row: no module
-    flop_at: dict = {}                  # (module row, phase) -> FLOPs, into mod_flops after the loop
     op_name = op_namer(mode.funcs)        # NB: str(OpOverload) formats its schema on every call
-    ops = []
+    flops = _add_flops(rec, mode, scope, op_name)
+    _add_params(rec.totals, tracer, model)
+    rec.uncounted_ops = _uncounted_ops(mode, scope)
+    copies = _add_copies(rec, mode, scope, n_mod)
+    act, recompute_saved = _add_activations(rec.totals, tracer, n_mod)
+    rec.optimizer = _optimizer_summary(tracer._optimizers, tracer._params)
+    rec.totals["optimizer_state_bytes"] = rec.optimizer.get("state_bytes", 0)
+    mod_peak = _add_live_memory(rec, tracer, recompute_saved, op_name)
+    rec.modules = _module_rows(scope, flops, act, copies, mod_peak)
+    _add_time_meta_warnings(rec, tracer, model, seconds, failed, flops.model)
+    _finish(rec, tracer, model)
+    return rec
+
+
+@dataclass
+class _Flops:
+    """What the FLOPs section hands to the module table."""
+    model: int                  #: forward + backward + optimizer, the model's FLOPs
+    by_module: np.ndarray       #: (modules + 1, phases); the last row: no module
+
+
+@dataclass
+class _OpTally:
+    """The op table and its sums over every (phase, module, op) row the mode aggregated."""
+    ops: list
+    by_module: np.ndarray
+    flops: list = field(default_factory=lambda: [0] * len(PHASES))
+    causal: list = field(default_factory=lambda: [0] * len(PHASES))
+    attn_dense: int = 0
+    attn_causal: int = 0
+    rescored: int = 0
+    read: int = 0
+    written: int = 0
+
+
+def _tally_ops(mode, scope, op_name) -> _OpTally:
+    """One row per (op, phase, module) with its FLOPs and bytes, and their sums by phase and by
+    module, sorted by FLOPs (most first), then by name."""
+    n_mod = len(scope.names)
+    tally = _OpTally(ops=[], by_module=np.zeros((n_mod + 1, len(PHASES)), dtype=np.int64))  # last row: no module
+    flop_at: dict = {}                  # (module row, phase) -> FLOPs, into by_module after the loop
     for (phase, mod, fid), (count, f, fc, r, w) in mode.agg_rows():
         func, kind = mode.funcs[fid], mode.kinds.get(fid)
-        flops[phase] += f
-        causal[phase] += fc
-        read += r
-        written += w
+        tally.flops[phase] += f
+        tally.causal[phase] += fc
+        tally.read += r
+        tally.written += w
         if kind == "attention":
             if phase != RECOMPUTE:
-                attn_dense += f
-                attn_causal += fc
+                tally.attn_dense += f
+                tally.attn_causal += fc
             if phase != FORWARD and phase != OTHER:   # fused backwards redo Q K^T: hardware only
-                rescored += score_recompute_flops(_kernel_name(func), f)
+                tally.rescored += score_recompute_flops(_kernel_name(func), f)
         at = (mod if mod >= 0 else n_mod, phase)
         flop_at[at] = flop_at.get(at, 0) + f
-        ops.append({"op": op_name(fid), "phase": PHASES[phase], "module": scope.name(mod),
-                    "kind": kind if kind is not None else "uncounted", "count": count, "flops": f,
-                    "flops_causal": fc, "bytes_read": r, "bytes_written": w})
+        tally.ops.append({"op": op_name(fid), "phase": PHASES[phase], "module": scope.name(mod),
+                          "kind": kind if kind is not None else "uncounted", "count": count, "flops": f,
+                          "flops_causal": fc, "bytes_read": r, "bytes_written": w})
     for (row, phase), f in flop_at.items():
-        mod_flops[row, phase] = f
-    ops.sort(key=itemgetter("op"))                  # by FLOPs, most first, then by name:
-    ops.sort(key=itemgetter("flops"), reverse=True)  # two stable sorts on C keys
+        tally.by_module[row, phase] = f
+    tally.ops.sort(key=itemgetter("op"))                  # by FLOPs, most first, then by name:
+    tally.ops.sort(key=itemgetter("flops"), reverse=True)  # two stable sorts on C keys
+    return tally
+
+
+def _add_flops(rec, mode, scope, op_name) -> _Flops:
+    """FLOPs and bytes by phase into ``rec.totals``, the op table into ``rec.ops`` (with its
+    matmul/attention shapes)."""
+    tally, t = _tally_ops(mode, scope, op_name), rec.totals
+    flops, causal = tally.flops, tally.causal
     model_flops = flops[FORWARD] + flops[BACKWARD] + flops[OPTIMIZER]
     t["flops"] = {"forward": flops[FORWARD], "backward": flops[BACKWARD],
                   "optimizer": flops[OPTIMIZER], "total": model_flops, "other": flops[OTHER]}
     t["flops_causal"] = causal[FORWARD] + causal[BACKWARD] + causal[OPTIMIZER]
     # score_recompute: Q K^T that the flash/efficient/cuDNN backward kernels redo (2.5 x forward
     # in all where the model count has 2 x); in hardware_flops, not in the model's total
-    t["attention_flops"] = {"dense": attn_dense, "causal": attn_causal, "score_recompute": rescored}
-    t["hardware_flops"] = model_flops + flops[RECOMPUTE] + rescored
+    t["attention_flops"] = {"dense": tally.attn_dense, "causal": tally.attn_causal,
+                            "score_recompute": tally.rescored}
+    t["hardware_flops"] = model_flops + flops[RECOMPUTE] + tally.rescored
     ew = mode.elementwise
     t["elementwise_flops"] = {"forward": ew[FORWARD], "backward": ew[BACKWARD], "recompute": ew[RECOMPUTE],
                               "optimizer": ew[OPTIMIZER], "other": ew[OTHER],
                               "total": ew[FORWARD] + ew[BACKWARD] + ew[OPTIMIZER]}
-    t["bytes_read"], t["bytes_written"] = read, written
+    t["bytes_read"], t["bytes_written"] = tally.read, tally.written
     t["view_ops"] = {PHASES[i]: n for i, n in enumerate(mode.views)}
-    rec.ops = ops
+    rec.ops = tally.ops
     try:                                # matmul/attention shapes, fusion chains (opshapes.py)
         from .opshapes import attach_shapes
-        attach_shapes(mode, scope, ops, op_name)
+        attach_shapes(mode, scope, rec.ops, op_name)
     except Exception as e:  # never cost the user the record
         rec.warnings.append(f"op shapes unavailable: {type(e).__name__}: {e}")
+    return _Flops(model=model_flops, by_module=tally.by_module)
 
-    # -- parameters -----------------------------------------------------------------------
-    params = tracer._params
+
+def _add_params(t: dict, tracer, model) -> None:
+    """Parameters, gradients, buffers and tokens into the totals ``t``."""
+    params, mode = tracer._params, tracer.mode
     t["params"] = sum(p.numel() for p in params)
     t["param_bytes"] = sum(_local_bytes(p) for p in params)         # this rank's shard of a DTensor
     t["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
@@ -135,7 +181,9 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
     t["tokens"] = tracer.tokens or 0
     t["tokens_source"] = tracer.tokens_source or (TOKENS_GIVEN if tracer.tokens else None)
 
-    # -- uncounted ops ----------------------------------------------------------------------
+
+def _uncounted_ops(mode, scope) -> list:
+    """Ops with no FLOP formula: count, phases, and the first five modules that ran them."""
     unc: dict = {}
     for (fid, phase, mod), count in mode.uncounted.items():
         func = mode.funcs[fid]
@@ -145,9 +193,12 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
             u["phases"].append(PHASES[phase])
         if len(u["modules"]) < 5 and scope.name(mod) not in u["modules"]:
             u["modules"].append(scope.name(mod))
-    rec.uncounted_ops = sorted(unc.values(), key=lambda u: (-u["count"], u["op"]))
+    return sorted(unc.values(), key=lambda u: (-u["count"], u["op"]))
 
-    # -- copies -----------------------------------------------------------------------------
+
+def _add_copies(rec, mode, scope, n_mod: int) -> tuple:
+    """Copy events into ``rec.copies`` (most bytes first) and ``totals.copy_bytes``; returns
+    the bytes and counts per module row (the last: no module)."""
     copy_bytes = np.zeros(n_mod + 1, dtype=np.int64)
     copy_count = np.zeros(n_mod + 1, dtype=np.int64)
     for (op, mod, phase, loc, reason), (count, nbytes, detail) in mode.copies.items():
@@ -156,9 +207,13 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         copy_bytes[mod if mod >= 0 else n_mod] += nbytes
         copy_count[mod if mod >= 0 else n_mod] += count
     rec.copies.sort(key=lambda c: -c["bytes"])
-    t["copy_bytes"] = int(copy_bytes.sum())
+    rec.totals["copy_bytes"] = int(copy_bytes.sum())
+    return copy_bytes, copy_count
 
-    # -- activations ------------------------------------------------------------------------
+
+def _add_activations(t: dict, tracer, n_mod: int) -> tuple:
+    """``activation_bytes`` (saved in forward) into the totals ``t``; returns them per module
+    row (the last: no module) and the bytes saved again by recomputation."""
     act = np.zeros(n_mod + 1, dtype=np.int64)
     recompute_saved = 0
     for nbytes, mod, phase in tracer._saved.values():
@@ -167,37 +222,61 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         else:
             recompute_saved += nbytes
     t["activation_bytes"] = int(act.sum())
+    return act, recompute_saved
 
-    # -- optimizer state ----------------------------------------------------------------------
-    rec.optimizer = _optimizer_summary(tracer._optimizers, params)
-    t["optimizer_state_bytes"] = rec.optimizer.get("state_bytes", 0)
 
-    # -- live memory -------------------------------------------------------------------------
-    n_ops = mode.n_ops
-    tl = storages.timeline(n_ops)                       # (categories, n_ops + 1)
+@dataclass
+class _Live:
+    """Live bytes per category after each op, and where they peaked."""
+    tl: np.ndarray              #: (categories, ops + 1)
+    cats: tuple                 #: the categories of tl's rows
+    live: np.ndarray            #: tl summed over categories
+    peak_idx: int
+    op_phase: np.ndarray        #: phase of each op (ops + 1)
+    op_mod: np.ndarray          #: module row of each op (ops + 1)
+
+
+def _live_timeline(tracer) -> _Live:
+    mode, n_ops = tracer.mode, tracer.mode.n_ops
+    tl = tracer.storages.timeline(n_ops)                # (categories, n_ops + 1)
     cats = ALL_CATEGORIES if tl[UNSHARDED].any() else CATEGORIES    # FSDP's gathered params: when present
     live = tl.sum(axis=0)
     peak_idx = int(live.argmax()) if live.size else 0
     op_phase = np.asarray(mode.op_phase + [FORWARD], dtype=np.int64)[: n_ops + 1]
     op_mod = np.asarray(mode.op_module + [NO_MODULE], dtype=np.int64)[: n_ops + 1]
-    t["peak_bytes"] = int(live[peak_idx]) if live.size else 0
+    return _Live(tl, cats, live, peak_idx, op_phase, op_mod)
+
+
+def _add_peak_totals(t: dict, lv: _Live, scope, n_ops: int) -> None:
+    """The peak, and where it fell, into the totals ``t``."""
+    t["peak_bytes"] = int(lv.live[lv.peak_idx]) if lv.live.size else 0
     # gradients: the most alive at once (zero_grad(set_to_none=True) frees them by the end)
     t["grad_bytes_end"] = t["grad_bytes"]
-    if live.size:
-        t["grad_bytes"] = max(t["grad_bytes"], int(tl[GRAD].max()))
+    if lv.live.size:
+        t["grad_bytes"] = max(t["grad_bytes"], int(lv.tl[GRAD].max()))
         # activation_bytes sums every storage saved during the step (all micro-batches); this
         # is the most alive at once, what gradient accumulation keeps down
-        t["activation_bytes_peak"] = int(tl[ACT].max())
-    if n_ops and peak_idx < n_ops:
-        t["peak_phase"] = PHASES[op_phase[peak_idx]]
-        t["peak_module"] = ("(optimizer)" if op_phase[peak_idx] == OPTIMIZER
-                            else "(outside the model)" if op_phase[peak_idx] == OTHER
-                            else scope.name(int(op_mod[peak_idx])))
+        t["activation_bytes_peak"] = int(lv.tl[ACT].max())
+    if n_ops and lv.peak_idx < n_ops:
+        phase = lv.op_phase[lv.peak_idx]
+        t["peak_phase"] = PHASES[phase]
+        t["peak_module"] = ("(optimizer)" if phase == OPTIMIZER
+                            else "(outside the model)" if phase == OTHER
+                            else scope.name(int(lv.op_mod[lv.peak_idx])))
+
+
+def _add_live_memory(rec, tracer, recompute_saved: int, op_name) -> np.ndarray:
+    """The peak into ``rec.totals``, the memory section into ``rec.memory``; returns each module
+    row's own peak (the last row: no module)."""
+    mode, scope, n_ops, n_mod = tracer.mode, tracer.scope, tracer.mode.n_ops, len(tracer.scope.names)
+    lv = _live_timeline(tracer)
+    tl, cats, live, peak_idx, op_phase = lv.tl, lv.cats, lv.live, lv.peak_idx, lv.op_phase
+    _add_peak_totals(rec.totals, lv, scope, n_ops)
     mod_peak = np.zeros(n_mod + 1, dtype=np.int64)
     if n_ops:
-        np.maximum.at(mod_peak, np.where(op_mod[:n_ops] >= 0, op_mod[:n_ops], n_mod), live[:n_ops])
+        np.maximum.at(mod_peak, np.where(lv.op_mod[:n_ops] >= 0, lv.op_mod[:n_ops], n_mod), live[:n_ops])
     rec.memory = {
-        "peak_bytes": t["peak_bytes"],
+        "peak_bytes": rec.totals["peak_bytes"],
         "peak_op_index": peak_idx,
         "peak_breakdown": {c: int(tl[i, peak_idx]) for i, c in enumerate(cats)} if live.size else {},
         "end_breakdown": {c: int(tl[i, -1]) for i, c in enumerate(cats)} if live.size else {},
@@ -210,17 +289,19 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         "note": "live bytes of storages the step allocates plus the model's parameters, buffers, "
                 "gradients and optimizer state; inputs made before the step count once saved",
     }
-
     try:
-        from .segments import op_segments
         rec.memory.update(op_segments(mode, scope, op_name))
     except Exception as e:  # never cost the user the record
         rec.warnings.append(f"op segments unavailable: {type(e).__name__}: {e}")
-
     if tracer._output_caches:
         rec.memory["output_cache"] = _output_cache(tracer, op_phase, peak_idx)
+    return mod_peak
 
-    # -- modules (inclusive of children, named_modules() order) --------------------------------
+
+def _module_rows(scope, flops: _Flops, act, copies: tuple, mod_peak) -> list:
+    """One row per module, inclusive of its children, in ``named_modules()`` order; then a
+    "(no module)" row when anything ran outside every module."""
+    n_mod, mod_flops, (copy_bytes, copy_count) = len(scope.names), flops.by_module, copies
     own = {
         "params": np.asarray(scope.own_params + [0], dtype=np.int64),
         "flops_forward": mod_flops[:, FORWARD].copy(), "flops_backward": mod_flops[:, BACKWARD].copy(),
@@ -235,8 +316,9 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
             for col in incl.values():
                 col[par] += col[i]
             peak_incl[par] = max(peak_incl[par], peak_incl[i])
-    total = max(model_flops, 1)
+    total = max(flops.model, 1)
     flops_self = (own["flops_forward"] + own["flops_backward"]).tolist()
+    rows = []
     for i, name in enumerate(scope.names):
         m = {"name": name, "type": scope.types[i], "depth": name.count(".") + 1 if name else 0,
              "calls": scope.calls[i]}
@@ -244,18 +326,23 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         m["flops_self"] = flops_self[i]
         m["flops_share"] = (m["flops_forward"] + m["flops_backward"]) / total
         m["peak_bytes"] = peak_incl[i]
-        rec.modules.append(m)
+        rows.append(m)
     outside = int(mod_flops[n_mod, FORWARD] + mod_flops[n_mod, BACKWARD])
     if outside or act[n_mod] or copy_bytes[n_mod]:
-        rec.modules.append({"name": "(no module)", "type": "", "depth": 0, "calls": 0, "params": 0,
-                            "flops_forward": int(mod_flops[n_mod, FORWARD]),
-                            "flops_backward": int(mod_flops[n_mod, BACKWARD]),
-                            "flops_recompute": int(mod_flops[n_mod, RECOMPUTE]),
-                            "activation_bytes": int(act[n_mod]), "copy_bytes": int(copy_bytes[n_mod]),
-                            "copies": int(copy_count[n_mod]), "flops_self": outside,
-                            "flops_share": outside / total, "peak_bytes": int(mod_peak[n_mod])})
+        rows.append({"name": "(no module)", "type": "", "depth": 0, "calls": 0, "params": 0,
+                     "flops_forward": int(mod_flops[n_mod, FORWARD]),
+                     "flops_backward": int(mod_flops[n_mod, BACKWARD]),
+                     "flops_recompute": int(mod_flops[n_mod, RECOMPUTE]),
+                     "activation_bytes": int(act[n_mod]), "copy_bytes": int(copy_bytes[n_mod]),
+                     "copies": int(copy_count[n_mod]), "flops_self": outside,
+                     "flops_share": outside / total, "peak_bytes": int(mod_peak[n_mod])})
+    return rows
 
-    # -- time, meta, warnings --------------------------------------------------------------------
+
+def _add_time_meta_warnings(rec, tracer, model, seconds, failed: bool, model_flops: int) -> None:
+    """Step time, rank and MFU into the totals; ``rec.meta``; ``rec.warnings`` (NB: replaced
+    here, from the tracer's own, so a warning appended to ``rec.warnings`` before is dropped)."""
+    mode, t = tracer.mode, rec.totals
     seconds = step_seconds(seconds, tracer._warnings, getattr(tracer, "clock", None))
     t["step_seconds"] = seconds
     t.update(rank_totals(getattr(tracer, "mesh", None), model))     # rank, world_size, mesh
@@ -269,17 +356,21 @@ def build_record(tracer, model, seconds: float, failed: bool = False) -> StepRec
         rec.meta["seq_len"] = tracer.seq_len
     elif (getattr(tracer, "seq_len_read", None) or (None,))[0]:   # read off the model's first call
         rec.meta["seq_len"], rec.meta["seq_len_source"] = tracer.seq_len_read
+
+
+def _finish(rec, tracer, model) -> None:
+    """Retention, the allocator and the collectives; then let go of the step's storages and
+    parameters."""
     from .retention import retention
     try:
         retention(tracer, model, rec)
     except Exception as e:  # never cost the user the record
         rec.warnings.append(f"retention analysis failed: {type(e).__name__}: {e}")
-    storages.release()
+    tracer.storages.release()
     rec.memory["allocator"] = _allocator(tracer)
     from .dist_record import add_collectives
-    add_collectives(rec, mode, scope)   # totals.comm_bytes (zeros in one process), collectives
+    add_collectives(rec, tracer.mode, tracer.scope)   # totals.comm_bytes (zeros in one process), collectives
     tracer._params = []          # the step is over: hold no parameter (entering again re-reads them)
-    return rec
 
 
 def _output_cache(tracer, op_phase, peak_idx: int) -> dict:

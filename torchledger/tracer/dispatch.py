@@ -304,6 +304,9 @@ class LedgerMode(TorchDispatchMode):
             self.errors.append(f"{func}: {type(e).__name__}: {e}")
 
     def _record(self, func, args, kwargs, out, node, phase, mod):
+        # NB: one long function on purpose (issue 34 splits the others): it runs once per traced
+        # op, and each helper it called would add a Python call to every op of every step
+        # (~30 ns a call with three arguments, timeit on CPython 3.11; six sections ~180 ns/op)
         idx = self.n_ops
         self.n_ops = idx + 1
         st = self.storages
