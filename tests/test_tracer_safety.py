@@ -382,3 +382,22 @@ def test_a_failing_compile_probe_is_a_warning_not_an_error(monkeypatch):
         model(torch.randn(2, 8)).sum().backward()
     assert "torch.compile/autocast probe: RuntimeError: dynamo changed" in t.record.warnings
     assert t.record.totals["flops"]["forward"] == 2 * 2 * 8 * 4          # 128: the step was traced
+
+
+def test_a_failed_shape_capture_is_said_in_the_record(monkeypatch):
+    """The record builder catches a failure of the op-shape capture and says so in the record's
+    warnings (it was appended, then the list was replaced by the tracer's own: lost)."""
+    import torch
+
+    import torchledger
+    from torchledger.tracer import opshapes
+
+    def broken(*a, **k):
+        raise RuntimeError("planted")
+    monkeypatch.setattr(opshapes, "attach_shapes", broken)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchledger.trace(model, optimizer=opt, tokens=2) as t:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    assert "op shapes unavailable: RuntimeError: planted" in t.record.warnings

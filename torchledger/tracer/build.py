@@ -340,8 +340,8 @@ def _module_rows(scope, flops: _Flops, act, copies: tuple, mod_peak) -> list:
 
 
 def _add_time_meta_warnings(rec, tracer, model, seconds, failed: bool, model_flops: int) -> None:
-    """Step time, rank and MFU into the totals; ``rec.meta``; ``rec.warnings`` (NB: replaced
-    here, from the tracer's own, so a warning appended to ``rec.warnings`` before is dropped)."""
+    """Step time, rank and MFU into the totals; ``rec.meta``; ``rec.warnings``: the tracer's
+    own, then the builder's so far (op shapes or segments unavailable)."""
     mode, t = tracer.mode, rec.totals
     seconds = step_seconds(seconds, tracer._warnings, getattr(tracer, "clock", None))
     t["step_seconds"] = seconds
@@ -349,7 +349,9 @@ def _add_time_meta_warnings(rec, tracer, model, seconds, failed: bool, model_flo
     if tracer.peak_flops and seconds:
         t["mfu"] = model_flops / seconds / float(tracer.peak_flops)
     rec.meta = _meta(tracer, model, mode, failed)
-    rec.warnings = list(tracer._warnings) + [f"op not recorded: {e}" for e in mode.errors]
+    # the builder's own warnings so far (op shapes or segments unavailable) stay after the tracer's
+    rec.warnings = (list(tracer._warnings) + [f"op not recorded: {e}" for e in mode.errors]
+                    + [w for w in rec.warnings if w not in tracer._warnings])
     if failed:
         rec.warnings.append("the step raised an exception: this record covers the ops before it")
     if tracer.seq_len:
