@@ -141,3 +141,65 @@ def test_fsdp_accumulated_gradients_are_gradients_under_pp(tmp_path):
     first = run.stage_records[0]
     # the first stage's: the embedding 512 x 64 and block 0: 83,072 x 4 = 332,288 B at least
     assert first.memory["peak_breakdown"]["gradients"] >= (512 * 64 + 50_176 + 128) * 4
+
+
+# -- item 9: --mesh dp_replicate=N alone is torchtitan's DDP ------------------------------------
+# torchtitan's apply_ddp (torchtitan/models/llama3/infra/parallelize.py) for dp_replicate alone:
+# ``replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)`` from torch.distributed._composable
+# .replicate, a DistributedDataParallel: gradients all-reduced in buckets cut in reverse
+# registration order; a bucket closes once its size reaches the cap (the tensor that crosses it
+# stays in). The 1 MiB first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES) is only DDP's default:
+# torch 2.13's _BucketCapacityConfig.create sets the first cap to bucket_cap_mb when one is given,
+# so under torchtitan every cap is 100 MiB = 104,857,600 B. Fake tensors: 64 MiB layers cost nothing.
+LINEARS = """
+    import torch, torchledger
+
+    def audit_spec():
+        model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096, bias=False) for _ in range(3)),
+                                    torch.nn.Linear(4096, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+        return torchledger.AuditSpec(model, torch.randn(2, 4096))
+"""
+BIG, MID, SMALL = 4096 * 4096 * 4, 4096 * 64 * 4, 64 * 64 * 4   # 67,108,864; 1,048,576; 16,384 B
+GRADS = 3 * BIG + MID + SMALL
+assert GRADS == 202_391_552
+
+
+def _all_reduces(rec):
+    return sorted((c["bytes"], c["group_size"], c["phase"]) for c in rec.collectives
+                  for _ in range(c["count"]) if c["op"] == "all_reduce")
+
+
+@pytest.fixture(scope="module")
+def linears(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("ddp"), LINEARS, "linears.py")
+
+
+def test_dp_replicate_alone_all_reduces_ddp_buckets(linears):
+    from torchledger.audit.engine import run_audit
+    rec = run_audit(linears, steps=1, mesh="dp_replicate=4").record
+    # cap 104,857,600, reverse order: layer 4 + 3 + 2 = 16,384 + 1,048,576 + 67,108,864 =
+    # 68,173,824 (under the cap) + layer 1 = 135,282,688 >= cap: bucket 1; layer 0: bucket 2
+    assert _all_reduces(rec) == sorted([(SMALL + MID + 2 * BIG, 4, "backward"), (BIG, 4, "backward")])
+    # every gradient once, nothing in forward (DDP's setup broadcast is not a step)
+    assert rec.totals["comm_bytes"]["backward"] == GRADS and rec.totals["comm_bytes"]["forward"] == 0
+    assert any("DistributedDataParallel" in n and "up to 100 MiB" in n for n in rec.meta["audit"]["plan"])
+
+
+def test_ddp_bucket_cap_follows_the_plan_constant(linears, monkeypatch):
+    from torchledger.audit.engine import run_audit
+    from torchledger.parallel import plan
+    # cap 64 MiB = 67,108,864 B: layer 4 + 3 + 2 = 68,173,824 >= cap: bucket 1; layer 1 reaches
+    # the cap alone: bucket 2; layer 0: bucket 3 (three all-reduces, 202,391,552 B in all)
+    monkeypatch.setattr(plan, "DDP_BUCKET_CAP_MB", 64)
+    rec = run_audit(linears, steps=1, mesh="dp_replicate=2").record
+    assert _all_reduces(rec) == sorted([(SMALL + MID + BIG, 2, "backward")] + [(BIG, 2, "backward")] * 2)
+    assert rec.totals["comm_bytes"]["backward"] == GRADS
+
+
+def test_ddp_mixed_precision_is_autocast_as_torchtitan(linears):
+    # torchtitan's maybe_enable_amp: no FSDP -> torch.autocast; the gradients of the fp32
+    # parameters stay fp32, so the buckets are the bytes of the first test
+    from torchledger.audit.engine import run_audit
+    rec = run_audit(linears, steps=1, mesh="dp_replicate=4", plan={"precision": "bf16-mixed"}).record
+    assert [b for b, _, _ in _all_reduces(rec)] == sorted([SMALL + MID + 2 * BIG, BIG])
+    assert any("autocast" in n for n in rec.meta["audit"]["plan"])

@@ -23,12 +23,15 @@ In torchtitan's order (``parallelize_llama``), per transformer block:
   recomputing the rest (torchtitan's op policy).
 - **Data parallel**: ``dp`` -> ``fully_shard`` per block and the root (over dp x cp
   flattened when cp > 1: CP ranks hold the same weights); ``dp_replicate`` with ``dp`` ->
-  HSDP (a 2-D mesh: replicate x shard); ``dp_replicate`` alone -> DDP as FSDP2's
-  ``replicate`` (gradients all-reduced; runs on fake tensors, unlike ``DistributedDataParallel``).
+  HSDP (a 2-D mesh: replicate x shard); ``dp_replicate`` alone -> DDP as torchtitan's
+  ``apply_ddp`` (``torch.distributed._composable.replicate``: a ``DistributedDataParallel``
+  with ``bucket_cap_mb=100``, its gradients all-reduced a bucket at a time; precision by
+  autocast, as torchtitan's ``maybe_enable_amp``); ``dp_replicate`` with tp, cp or pp (which
+  torchtitan's DDP refuses) -> FSDP2's ``replicate`` (gradients all-reduced).
   Pipelined: ``reshard_after_forward=False`` (parameters stay gathered across micro-batches).
 - **Precision**: ``bf16-mixed``/``fp16-mixed``: FSDP2's ``MixedPrecisionPolicy`` (parameters
   cast for compute, gradients reduced in fp32), or autocast around the forward without
-  data parallelism; ``bf16``: parameters stored in bf16.
+  data parallelism or under DDP; ``bf16``: parameters stored in bf16.
 
 Known limitations: the model is recognised by its structure (torchledger's ``Transformer``;
 a Hugging Face ``*ForCausalLM`` with ``model.layers[i].self_attn.{q,k,v,o}_proj`` and
@@ -54,7 +57,15 @@ from .hf_mla import (fused_attention, is_latent_attention, latent_tp_plan, sum_r
                      use_fused_latent_attention)
 from .layout import PARAMS_16
 
-__all__ = ["PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "make_optimizer"]
+__all__ = ["DDP_BUCKET_CAP_MB", "PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "make_optimizer"]
+
+#: DDP's ``bucket_cap_mb`` under ``dp_replicate`` alone: torchtitan's ``apply_ddp`` calls
+#: ``replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)`` (torchtitan/models/llama3/infra/
+#: parallelize.py). Given a cap, DDP caps its first bucket at it too (the 1 MiB first bucket,
+#: ``dist._DEFAULT_FIRST_BUCKET_BYTES``, is for the default cap only: torch 2.13's
+#: ``_BucketCapacityConfig.create``); the simulated world cuts the buckets as the installed torch does.
+DDP_BUCKET_CAP_MB = 100
+
 
 class PlanError(ValueError):
     """The standard plan cannot apply this layout to this model: one line for the user."""
@@ -643,7 +654,10 @@ def _dp_mesh(mesh, layout):
             warnings.simplefilter("ignore", UserWarning)
             return mesh[shard_name], "fsdp"
     if rep:
-        return mesh["dp_replicate"], "ddp"
+        # torchtitan's DDP (``apply_ddp``) is for dp_replicate alone (it refuses any other dim
+        # with it); with tp, cp or pp the gradients are all-reduced by FSDP2's replicate
+        alone = layout.world_size == layout.size("dp_replicate")
+        return mesh["dp_replicate"], "ddp" if alone else "replicate"
     return None, None
 
 
@@ -723,7 +737,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     _apply_data_parallel(model, dec, chosen, mesh, layout, notes, pipelined=pipelined, mixed=mixed,
                          tp_split=tp_split, dp_mesh=dp_mesh, kind=kind)
     if mixed is not None:
-        if kind is None:
+        if kind in (None, "ddp"):               # torchtitan's maybe_enable_amp: DDP runs under AMP
             _autocast_forward(model, mixed)
             notes.append(f"precision {layout.precision}: autocast around the forward (fp32 parameters)")
         else:
@@ -817,7 +831,16 @@ def _apply_data_parallel(model, dec, chosen, mesh, layout, notes: list, *, pipel
         from torch.distributed.fsdp import fully_shard
         for _, mlp in _sparse_blocks(dec, chosen):
             fully_shard(mlp.experts, mesh=_experts_mesh(mesh, layout, True)[0])
-    elif kind == "ddp":
+    elif kind == "ddp":                             # torchtitan's apply_ddp
+        from torch.distributed._composable.replicate import replicate
+        replicate(model, device_mesh=dp_mesh, bucket_cap_mb=DDP_BUCKET_CAP_MB)
+        # DDP is built now, not in the first forward: its construction broadcasts rank 0's
+        # parameters once a run (setup, as a DistributedDataParallel made in parallelize), not a step
+        replicate.state(model).lazy_init()
+        notes.append(f"DDP over {dp_mesh.size()} ranks (DistributedDataParallel, bucket_cap_mb="
+                     f"{DDP_BUCKET_CAP_MB:g} as torchtitan: gradients all-reduced in buckets of up to "
+                     f"{DDP_BUCKET_CAP_MB:g} MiB)")
+    elif kind == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
         kw = {"mesh": dp_mesh}
         if mixed is not None:
