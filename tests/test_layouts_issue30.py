@@ -203,3 +203,13 @@ def test_ddp_mixed_precision_is_autocast_as_torchtitan(linears):
     rec = run_audit(linears, steps=1, mesh="dp_replicate=4", plan={"precision": "bf16-mixed"}).record
     assert [b for b, _, _ in _all_reduces(rec)] == sorted([SMALL + MID + 2 * BIG, BIG])
     assert any("autocast" in n for n in rec.meta["audit"]["plan"])
+
+
+def test_dp_replicate_with_tp_keeps_fsdp2_replicate(tmp_path):
+    # torchtitan's parallelize_llama raises "DDP has not supported > 1D parallelism" when the
+    # world is more than dp_replicate; the audit keeps FSDP2's replicate there and says so
+    from torchledger.audit.engine import run_audit
+    rec = run_audit(write_model(tmp_path), steps=1, mesh="dp_replicate=2,tp=2").record
+    assert any("FSDP2's replicate" in n for n in rec.meta["audit"]["plan"])
+    assert not any("DistributedDataParallel" in n for n in rec.meta["audit"]["plan"])
+    assert {c["group_size"] for c in rec.collectives if c["op"] == "all_reduce"} >= {2}
