@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from typing import Optional
 
 from ..analyzers.compare import record_predictions
@@ -114,12 +115,9 @@ def _check_counts(steps, timing_steps) -> None:
                          f"{timing_steps!r}")
 
 
-class _Built:
+class _Built(types.SimpleNamespace):
     """What the model file's spec became on the audit's device: the model under its plan, the
     inputs (rank 0's part), the optimizer, and the tokens (D) and sequence length (T)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _build(fn, path, entry, device, world, layout) -> _Built:

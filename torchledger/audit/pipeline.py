@@ -76,10 +76,6 @@ from .world import WorldError, fake_world
 __all__ = ["run_pipeline_audit"]
 
 
-def _error(message):
-    return AuditError(message)
-
-
 def run_pipeline_audit(path: str, entry: str, world, layout):
     """Trace each distinct pipeline rank and compose the schedule; an ``AuditRun`` whose
     record is the bounding rank's."""
@@ -91,13 +87,13 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     try:
         sizes = chunk_sizes(n_blocks, p * v)
     except ValueError as e:
-        raise _error(f"--mesh {layout.text()} --virtual-stages {v}: {e} (the model has {n_blocks}); "
+        raise AuditError(f"--mesh {layout.text()} --virtual-stages {v}: {e} (the model has {n_blocks}); "
                      f"use fewer stages or virtual stages") from None
     m = _micro_batches(layout, layout.micro_batch_size or batch, p)
     schedule = layout.schedule_name
     problem = schedule_problem(p, v, m, schedule)
     if problem:
-        raise _error(f"--mesh {layout.text()} --schedule {schedule} at {m} micro-batches: {problem}")
+        raise AuditError(f"--mesh {layout.text()} --schedule {schedule} at {m} micro-batches: {problem}")
     last = p * v - 1
     groups = {}
     for r in range(p):
@@ -153,10 +149,10 @@ def _probe(fn, path, entry):
         with torch.device("meta"):
             spec = as_spec(fn())
     except Exception as e:
-        raise _error(f"{where(e, path)}: {entry}() {raised(e)}") from None
+        raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
     dec = find_decoder(spec.model)
     if dec is None:
-        raise _error(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
+        raise AuditError(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
                      f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2, "
                      f"Mixtral/Qwen2-MoE/Qwen3-MoE/GPT-OSS/DeepSeek-V2/V3), not "
                      f"{type(spec.model).__name__}; drop pp from --mesh")
@@ -171,7 +167,7 @@ def _micro_batches(layout, batch: int, p: int) -> int:
     if layout.global_batch is not None:
         per = layout.dp_degree * batch
         if layout.global_batch % per:
-            raise _error(f"--global-batch {layout.global_batch}: not a multiple of dp x the spec's batch "
+            raise AuditError(f"--global-batch {layout.global_batch}: not a multiple of dp x the spec's batch "
                          f"({layout.dp_degree} x {batch} = {per}); the spec's inputs are one micro-batch")
         return layout.global_batch // per
     return p
@@ -202,11 +198,11 @@ def _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype=None):
         run = _forked if RANK_PROCESS["start"] == "fork" else _spawned
         code, tail = run(args, out)
         if not os.path.exists(out):
-            raise _error(f"{path}: tracing pipeline rank {r} failed (exit {code}): {tail}")
+            raise AuditError(f"{path}: tracing pipeline rank {r} failed (exit {code}): {tail}")
         with open(out, encoding="utf-8") as f:
             data = json.load(f)
     if "error" in data:
-        raise _error(data["error"])
+        raise AuditError(data["error"])
     traced = {k: StepRecord.from_dict(v) for k, v in data["records"].items()}
     for rec in traced.values():         # the p2p torchledger's stage runner issues: no user line
         for c in rec.collectives:
@@ -294,7 +290,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             with fake_safe_init("fake"):
                 spec = as_spec(fn())
         except Exception as e:
-            raise _error(f"{where(e, path)}: {entry}() {raised(e)}") from None
+            raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
         model = spec.model
         dec = find_decoder(model)
         inputs = batch_part(spec.inputs, spec, layout)        # --micro-batch-size
@@ -325,7 +321,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
                 with ledger.step(tokens=tokens.tokens, seq_len=tokens.seq_len, tokens_source=tokens.source):
                     runner.micro_step(optimizer=opt if kind in ("only", "last") else None)
             except Exception as e:
-                raise _error(f"{where(e, path)}: pipeline rank {r}'s micro-step raised "
+                raise AuditError(f"{where(e, path)}: pipeline rank {r}'s micro-step raised "
                              f"{type(e).__name__}: {_msg(e)}") from None
             traced[kind] = ledger.records[-1]
             # the world this rank sits in (the tracer sees the mesh FSDP2 was given)

@@ -42,7 +42,6 @@ kernel the part would run, not the one traced.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -790,10 +789,6 @@ def attach_step_time(rec, gpu, options=None) -> dict:
         pred["predicted_over_measured"] = pred["seconds"] / measured
     rec.predictions["step_time"] = pred
     return pred
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def predict_into(rec, gpu, options=None, stages=None) -> None:
