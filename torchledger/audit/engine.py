@@ -22,7 +22,8 @@ from ..record import TOKENS_FROM_SPEC
 from ..record.tokens import infer_tokens, tokens_warning
 from ..render.sarif import spec_location
 from .errors import USER_ERRORS, device_hint, raised, step_error, where
-from .layouts import accumulated, batch_part, cp_part, parallelize, resolve, resolve_layout, standard_plan
+from .layouts import (accumulated, batch_part, cp_part, keep_blocks, parallelize, resolve, resolve_layout,
+                      standard_plan)
 from .loading import (DEVICES, AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs,  # noqa: F401
                       stdout_to_stderr, to_device)
 from .spec import AuditError, as_spec, call_model, pick_loss
@@ -34,7 +35,7 @@ __all__ = ["AuditRun", "load_entry", "run_audit", "DEVICES", "stdout_to_stderr"]
 
 def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps: int = 3,
               peak_flops=None, timing_steps: Optional[int] = None, torch_logs: bool = False,
-              world_size: Optional[int] = None, mesh=None, plan: Optional[dict] = None) -> AuditRun:
+              world_size: Optional[int] = None, mesh=None, plan: Optional[dict] = None, schedules=None):
     """Load, build, run and trace ``steps`` training steps; returns an ``AuditRun``.
 
     torch's own error logs of a failing fake kernel are silenced meanwhile (the failure comes
@@ -47,15 +48,20 @@ def run_audit(path: str, entry: str = "audit_spec", device: str = "fake", steps:
     ``world_size`` and/or ``mesh`` (``"8x8"`` or a tuple) simulate that many ranks
     (:mod:`torchledger.audit.world`): the step runs as rank 0 under a fake process group, after
     ``AuditSpec.parallelize(model, mesh)``; the process group is gone when this returns.
+
+    ``schedules`` (a pipeline mesh only): compose each of these schedules from the one trace of
+    the stages (the schedule changes only the composition); returns {schedule: AuditRun}.
     """
     with quiet_torch_logs(not torch_logs), _same_cwd():
         world = resolve(world_size, mesh, device)
         layout = resolve_layout(world, mesh, plan)
+        if schedules is not None and (layout is None or not layout.pipelined):
+            raise AuditError("schedules: several schedules from one trace need a mesh with pp")
         if world is None:
             return _run_audit(path, entry, device, steps, peak_flops, timing_steps, layout=layout)
         try:
             if layout.pipelined:
-                return run_pipeline_audit(path, entry, world, layout)
+                return run_pipeline_audit(path, entry, world, layout, schedules)
             with fake_world(*world, names=layout.names) as device_mesh:
                 return _run_audit(path, entry, device, steps, peak_flops, timing_steps,
                                   world=(world, device_mesh), layout=layout)
@@ -136,6 +142,7 @@ def _build(fn, path, entry, device, world, layout) -> _Built:
     except TypeError as e:
         raise AuditError(f"{path}: {entry}() must return a torchledger.AuditSpec; {e}") from None
     model = spec.model
+    keep_blocks(model, layout, path)
     if device in ("meta", "cuda"):
         model = model.to(device)
     inputs = batch_part(to_device(spec.inputs, device), spec, layout)     # --micro-batch-size

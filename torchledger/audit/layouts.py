@@ -11,10 +11,11 @@ from ..record.tokens import infer_tokens
 from .errors import USER_ERRORS, raised, where
 from .spec import AuditError
 from ..parallel.layout import parse_layout
-from ..parallel.plan import PlanError, apply_standard_plan, cp_inputs
+from ..parallel.plan import PlanError, apply_standard_plan, cp_inputs, find_decoder
 from .world import WorldError, resolve_world
 
-__all__ = ["resolve_layout", "resolve", "standard_plan", "parallelize", "accumulated", "cp_part", "batch_part"]
+__all__ = ["resolve_layout", "resolve", "standard_plan", "parallelize", "accumulated", "cp_part", "batch_part",
+           "keep_blocks"]
 
 
 def resolve_layout(world, mesh, plan):
@@ -135,3 +136,20 @@ def batch_part(inputs, spec, layout):
             return type(x)(resize(v) for v in x)
         return x
     return resize(inputs)
+
+
+def keep_blocks(model, layout, path: str) -> None:
+    """``Layout.blocks`` = N: the decoder's blocks past the first N dropped from its ModuleList
+    (the forward runs the rest as it runs a shallower model of the same config). Nothing
+    without the option. ``torchledger plan`` traces a layout twice this way, at two depths,
+    and prices the model's own depth per block (``plan.evaluate``)."""
+    n = None if layout is None else layout.blocks
+    if n is None:
+        return
+    dec = find_decoder(model)
+    if dec is None:
+        raise AuditError(f"{path}: keeping the first {n} blocks needs a decoder the standard plan recognises, "
+                         f"not {type(model).__name__}")
+    if n > len(dec.blocks):
+        raise AuditError(f"{path}: keeping the first {n} blocks of a decoder of {len(dec.blocks)}")
+    del dec.blocks[n:]

@@ -69,44 +69,66 @@ from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
 from ..record import StepRecord
 from ..record.tokens import infer_tokens
 from ..render.sarif import spec_location
-from .layouts import batch_part, standard_plan
+from .layouts import batch_part, keep_blocks, standard_plan
 from .loading import AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs, stdout_to_stderr
 from .world import WorldError, fake_world
 
 __all__ = ["run_pipeline_audit"]
 
 
-def run_pipeline_audit(path: str, entry: str, world, layout):
+def run_pipeline_audit(path: str, entry: str, world, layout, schedules=None):
     """Trace each distinct pipeline rank and compose the schedule; an ``AuditRun`` whose
-    record is the bounding rank's."""
-    n, shape = world
+    record is the bounding rank's. ``schedules``: compose each of these (same virtual stages)
+    from the one trace instead, {schedule: AuditRun} (a rank's micro-steps do not depend on
+    the schedule: only which of them are in flight together does)."""
     p, v = layout.size("pp"), layout.virtual_stages
     t0 = time.perf_counter()
     fn = load_entry(path, entry)
-    n_blocks, batch = _probe(fn, path, entry)
+    n_blocks, batch = _probe(fn, path, entry, layout)
     try:
         sizes = chunk_sizes(n_blocks, p * v)
     except ValueError as e:
         raise AuditError(f"--mesh {layout.text()} --virtual-stages {v}: {e} (the model has {n_blocks}); "
                      f"use fewer stages or virtual stages") from None
     m = _micro_batches(layout, layout.micro_batch_size or batch, p)
-    schedule = layout.schedule_name
-    problem = schedule_problem(p, v, m, schedule)
-    if problem:
-        raise AuditError(f"--mesh {layout.text()} --schedule {schedule} at {m} micro-batches: {problem}")
+    names = tuple(schedules) if schedules is not None else (layout.schedule_name,)
+    for schedule in names:
+        problem = schedule_problem(p, v, m, schedule)
+        if problem:
+            raise AuditError(f"--mesh {layout.text()} --schedule {schedule} at {m} micro-batches: {problem}")
+    groups = _trace_groups(path, entry, world, layout, sizes, m)
+    runs = {s: _assemble(path, entry, world, layout.replace(schedule=s), groups, m, t0) for s in names}
+    return runs if schedules is not None else runs[names[0]]
+
+
+def _trace_groups(path, entry, world, layout, sizes, m) -> list:
+    """[(ranks alike, traced micro-steps, plan notes, meta)]: one traced rank for each group of
+    ranks whose chunks have the same shape."""
+    p, v = layout.size("pp"), layout.virtual_stages
     last = p * v - 1
     groups = {}
     for r in range(p):
         chunks = rank_chunks(p, v, r)
         shape_key = (0 in chunks, last in chunks, tuple(sizes[c] for c in chunks))
         groups.setdefault(shape_key, []).append(r)
-    stages, records = [], {}
-    per_rank = n // p
+    out = []
     act_dtype = None            # what stage 0 sends: rank 0 (the first group) is traced first
-    for key, alike in groups.items():
-        r = alike[0]
-        traced, notes, meta = _trace_in_child(path, entry, world, layout, r, sizes, m, act_dtype)
+    for alike in groups.values():
+        traced, notes, meta = _trace_in_child(path, entry, world, layout, alike[0], sizes, m, act_dtype)
         act_dtype = act_dtype or meta.get("activation_dtype")
+        out.append((alike, traced, notes, meta))
+    return out
+
+
+def _assemble(path, entry, world, layout, groups, m, t0):
+    """The ``AuditRun`` of ``layout``'s schedule composed from the traced ranks."""
+    import os
+    n, shape = world
+    p, v = layout.size("pp"), layout.virtual_stages
+    schedule = layout.schedule_name
+    stages, records = [], {}
+    for alike, traced, notes, meta in groups:
+        r = alike[0]
         stage = _compose(traced, layout, r, m, schedule, meta)
         stage["ranks_alike"] = alike
         stages.append(stage)
@@ -124,8 +146,8 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
         composed[r] = _composed_record(traced_r, stage_r, m, dict(layout.dims))
         composed[r].totals.update(pipeline=pipeline, parallel_dims=dict(layout.dims))
     rec = composed[bound["rank"]]
-    traced, stage, notes, meta = records[bound["rank"]]
-    import os
+    meta = records[bound["rank"]][3]
+    per_rank = n // p
     for r, stage_rec in composed.items():       # each stage's record says what ran (its pricing reads it)
         stage_rec.meta["audit"] = {
             "file": os.path.relpath(path), "entry": entry, "device": "fake", "steps": 1,
@@ -142,7 +164,7 @@ def run_pipeline_audit(path: str, entry: str, world, layout):
     return run
 
 
-def _probe(fn, path, entry):
+def _probe(fn, path, entry, layout):
     """(blocks, batch) of the spec's model, built on the meta device (no world, no memory)."""
     import torch
     try:
@@ -150,6 +172,8 @@ def _probe(fn, path, entry):
             spec = as_spec(fn())
     except Exception as e:
         raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
+    if find_decoder(spec.model) is not None:
+        keep_blocks(spec.model, layout, path)
     dec = find_decoder(spec.model)
     if dec is None:
         raise AuditError(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
@@ -292,6 +316,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
         except Exception as e:
             raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
         model = spec.model
+        keep_blocks(model, layout, path)
         dec = find_decoder(model)
         inputs = batch_part(spec.inputs, spec, layout)        # --micro-batch-size
         seq = infer_tokens(inputs)
@@ -699,7 +724,7 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
     # as the micro-batch's activations, though autograd does not save it
     sent = {int(c): n for c, n in meta["grad_recv_bytes"].items()}
     held = {c: n + sent.get(c, 0) for c, n in per_chunk.items()}
-    best = None
+    best, by_kind = None, {}
     for kind, rec in traced.items():
         peak, extra_params = rec.totals["peak_bytes"], 0
         if (rec.totals.get("param_bytes") or 0) > sharded:
@@ -715,10 +740,12 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
                    "outputs_held": max(0, runs.get(last_chunk, 0) - 1) * out +
                    sum(live.get(c, 0) * n for c, n in sent.items())}
         total = peak + extra_params + max(0, extra_act) + sum(buffers.values())
+        by_kind[kind] = total
         if best is None or total > best[0]:
             best = (total, kind, extra_params, max(0, extra_act), buffers, live, peak + extra_params)
     total, kind, extra_params, extra_act, buffers, live, traced_peak = best
     return {"traced_peak_bytes": traced_peak, "peak_bytes": total, "peak_micro_step": kind,
+            "peak_by_micro_step": by_kind,
             "chunk_micro_batch_bytes": {str(c): n for c, n in per_chunk.items()},
             "live_at_peak": {str(c): n for c, n in live.items()}, "extra_activation_bytes": extra_act,
             "stage_buffer_bytes": buffers, "micro_steps_traced": list(traced),

@@ -115,6 +115,9 @@ class Layout:
     """eager, compiled or te (:data:`KERNELS`): how the step's kernels are priced."""
     named: bool = True
     """False for the unnamed ``8x8`` form."""
+    blocks: Optional[int] = None
+    """Keep only the decoder's first N blocks (``torchledger plan`` prices a layout from two
+    such short traces, per block; ``audit/layouts.keep_blocks``); None: every block."""
 
     def __post_init__(self):
         for key in ("virtual_stages",):
@@ -122,7 +125,7 @@ class Layout:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise _error(f"--virtual-stages: expected a whole number >= 1, got {v!r}")
         for key, flag in (("micro_batches", "--micro-batches"), ("global_batch", "--global-batch"),
-                          ("micro_batch_size", "--micro-batch-size")):
+                          ("micro_batch_size", "--micro-batch-size"), ("blocks", "blocks")):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise _error(f"{flag}: expected a whole number >= 1, got {v!r}")

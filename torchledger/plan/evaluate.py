@@ -1,7 +1,21 @@
 """Pricing the candidates of ``torchledger plan``: each is the audit its ``audit_args`` stand
 for, run in this process (``audit.engine.run_audit`` at the candidate's world, mesh and plan
-options, then ``steptime.predict.predict_into`` as ``audit --gpu`` calls it), so a plan's
-figures are the audit's by construction.
+options, then ``steptime.predict.predict_into`` as ``audit --gpu`` calls it), with two
+savings that keep the figures the audit's (tests/test_plan.py checks rows against ``audit``):
+
+- *One trace, every schedule*: the candidates that differ only in their pipeline schedule
+  (1F1B, GPipe, zero-bubble at the same virtual stages) are one trace of the stages, each
+  schedule composed from it (``run_audit(schedules=...)``): a rank's micro-steps do not depend
+  on the schedule, only which of them are in flight together.
+- *Per block*: a model whose blocks are alike (from the second on: same modules, parameter
+  shapes and attention kind) is traced at two depths, 3 and 4 blocks a pipeline chunk
+  (``Layout.blocks``), and each figure taken at its own depth K by the line through the two:
+  f(K) = f(3) + (K - 3) x (f(4) - f(3)). Every figure is a sum over blocks plus what the
+  ends add (the embedding, the head, the first gather, the last reduction), and the blocks
+  past the first trace alike, so the line is exact once the ends are
+  past (:data:`DEPTHS`; benchmarks/plan_speed.py --check measures it against whole audits).
+  The peak is taken per pipeline stage, then the largest, so a bound that moves from the
+  head's stage to the first with depth is followed. Shallow chunks are traced whole.
 
 A *chain* is the candidates of one mesh, policy and schedule in rising micro-batch size. The
 peak only grows with the micro-batch (the activations do, nothing else changes), so once one
@@ -21,7 +35,8 @@ from ..parallel.plan import find_decoder
 from ..record.tokens import infer_tokens
 from ..steptime.predict import predict_into
 
-__all__ = ["probe", "audit_args", "price", "run_chain", "warm", "STEPS"]
+__all__ = ["probe", "audit_args", "price", "price_group", "run_chain", "warm", "depths", "extrapolate",
+           "block_signature", "STEPS", "DEPTHS"]
 
 #: Steps each candidate's audit traces: the second is steady, and its figures are the third's
 #: that ``audit`` reports by default (tests/test_plan.py). NB: one step with the steady
@@ -29,6 +44,16 @@ __all__ = ["probe", "audit_args", "price", "run_chain", "warm", "STEPS"]
 #: llama-tiny at dp=2,tp=2 with full checkpointing it is 844,120 B against the third step's
 #: 857,560 (1.6%), past the plan's 1%.
 STEPS = 2
+#: The two depths (blocks a pipeline chunk) a layout is traced at when its blocks are alike.
+#: Not shallower: the peak settles at the second-last block's backward (FSDP2 keeps the last
+#: block and the root gathered, prefetches one ahead) only from 3 blocks on; llama-tiny at
+#: dp=2, B=2: 1,865,176 / 2,391,804 / 2,850,848 / 3,309,892 B at 2 / 3 / 4 / 5 blocks, the
+#: peak at blocks.0 / blocks.1.mlp / blocks.2.mlp / blocks.3.mlp (the step time is on one line
+#: from 1 block on).
+DEPTHS = (3, 4)
+#: Chunks shallower than this are traced whole: the two short traces (7 blocks, two builds)
+#: would cost about as much.
+MIN_REDUCED = 12
 
 
 def warm() -> None:
@@ -65,9 +90,42 @@ def probe(path: str, entry: str = "audit_spec") -> ModelFacts:
     if not (count.tokens and count.seq_len):
         raise AuditError(f"{path}: the spec's inputs have no [batch, sequence] token ids; plan needs them to "
                          f"size the micro-batches")
+    signatures = [block_signature(b) for b in dec.blocks]
+    alike_from = len(signatures) - 1
+    while alike_from > 0 and signatures[alike_from - 1] == signatures[-1]:
+        alike_from -= 1
     return ModelFacts(blocks=len(dec.blocks), n_heads=dec.n_heads, n_kv_heads=dec.n_kv_heads, d_ff=dec.d_ff,
                       seq_len=count.seq_len, experts=dec.experts, sequence_parallel=dec.sequence_parallel,
-                      batch=count.tokens // count.seq_len)
+                      batch=count.tokens // count.seq_len, alike_from=alike_from)
+
+
+#: Module attributes that make two blocks of the same shapes run differently (Hugging Face's
+#: per-layer attention kinds: Gemma-2/3, Qwen2, GPT-OSS, Mistral's sliding windows).
+KIND_ATTRS = ("attention_type", "layer_type", "is_sliding", "sliding_window", "use_sliding_window")
+
+
+def block_signature(block) -> tuple:
+    """What makes a block trace as it does: its modules' names and classes, its parameters'
+    names, shapes and dtypes, and the attention kind its modules say they are."""
+    mods = []
+    for name, mod in block.named_modules():
+        kinds = tuple((a, getattr(mod, a)) for a in KIND_ATTRS
+                      if isinstance(getattr(mod, a, None), (int, str, bool, type(None))) and hasattr(mod, a))
+        mods.append((name, type(mod).__name__, kinds))
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters())
+    return tuple(mods), params
+
+
+def depths(facts: ModelFacts, c: Candidate) -> Optional[tuple]:
+    """(k1, k2, K): the two depths to trace and the chunk's own (blocks a pipeline chunk), or
+    None to trace the model whole (chunks under :data:`MIN_REDUCED` blocks, blocks not alike
+    past the first)."""
+    chunks = c.size("pp") * c.virtual_stages
+    K = facts.blocks // chunks
+    k1, k2 = DEPTHS
+    if K < MIN_REDUCED or facts.alike_from > 1:
+        return None
+    return k1, k2, K
 
 
 def audit_args(c: Candidate, global_batch: int) -> list:
@@ -81,18 +139,74 @@ def audit_args(c: Candidate, global_batch: int) -> list:
     return args
 
 
-def price(path: str, entry: str, gpu: str, gpus: int, c: Candidate) -> dict:
-    """The candidate's figures from its audit (see the module docstring). AuditError as the
-    audit raises it."""
+def price(path: str, entry: str, gpu: str, gpus: int, c: Candidate, depth: Optional[tuple] = None) -> dict:
+    """The candidate's figures (see the module docstring). AuditError as the audit raises it."""
+    return price_group(path, entry, gpu, gpus, [c], depth)[0]
+
+
+def price_group(path: str, entry: str, gpu: str, gpus: int, group: list, depth: Optional[tuple] = None) -> list:
+    """The figures of each candidate of ``group`` (one layout, micro-batch and policy; its
+    pipeline schedules, if any), in order: from one trace of the whole model (``depth`` None)
+    or from two short ones (``depth`` = (k1, k2, K) of :func:`depths`), by :func:`extrapolate`."""
+    if depth is None:
+        return _priced_at(path, entry, gpu, gpus, group, None)
+    k1, k2, K = depth
+    chunks = group[0].size("pp") * group[0].virtual_stages
+    low = _priced_at(path, entry, gpu, gpus, group, k1 * chunks)
+    high = _priced_at(path, entry, gpu, gpus, group, k2 * chunks)
+    return [extrapolate(a, b, k1, k2, K) for a, b in zip(low, high)]
+
+
+def _priced_at(path, entry, gpu, gpus, group, blocks) -> list:
+    """``group``'s figures from one audit of its layout with ``blocks`` blocks kept (None: all)."""
     from ..audit.engine import run_audit
+    c = group[0]
     plan = {"micro_batch_size": c.micro_batch_size, "global_batch": c.global_batch,
             "checkpointing": c.checkpointing, "precision": c.precision, "kernels": c.kernels,
-            "schedule": c.schedule, "virtual_stages": c.virtual_stages if c.virtual_stages > 1 else None}
-    run = run_audit(path, entry=entry, device="fake", steps=STEPS, world_size=gpus, mesh=c.mesh, plan=plan)
-    rec = run.record
-    predict_into(rec, gpu, {"compiled": c.kernels == "compiled" or None},
-                 stages=getattr(run, "stage_records", None))
-    return figures(rec)
+            "schedule": c.schedule, "virtual_stages": c.virtual_stages if c.virtual_stages > 1 else None,
+            "blocks": blocks}
+    schedules = [x.schedule for x in group] if c.schedule is not None else None
+    out = run_audit(path, entry=entry, device="fake", steps=STEPS, world_size=gpus, mesh=c.mesh, plan=plan,
+                    schedules=schedules)
+    figs = []
+    for run in ([out[s] for s in schedules] if schedules else [out]):
+        predict_into(run.record, gpu, {"compiled": c.kernels == "compiled" or None},
+                     stages=getattr(run, "stage_records", None))
+        figs.append(figures(run.record))
+    return figs
+
+
+#: Figures that are a sum over the blocks plus the ends' share: on the line through two depths.
+LINEAR = ("step_seconds", "comm_exposed_seconds", "bubble_seconds", "recompute_seconds", "compute_seconds",
+          "launch_seconds")
+
+
+def extrapolate(a: dict, b: dict, k1: int, k2: int, K: int) -> dict:
+    """The figures at K blocks a chunk from those at k1 (``a``) and k2 (``b``): each on the line
+    through the two (times never below 0); tokens/s from the step time (the tokens do not
+    change with depth), MFU from its numerator (model FLOPs, on the line); the peak per
+    pipeline stage and micro-step on its line, the largest the bound (a largest of lines, so
+    a peak that moves to another micro-step or stage with depth is followed)."""
+    def line(x1, x2):
+        return x1 + (K - k1) * (x2 - x1) / (k2 - k1)
+
+    out = dict(b)
+    for key in LINEAR:
+        out[key] = max(0.0, line(a[key], b[key]))
+    step = out["step_seconds"]
+    out["tokens_per_s_per_gpu"] = b["tokens_per_s_per_gpu"] * b["step_seconds"] / step
+    out["mfu"] = line(a["mfu"] * a["step_seconds"], b["mfu"] * b["step_seconds"]) / step
+    stages = {r: int(round(max(line(a["stage_peak_by_micro_step"][r][k], v)
+                               for k, v in b["stage_peak_by_micro_step"][r].items())))
+              for r in b["stage_peak_by_micro_step"]}
+    if stages:
+        out["stage_peak_bytes"] = stages
+        out["peak_rank"] = max(stages, key=lambda r: (stages[r], -r))
+        out["peak_bytes"] = stages[out["peak_rank"]]
+    else:
+        out["peak_bytes"] = int(round(line(a["peak_bytes"], b["peak_bytes"])))
+    out["blocks_traced"] = [k1, k2]
+    return out
 
 
 def figures(rec) -> dict:
@@ -103,38 +217,51 @@ def figures(rec) -> dict:
         raise AuditError(f"the step time could not be predicted: {why}")
     pipe = rec.totals.get("pipeline") if isinstance(rec.totals.get("pipeline"), dict) else {}
     stages = {s["rank"]: s["peak_bytes"] for s in pipe.get("per_stage") or ()}
+    # each stage's peak is the largest of its micro-steps' (first, steady, last): each on its
+    # own line with depth (extrapolate)
+    by_step = {s["rank"]: dict(s.get("peak_by_micro_step") or {"only": s["peak_bytes"]})
+               for s in pipe.get("per_stage") or ()}
     by_phase, by_kind = pred.get("by_phase") or {}, pred.get("by_kind") or {}
     return {
         "step_seconds": pred["seconds"], "tokens_per_s_per_gpu": pred["tokens_per_s_per_gpu"],
         "mfu": pred["mfu"], "peak_bytes": int(rec.totals.get("peak_bytes") or 0),
         "peak_rank": int(pipe.get("bounding_rank", 0)) if pipe else 0,
-        "stage_peak_bytes": stages,
+        "stage_peak_bytes": stages, "stage_peak_by_micro_step": by_step,
         "comm_exposed_seconds": pred.get("comm_exposed_seconds") or 0.0,
         "bubble_seconds": pred.get("bubble_seconds") or 0.0,
         "recompute_seconds": by_phase.get("recompute") or 0.0,
         "compute_seconds": sum(by_kind.get(k) or 0.0 for k in ("matmul", "attention", "memory_bound")),
         "launch_seconds": by_kind.get("launch") or 0.0,
         "bound": pred.get("bound"),
+        "blocks_traced": None,
     }
 
 
 def run_chain(path: str, entry: str, gpu: str, gpus: int, chain: list, limit_bytes: float) -> list:
-    """Price a chain (see the module docstring): a dict per candidate with ``figures`` (None
-    when not priced), ``error`` (the audit's one line, or None) and ``traced``; past the first
-    that does not fit, the rest are not traced (``skipped``: the smaller micro-batch's peak)."""
-    out, over = [], None
-    for c in chain:
-        row = {"candidate": c, "figures": None, "error": None, "traced": False, "skipped": None}
-        out.append(row)
-        if over is not None:
-            row["skipped"] = over
+    """Price a chain (see the module docstring): ``chain`` is [(group, depth)] in rising
+    micro-batch size, a group the candidates of one micro-batch size (one per schedule). A
+    dict per candidate with ``figures`` (None when not priced), ``error`` (the audit's one
+    line, or None), ``audits`` (the traces its group ran, on its first row) and ``skipped``:
+    once a schedule's candidate does not fit, its larger micro-batches are not traced (the
+    smaller one's peak); a group with none left is not traced at all."""
+    out, over = [], {}
+    for group, depth in chain:
+        rows = [{"candidate": c, "figures": None, "error": None, "audits": 0, "skipped": over.get(c.schedule)}
+                for c in group]
+        out += rows
+        live = [r for r in rows if r["skipped"] is None]
+        if not live:
             continue
-        row["traced"] = True
+        live[0]["audits"] = 1 if depth is None else 2
         try:
-            row["figures"] = price(path, entry, gpu, gpus, c)
+            figs = price_group(path, entry, gpu, gpus, [r["candidate"] for r in live], depth)
         except AuditError as e:
-            row["error"] = str(e)
+            for r in live:
+                r["error"] = str(e)
             continue
-        if row["figures"]["peak_bytes"] > limit_bytes:
-            over = {"micro_batch_size": c.micro_batch_size, "peak_bytes": row["figures"]["peak_bytes"]}
+        for r, f in zip(live, figs):
+            r["figures"] = f
+            if f["peak_bytes"] > limit_bytes:
+                c = r["candidate"]
+                over[c.schedule] = {"micro_batch_size": c.micro_batch_size, "peak_bytes": f["peak_bytes"]}
     return out

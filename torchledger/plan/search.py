@@ -8,7 +8,7 @@ import sys
 import time
 from collections import Counter
 
-from .evaluate import audit_args, probe, run_chain, warm
+from .evaluate import audit_args, depths, probe, run_chain, warm
 from .space import DEFAULT_CHECKPOINTING, DEFAULT_DIMS, DEFAULT_SCHEDULES, enumerate_space
 from ..audit.loading import stdout_to_stderr
 from ..audit.pipeline import RANK_PROCESS
@@ -20,14 +20,17 @@ DEFAULT_MAX_MEMORY = 0.9
 DEFAULT_TOP = 10
 
 
-def chains(candidates) -> list:
-    """The candidates grouped by everything but the micro-batch split, each group in rising
-    micro-batch size (:mod:`.evaluate`'s chains), biggest meshes' chains in the order given."""
-    groups: dict = {}
+def chains(candidates, facts=None) -> list:
+    """The candidates as :mod:`.evaluate`'s chains: grouped by everything but the micro-batch
+    split and the schedule, each chain [(group, depth)] in rising micro-batch size, a group the
+    schedules of one micro-batch size (traced once), ``depth`` how deep to trace it
+    (:func:`.evaluate.depths`; None: whole, also without ``facts``)."""
+    found: dict = {}
     for c in candidates:
-        key = (c.dims, c.checkpointing, c.schedule, c.virtual_stages, c.precision, c.kernels)
-        groups.setdefault(key, []).append(c)
-    return [sorted(g, key=lambda c: c.micro_batch_size) for g in groups.values()]
+        key = (c.dims, c.checkpointing, c.virtual_stages, c.precision, c.kernels)
+        found.setdefault(key, {}).setdefault(c.micro_batch_size, []).append(c)
+    return [[(g, depths(facts, g[0]) if facts is not None else None) for _, g in sorted(by_b.items())]
+            for by_b in found.values()]
 
 
 def _chain_in_child(args):
@@ -62,15 +65,17 @@ def search(path: str, gpu: str, gpus: int, global_batch: int, *, entry: str = "a
     space = enumerate_space(facts, gpus, global_batch, dims, checkpointing, schedules, precision, kernels,
                             part.gpus_per_node)
     rejected = Counter(space.rejected)
-    work = [(path, entry, gpu, gpus, chain, limit) for chain in chains(space.candidates)]
+    work = [(path, entry, gpu, gpus, chain, limit) for chain in chains(space.candidates, facts)]
     counts = Counter()
     out = stderr if stderr is not None else sys.stderr
 
     def progress(rows):
-        counts["traced"] += sum(r["traced"] for r in rows)
+        counts["traced"] += sum(r["audits"] for r in rows)
+        counts["composed"] += sum(r["figures"] is not None for r in rows)
         counts["done"] += len(rows)
         out.write(f"\rtorchledger plan: {counts['done']}/{len(space.candidates)} candidates, "
-                  f"{counts['traced']} traced, {sum(rejected.values())} rejected")
+                  f"{counts['traced']} traced, {counts['composed']} composed, "
+                  f"{sum(rejected.values()) + counts['done'] - counts['composed']} rejected")
         out.flush()
 
     rows = list(_priced(work, jobs, progress))
@@ -89,7 +94,7 @@ def search(path: str, gpu: str, gpus: int, global_batch: int, *, entry: str = "a
             priced.append(dict(_row(c, global_batch), **row["figures"], fits=fits))
     plans = rank(priced)[:top]
     return {"plans": plans, "rejected": dict(rejected), "searched": len(space.candidates) + sum(space.rejected.values()),
-            "traced": counts["traced"], "seconds": round(time.perf_counter() - t0, 3),
+            "traced": counts["traced"], "composed": counts["composed"], "seconds": round(time.perf_counter() - t0, 3),
             "file": path, "gpu": part.name, "gpu_flag": gpu, "gpus": gpus, "global_batch": global_batch, "memory_limit_bytes": int(limit),
             "candidates": priced}
 

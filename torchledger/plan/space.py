@@ -48,6 +48,9 @@ class ModelFacts:
     """TP also cuts the sequence between blocks (torchledger's RoPE decoders): T divides by cp x tp."""
     batch: int = 1
     """Sequences in the model file's inputs (one micro-batch as the file has it)."""
+    alike_from: int = 0
+    """The first block from which every block is alike (``plan.evaluate.block_signature``):
+    0 or 1 lets a layout be traced at two short depths and priced per block."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ def plan_rows(result: dict) -> list:
 def _lines(result: dict) -> list:
     """The sentences after the table: the search's size, the rejected, how to reproduce."""
     out = [f"{result['gpus']} x {result['gpu']}, global batch {result['global_batch']:,}: searched "
-           f"{result['searched']:,} layouts, traced {result['traced']:,}, in {result['seconds']:.0f} s; "
+           f"{result['searched']:,} layouts, priced {result.get('composed', 0):,} from {result['traced']:,} "
+           f"traces, in {result['seconds']:.0f} s; "
            f"memory limit {fmt_bytes(result['memory_limit_bytes'], binary=True)} a GPU"]
     if result["rejected"]:
         out.append("rejected:")
