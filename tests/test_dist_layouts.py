@@ -4,6 +4,7 @@ reshard_after_forward=False, a first step. Sizes are small; every expected numbe
 by hand in a comment."""
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -425,3 +426,117 @@ def test_ddp_small_buckets_all_reduce_each_bucket(tmp_path):
         ar = [c for c in rec.collectives if c["op"] == "all_reduce"]
         assert sum(c["count"] for c in ar) == 2 and {c["phase"] for c in ar} == {"backward"}
         assert sum(c["bytes"] for c in ar) == 33536 + 33800 == MLP_BYTES
+
+
+# -- DDP's bucket rebuild: modules registered out of the order forward uses them ---------------
+# After its first backward the C++ reducer re-cuts its buckets in the order the gradients
+# became ready (Reducer::rebuild_buckets); the simulated DDP must do the same from step 2 on.
+# tests/_ddp_buckets.py holds the models (HeadFirst: the head registered first, used last;
+# Small: the same with sizes cut by hand below) and runs them under real DDP on two gloo ranks.
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUCKETS = """
+    import sys, torch, torchledger
+    sys.path.insert(0, {tests!r})
+    import _ddp_buckets as ref
+
+    CASE = {case!r}
+    RECORD = {record!r}
+
+    def ddp(model, mesh):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        names = {{id(p): n for n, p in model.named_parameters()}}
+        model = DDP(model, process_group=mesh.get_group(), **ref.CASES[CASE][2])
+        if RECORD:
+            model.register_comm_hook(mesh.get_group(), ref.recording_hook(names, ref.SIM_LOG))
+        return model
+
+    def audit_spec():
+        cls, shape, _, micro = ref.CASES[CASE]
+        torch.manual_seed(0)
+        return torchledger.AuditSpec(cls(), torch.randn(*shape), parallelize=ddp,
+                                     step=lambda model, x, opt: ref.train_step(model, x, opt, micro))
+"""
+
+
+def buckets_model(tmp_path, case, record=False):
+    return write(tmp_path, BUCKETS.format(tests=HERE, case=case, record=record), f"{case}.py")
+
+
+def all_reduce_rows(rec) -> list:
+    """(bytes, count, module) of each all-reduce row (one per module whose gradient closed
+    a bucket), every one in backward."""
+    ar = [c for c in rec.collectives if c["op"] == "all_reduce"]
+    assert {c["phase"] for c in ar} == {"backward"}
+    return sorted((c["bytes"], c["count"], c["module"]) for c in ar)
+
+
+@pytest.fixture(scope="module")
+def real_ddp_buckets(tmp_path_factory):
+    """{case: the buckets real DDP's reducer handed its comm hook, per step} from two gloo
+    ranks under torchrun (tests/_ddp_buckets.py); both ranks saw the same."""
+    import json
+    from conftest import run_torchrun
+    from _ddp_buckets import CASES, per_step
+    out = tmp_path_factory.mktemp("ddp_real")
+    run_torchrun(os.path.join(HERE, "_ddp_buckets.py"), out)
+    got = {}
+    for case in CASES:
+        ranks = [json.loads((out / case / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0] == ranks[1]
+        got[case] = {"steps": per_step(ranks[0]["buckets"]), "logging": ranks[0]["logging"]}
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["head_first", "small", "small_no_sync"])
+def test_ddp_buckets_from_step_2_are_real_ddps(tmp_path, real_ddp_buckets, case):
+    """The simulated audit's buckets (index, parameters, bytes; its reducer's, as a comm hook
+    is handed them) against real DDP's on two gloo ranks: equal from step 2 on, once the real
+    reducer rebuilt its buckets in ready order. (Step 1 differs: real DDP starts with one
+    bucket of everything, the simulated world cuts its rebuild's caps from the start, in
+    reverse registration order.) With a no_sync micro-batch first, its backward reduces
+    nothing and notes no order; the rebuild follows the backward that all-reduces."""
+    import _ddp_buckets as ref
+    ref.SIM_LOG.clear()
+    run_audit(buckets_model(tmp_path, case, record=True), world_size=2, steps=3)
+    sim = ref.per_step(ref.SIM_LOG)
+    real = real_ddp_buckets[case]["steps"]
+    assert len(sim) == len(real) == 3
+    assert sim[1:] == real[1:]
+    if case.startswith("small"):    # step 1: the construction's one bucket (worked by hand below)
+        assert [b for _, _, b in sim[0]] == [14_848]
+    # the sizes real DDP logs after its rebuild are those buckets' bytes
+    rebuilt = real_ddp_buckets[case]["logging"]["rebuilt_bucket_sizes"]
+    assert [b for _, _, b in sim[2]] == [int(s) for s in rebuilt.split(",")]
+
+
+def test_ddp_rebuild_cuts_in_ready_order_by_hand(tmp_path):
+    """Small: head Linear(32, 64) registered before blocks Linear(16, 32), Linear(32, 32) that
+    forward runs first; bucket_cap_mb 0.008 = int(0.008 x 1,048,576) = 8,388 B (first bucket
+    too: a cap given caps the first). Bytes: head.weight 32 x 64 x 4 = 8,192, head.bias 256,
+    blocks.0 2,048 + 128, blocks.2 4,096 + 128 (14,848 in all).
+    Step 1, reverse registration: 128 + 4,096 + 128 + 2,048 + 256 = 6,656 < 8,388, + 8,192 =
+    14,848 >= 8,388: one bucket, ready once its last gradient is (blocks.0's, backward's last).
+    Step 2 on, the ready order real DDP reads (the head's gradients first: bias, weight; then
+    blocks.2, blocks.0): 256 + 8,192 = 8,448 >= 8,388 closes bucket 0 at head.weight;
+    4,224 + 2,176 = 6,400 < 8,388 is bucket 1, closed by the end of backward at blocks.0."""
+    run = run_audit(buckets_model(tmp_path, "small"), world_size=2, steps=3)
+    first, *steady = run.records
+    assert all_reduce_rows(first) == [(14_848, 1, "module.blocks.0")]
+    for rec in steady:
+        assert all_reduce_rows(rec) == [(6_400, 1, "module.blocks.0"), (8_448, 1, "module.head")]
+    # HeadFirst at DDP's default caps: five layers of 256 x 256 x 4 + 256 x 4 = 263,168 B; the
+    # first bucket is capped at 1 MiB = 1,048,576: three layers 789,504 < cap, four 1,052,672 >=
+    # cap. In ready order head, blocks.4, .2, .0 fill bucket 0 (closed at blocks.0), inp is
+    # bucket 1; in reverse registration order inp, blocks.4, .2, .0 would, and the head alone.
+    run = run_audit(buckets_model(tmp_path, "head_first"), world_size=2, steps=2)
+    assert all_reduce_rows(run.records[1]) == [(263_168, 1, "module.inp"), (1_052_672, 1, "module.blocks.0")]
+
+
+def test_ddp_rebuild_frees_the_old_buckets_first(tmp_path):
+    """The rebuild (in step 2's forward) lets the old reducer's buckets go before it makes
+    the new ones, as the C++ reducer's ``initialize_buckets`` clears them first: step 2's
+    phase peaks are step 3's (holding both would add the 14,848 gradient bytes in forward)."""
+    run = run_audit(buckets_model(tmp_path, "small"), world_size=2, steps=3)
+    second, third = run.records[1].memory, run.records[2].memory
+    assert second["phase_peaks"] == third["phase_peaks"] and second["peak_bytes"] == third["peak_bytes"]

@@ -28,10 +28,17 @@ Known limitations:
     are alike by construction) is skipped, and the gradient buckets are all-reduced by a
     Python comm hook doing the C++ default's work (divide by the group size, one
     ``all_reduce`` per bucket), because the fake group's futures carry no value and the C++
-    hook refuses that; and its buckets are cut at ``bucket_cap_mb`` from the start (DDP starts
-    with one bucket and re-cuts them after the first step, reading bucket data fake tensors
-    lack). A comm hook the model file registers still runs (its future's value, None under
-    the fake group, is replaced by the bucket).
+    hook refuses that; and its buckets are re-cut after the first backward that all-reduces,
+    in the order its gradients became ready there, as the C++ reducer's rebuild cuts them
+    (the first at 1 MiB when ``bucket_cap_mb`` is left at its default, the others at
+    ``bucket_cap_mb``), by a new reducer instead of the C++ rebuild (which broadcasts the new
+    assignment reading data fake tensors lack): from step 2 on the buckets hold the
+    parameters real DDP's do, whatever order the modules were registered in (checked against
+    real DDP over gloo). Before that, on step 1, the buckets are cut at those caps in reverse
+    registration order (real DDP's first step all-reduces one bucket of everything).
+    ``find_unused_parameters`` and ``static_graph`` do not run on fake tensors (DDP reads its
+    used-parameter map). A comm hook the model file registers still runs (its future's value,
+    None under the fake group, is replaced by the bucket).
 """
 from __future__ import annotations
 
@@ -228,25 +235,112 @@ def _mesh_coordinates_real():
 
 
 class _KeepBuckets:
-    """DDP's reducer, but for ``_rebuild_buckets``: after the first backward the C++ reducer
-    re-orders its buckets by when gradients became ready, cut at ``bucket_cap_mb`` (the first
-    at 1 MiB by default), and broadcasts the new order from rank 0, reading the bucket tensors'
-    data, which fake tensors do not have. The simulated world builds those capped buckets at
-    construction instead (``simulated_ddp`` patches the cap DDP starts with, one bucket of
-    everything, and cuts the parameters in reverse order, the order a backward makes their
-    gradients) and keeps them: the same gradients, all-reduced once each, in buckets of the
-    same caps (the real rebuild follows the measured readiness, which may differ a little)."""
+    """DDP's reducer, but for ``_rebuild_buckets`` and ``prepare_for_backward``. After the first
+    backward that all-reduces, the C++ reducer re-cuts its buckets in the order the gradients
+    became ready in it (``Reducer::rebuild_buckets``: ``compute_bucket_assignment_by_size`` at
+    ``dist._DEFAULT_FIRST_BUCKET_BYTES`` for the first bucket when ``bucket_cap_mb`` is left at
+    its default, then ``bucket_cap_mb``) and broadcasts the new assignment from rank 0, reading
+    the bucket tensors' data, which fake tensors do not have. Here ``ready`` (a
+    :class:`_ReadyOrder`) notes that order and, at the same point (the next forward),
+    :func:`_rebuild_in_ready_order` builds a reducer with those buckets; the C++ rebuild itself
+    never runs. ``ready`` is None where the buckets are not rebuilt (:func:`_rebuilds`) and on
+    the reducer that holds the rebuilt ones."""
 
-    __slots__ = ("_reducer",)
+    __slots__ = ("_reducer", "_ready")
 
-    def __init__(self, reducer):
+    def __init__(self, reducer, ready=None):
         object.__setattr__(self, "_reducer", reducer)
+        object.__setattr__(self, "_ready", ready)
 
     def _rebuild_buckets(self):
-        return False
+        ready = object.__getattribute__(self, "_ready")
+        return ready is not None and ready.rebuild()
+
+    def prepare_for_backward(self, *args, **kwargs):
+        ready = object.__getattribute__(self, "_ready")
+        if ready is not None:           # this backward all-reduces: its ready order is the one
+            ready.arm()
+        return object.__getattribute__(self, "_reducer").prepare_for_backward(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(object.__getattribute__(self, "_reducer"), name)
+
+
+class _ReadyOrder:
+    """The order in which a DDP's parameters' gradients become ready in a backward that
+    all-reduces (``arm``), noted by a post-accumulate-grad hook on each: it runs in the same
+    autograd node, ``AccumulateGrad``, as the C++ reducer's own hook, so in the same order; it
+    runs no op (nothing for the tracer to count) and changes no number. Indices are the
+    reducer's (``_build_params_for_reducer``'s order). ``rebuild`` (the next forward) re-cuts
+    the buckets once every parameter's gradient was seen, as the C++ reducer does, and takes
+    the hooks off."""
+
+    def __init__(self, ddp, params):
+        import functools
+        import weakref
+        self.ddp = weakref.ref(ddp)
+        self.n = len(params)
+        self.order: dict = {}           # parameter index -> None, first ready first
+        self.armed = False
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self._seen, i))
+                        for i, p in enumerate(params)]
+
+    def _seen(self, index, param) -> None:
+        if self.armed:
+            self.order.setdefault(index)
+
+    def arm(self) -> None:
+        self.order.clear()
+        self.armed = True
+
+    def rebuild(self) -> bool:
+        self.armed = False
+        ddp = self.ddp()
+        if ddp is None or len(self.order) != self.n:
+            return False
+        for h in self.handles:
+            h.remove()
+        _rebuild_in_ready_order(ddp, list(self.order))
+        return True
+
+
+def _rebuilds(ddp) -> bool:
+    """Whether the simulated world re-cuts this DDP's buckets after its first backward: where
+    the C++ reducer does (``should_rebuild_buckets``: never under ``find_unused_parameters``),
+    but for ``static_graph`` (real DDP rebuilds after its second backward there, a fresh reducer
+    would start its deferred first iteration over). Neither runs on fake tensors today (both
+    read DDP's used-parameter map); nor do DDP's ``mixed_precision`` or an optimizer in
+    backward on a CPU fake world."""
+    return not ddp.find_unused_parameters and not ddp.static_graph
+
+
+#: the ready order a rebuild cuts (``_rebuild_in_ready_order`` -> ``_ready_order_buckets``)
+_REBUILDING: list = []
+
+
+def _rebuild_in_ready_order(ddp, order: list) -> None:
+    """DDP's buckets re-cut in ``order`` (parameter indices, first ready first): DDP's own
+    reducer construction (``_ddp_init_helper``) with the assignment PyTorch's rebuild computes
+    (``_ready_order_buckets`` hands it over), the simulated comm hook registered on the new
+    reducer and its forward begun, as the old one's was. The old reducer (its buckets and its
+    autograd hooks) goes first, as ``initialize_buckets`` clears the old buckets before it makes
+    the new: the step's peak never holds both."""
+    import torch.distributed as dist
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    # the last references to the old reducer: DDP's wrapper (still on the caller's stack) and
+    # its logger, which holds the reducer
+    object.__setattr__(ddp.reducer, "_reducer", None)
+    ddp.reducer = ddp.logger = None
+    _REBUILDING.append(order)
+    try:
+        ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
+    finally:
+        _REBUILDING.pop()
+    reducer = ddp.reducer
+    dist._register_comm_hook(reducer, ddp.__dict__["_torchledger_sim"], _simulated_hook)
+    reducer.prepare_for_forward()
+    ddp.reducer = _KeepBuckets(reducer)
 
 
 class _SimulatedHook:
@@ -322,7 +416,8 @@ def _simulated_ddp_class(dist, ddp_mod):
         saved["__init__"](self, *args, **kwargs)
         if getattr(self, "reducer", None) is not None:
             sim_of(self)
-            self.reducer = _KeepBuckets(self.reducer)
+            ready = _ReadyOrder(self, self._build_params_for_reducer()[0]) if _rebuilds(self) else None
+            self.reducer = _KeepBuckets(self.reducer, ready)
 
     def register_comm_hook(self, state, hook):
         sim_of(self).target = (state, hook)
@@ -347,8 +442,11 @@ def _simulated_ddp_class(dist, ddp_mod):
 
 @contextlib.contextmanager
 def _ready_order_buckets(dist, ddp_mod):
-    """DDP's buckets cut as its rebuild after the first step cuts them (its caps, gradients in
-    ready order) from the start; the originals put back on the way out."""
+    """DDP's buckets: at construction cut at the caps of its rebuild (the first at 1 MiB when
+    ``bucket_cap_mb`` is left at its default, the others at ``bucket_cap_mb``) in reverse
+    parameter order (real DDP starts with one bucket of everything); at the rebuild after the
+    first backward (:func:`_rebuild_in_ready_order`) cut as ``Reducer::rebuild_buckets`` cuts
+    them, in the order the gradients became ready. The originals put back on the way out."""
     config = getattr(ddp_mod, "_BucketCapacityConfig", None)
     limits = config.__dict__.get("compute_bucket_size_limits") if config is not None else None
     if limits is not None:
@@ -362,9 +460,19 @@ def _ready_order_buckets(dist, ddp_mod):
     assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
     if assign is not None:
         def by_ready_order(tensors, size_limits, expect_sparse=None, *args, **kwargs):
-            # DDP's rebuild cuts buckets in the order gradients become ready (about the reverse
-            # of the parameters'), its construction in parameter order: cut the reversed list,
-            # and hand the buckets back so that DDP's own reversal leaves the first-ready first
+            if _REBUILDING:
+                # the rebuild: PyTorch's own assignment of the tensors in the order their
+                # gradients became ready (``tensor_indices``, as ``Reducer::rebuild_buckets``
+                # passes them: buckets in the order they filled, not sorted), handed back
+                # reversed for DDP's constructor to reverse again
+                order = _REBUILDING[-1]
+                buckets, caps = assign([tensors[i] for i in order], size_limits,
+                                       list(expect_sparse or []), order)
+                return list(reversed(buckets)), list(reversed(caps))
+            # DDP's construction cuts in parameter order; the rebuild's order is not known yet:
+            # cut in reverse parameter order (a backward's order when forward uses the modules
+            # as they are registered), and hand the buckets back so that DDP's own reversal
+            # leaves the first-ready first
             n = len(tensors)
             rev_sparse = list(reversed(expect_sparse)) if expect_sparse is not None else None
             buckets, caps = assign(list(reversed(tensors)), size_limits, rev_sparse, *args, **kwargs)
