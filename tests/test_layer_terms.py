@@ -152,3 +152,27 @@ def test_bad_splits_are_one_line():
         llama_block_terms(64, 1, 512, 32, 4, 1664, tp=8)
     with pytest.raises(ValueError, match="heads must be a whole number >= 1 that 3 divides"):
         korthikanti_layer_terms(64, 1, 512, 32, tp=3)
+
+
+@pytest.mark.slow
+def test_pipeline_stage_row_is_layers_in_flight_times_the_block(tmp_path):
+    """The 405B stage's row in miniature: 8 such blocks over pp 2 x 2 virtual stages (chunks of
+    2), 4 micro-batches, tp 4 + sp, cp 2. Rank 0 keeps chunk-micro-batches by its schedule
+    (live_at_peak); each is 2 blocks (llama_block_terms) and RoPE's cos and sin for that chunk's
+    forward (64 x 16 x 2 B each: 4,096), chunk 0's also the embedding's saved indices. The
+    row's layers are the chunk-micro-batches x 2, so the activation bytes over Korthikanti's
+    are the block's terms over Korthikanti's, but for the tables and the embedding."""
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(SMALL).replace("n_layers=2", "n_layers=8"))
+    rec = run_audit(str(path), steps=1, mesh="dp=2,cp=2,tp=4,pp=2",
+                    plan={"precision": "bf16-mixed", "virtual_stages": 2, "micro_batches": 4}).record
+    stage = next(s for s in rec.totals["pipeline"]["per_stage"] if s["rank"] == 0)
+    block = sum(llama_block_terms(64, 1, D, HEADS, KV, FF, tp=4, sp=True, cp=2).values())
+    rope, emb = 2 * 64 * HEAD_DIM * 2, _rows(rec)["tok_emb"]
+    assert stage["chunk_micro_batch_bytes"] == {"0": 2 * block + rope + emb, "2": 2 * block + rope}
+    live = stage["live_at_peak"]
+    layers = 2 * sum(live.values())
+    assert rec.meta["config"]["stage_layers_in_flight"] == layers
+    assert rec.totals["activation_bytes"] == layers * block + sum(live.values()) * rope + live["0"] * emb
+    row = next(r for r in rec.predictions["comparisons"] if r["quantity"].startswith("activation bytes"))
+    assert row["predicted"] == layers * korthikanti_layer(64, 1, D, HEADS, tp=4, sp=True, fused=True)
