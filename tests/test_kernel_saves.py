@@ -174,3 +174,65 @@ def test_functions_restored_after_the_step():
     before = (F.rms_norm, F.dropout)
     _trace(lambda: Net(nn.RMSNorm(D, dtype=BF16)), fake=True)
     assert (F.rms_norm, F.dropout) == before
+
+
+# -- rms_norm on a DTensor (sequence parallelism) -----------------------------------------------
+class _SPNorm(nn.Module):
+    """A SequenceParallel RMSNorm over 4 ranks, then a linear on the local shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(D, dtype=BF16)
+        self.lin = nn.Linear(D, D, bias=False, dtype=BF16)
+
+    def forward(self, x):
+        return self.lin(self.norm(x).to_local()).float().sum()
+
+
+def _trace_sp(fake: bool):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mode = FakeTensorMode() if fake else None
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        if mode is not None:
+            mode.__enter__()
+        torch.manual_seed(0)
+        model = _SPNorm()
+        parallelize_module(model, mesh, {"norm": SequenceParallel()})
+        x = torch.randn(2, 8, D, dtype=BF16, requires_grad=True)     # this rank's 8 of 32 positions
+        with torchledger.trace(model) as t:
+            model(x).backward()
+        grad = model.norm.weight.grad
+    finally:
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        dist.destroy_process_group()
+    return t.record, {m["name"]: m["activation_bytes"] for m in t.record.modules}, grad
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_sequence_parallel_rms_norm_keeps_what_the_fused_kernel_keeps():
+    """Under sequence parallelism the norm's input is a DTensor (Shard(1)). On CUDA ``rms_norm``
+    decomposes above the DTensor into ``_fused_rms_norm``, which DTensor shards by its own
+    strategy (torch/distributed/tensor/_ops/_math_ops.py, rms_norm_single_dim_strategy), so
+    the GPU keeps the local bf16 input and an fp32 rstd a row: 2 x 8 x 64 x 2 + 16 x 4 =
+    2,112 B. CPU's composite (the fake step before) kept 2 x 8 x 64 x 8 + 64 = 8,256 B."""
+    rec, act, grad = _trace_sp(fake=True)
+    assert act["norm"] == 2 * 8 * D * 2 + 2 * 8 * 4 == 2112
+    assert act["lin"] == 2 * 8 * D * 2
+    assert {"aten._fused_rms_norm.default", "aten._fused_rms_norm_backward.default"} <= _ops(rec)
+    assert rec.meta["gpu_kernels"]["rms_norm"]["calls"] == 1
+    # the weight's gradient stays what DTensor's composite gives: the whole (64,) weight
+    assert type(grad).__name__ == "DTensor" and tuple(grad.shape) == (D,)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_sequence_parallel_rms_norm_on_real_cpu_keeps_the_composite():
+    """Real CPU DTensors keep CPU's composite: fp32 upcast and product, 2 x 8 x 64 x 8 + 64 B."""
+    rec, act, _ = _trace_sp(fake=False)
+    assert act["norm"] == 2 * 8 * D * 8 + 2 * 8 * 4 == 8256
+    assert "gpu_kernels" not in rec.meta

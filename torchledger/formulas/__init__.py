@@ -8,7 +8,8 @@ One topic per module:
 * :mod:`.memory` - static training bytes per parameter by optimizer x precision, ZeRO, and
   per rank of a mesh (FSDP shard group, replicate group, tensor parallel).
 * :mod:`.activations` - Korthikanti per-layer activation bytes (Table 2's rows: TP, TP+SP,
-  selective and full recompute; PyTorch's SP), recomputation.
+  selective and full recompute; PyTorch's SP), a layer's saved tensors by name (Korthikanti's
+  GPT layer, a Llama block under tp/sp/cp), recomputation.
 * :mod:`.inference` - KV cache and the bandwidth-bound decode step.
 * :mod:`.hardware` - GPU memory, bandwidth and peak FLOP/s per dtype.
 
@@ -19,8 +20,8 @@ counts are exact ints where the inputs are whole numbers.
     >>> training_flops(175e9, 300e9)
     315000000000000000000000
 """
-from .activations import (ActivationMemory, activation_memory, korthikanti_layer_bytes, korthikanti_table2,
-                          pytorch_sp_layer_bytes)
+from .activations import (ActivationMemory, activation_memory, korthikanti_layer_bytes, korthikanti_layer_terms,
+                          korthikanti_table2, llama_block_terms, pytorch_sp_layer_bytes)
 from .flops import TrainingTime, attention_flops_per_token, training_flops, training_time
 from .hardware import GPUSpec, get_gpu, known_gpus, register_gpu
 from .inference import DecodeEstimate, KVCache, decode_step, kv_cache
@@ -34,7 +35,7 @@ __all__ = [
     "OPTIMIZERS", "PRECISIONS", "StaticMemory", "bytes_per_param", "static_memory",
     "max_params", "weight_bytes",
     "ActivationMemory", "activation_memory", "korthikanti_layer_bytes", "korthikanti_table2",
-    "pytorch_sp_layer_bytes", "mesh_groups", "static_per_rank_closed_form",
+    "pytorch_sp_layer_bytes", "korthikanti_layer_terms", "llama_block_terms", "mesh_groups", "static_per_rank_closed_form",
     "KVCache", "kv_cache", "DecodeEstimate", "decode_step",
     "GPUSpec", "get_gpu", "known_gpus", "register_gpu",
 ]

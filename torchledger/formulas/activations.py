@@ -44,9 +44,16 @@ Recomputation (activation checkpointing):
     >>> korthikanti_layer_bytes(seq_len=2048, batch=1, hidden=4096, heads=32)
     956301312
 
+Term by term (:func:`korthikanti_layer_terms`, :func:`llama_block_terms`): one layer's saved
+tensors by name (:data:`LAYER_TERMS`), Korthikanti's GPT layer and a Llama block (RMSNorm,
+grouped-query attention with RoPE through a fused kernel, SwiGLU, no dropout) under tensor,
+sequence and context parallelism, so a measured layer that differs from the formula differs
+by named tensors.
+
 Known limitations:
   - the constants are Megatron's GPT layer (GELU MLP of 4h, dropout); SwiGLU, GQA, no
-    dropout or fp32 activations shift them. Measure with ``torchledger audit`` when it matters.
+    dropout or fp32 activations shift them (:func:`llama_block_terms` for a Llama block).
+    Measure with ``torchledger audit`` when it matters.
   - logits (b*s*V) and the loss are not included.
 """
 from __future__ import annotations
@@ -56,7 +63,8 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 
 __all__ = ["korthikanti_layer_bytes", "korthikanti_cross_attention_bytes", "ActivationMemory", "activation_memory",
-           "RECOMPUTE_MODES", "tensor_bytes", "korthikanti_table2", "TABLE2_ROWS", "pytorch_sp_layer_bytes"]
+           "RECOMPUTE_MODES", "tensor_bytes", "korthikanti_table2", "TABLE2_ROWS", "pytorch_sp_layer_bytes",
+           "LAYER_TERMS", "korthikanti_layer_terms", "llama_block_terms"]
 
 RECOMPUTE_MODES = ("none", "full", "sqrt", "selective")
 
@@ -111,6 +119,109 @@ def pytorch_sp_layer_bytes(seq_len: int, batch: int, hidden: int, heads: int, *,
                                        fused_attention=fused_attention))
     sbh = seq_len * batch * hidden
     return _whole(base + gathered_inputs * (2 * sbh - Fraction(2 * sbh, tp)))
+
+
+#: One layer's saved tensors, in forward order (:func:`korthikanti_layer_terms`,
+#: :func:`llama_block_terms`); a term a layer does not keep is 0.
+LAYER_TERMS = ("attn_norm_input", "attn_norm_stats", "attn_input", "q", "k", "v", "scores",
+               "attn_lse", "attn_out", "attn_dropout_mask", "mlp_norm_input", "mlp_norm_stats",
+               "mlp_input", "mlp_act_input", "mlp_act_output", "mlp_up", "mlp_down_input",
+               "mlp_dropout_mask")
+
+
+def _check_split(**sizes) -> None:
+    for name, (value, by) in sizes.items():
+        if not isinstance(value, int) or value < 1 or value % by:
+            raise ValueError(f"{name} must be a whole number >= 1 that {by} divides, got {value!r}")
+
+
+def korthikanti_layer_terms(seq_len: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                            sp: bool = False, fused_attention: bool = False) -> dict:
+    """Korthikanti's GPT layer (16-bit) by :data:`LAYER_TERMS`, in bytes, on one of ``tp``
+    ranks: Table 2's no-parallelism row (tp 1), its TP row, or with ``sp`` what PyTorch's
+    sequence parallelism keeps (:func:`pytorch_sp_layer_bytes`). The paper's section 4.1:
+
+    - attention (11sbh + 5as^2b): QKV input 2sbh, Q and K for QK^T 2sbh each, the softmax
+      output 2as^2b, its dropout mask as^2b and the dropout output 2as^2b (``scores``), V
+      2sbh, the output projection's input 2sbh, the block's dropout mask sbh;
+    - MLP (19sbh): the first linear's input 2sbh, GELU's input 8sbh, its output (the second
+      linear's input) 8sbh, the dropout mask sbh;
+    - the two LayerNorms' inputs, 2sbh each.
+
+    Tensor parallelism splits the heads and the 4h: Q, K, V, scores, the output projection's
+    input and GELU's by t; the norms' inputs, the QKV and MLP inputs and the dropout masks
+    stay whole (10sbh). Sequence parallelism splits those by t too, except the two inputs a
+    column-parallel linear keeps all-gathered under PyTorch (2sbh each).
+
+    s=2, b=1, h=4, a=2, t=2, sp, fused: sbh = 8; norms 8 + 8, inputs 16 + 16, q k v out 8
+    each, masks 4 + 4, GELU 32 + 32: 172 - 0 scores = pytorch_sp_layer_bytes(2, 1, 4, 2, tp=2).
+
+    >>> sum(korthikanti_layer_terms(2, 1, 4, 2, tp=2, sp=True).values())
+    172
+    """
+    _check_split(tp=(tp, 1), heads=(heads, tp))
+    sbh, t = seq_len * batch * hidden, Fraction(tp)
+    whole = t if sp else Fraction(1)          # what TP alone leaves whole on every rank
+    terms = dict.fromkeys(LAYER_TERMS, Fraction(0))
+    terms.update(attn_norm_input=2 * sbh / whole, attn_input=Fraction(2 * sbh), q=2 * sbh / t,
+                 k=2 * sbh / t, v=2 * sbh / t, attn_out=2 * sbh / t, attn_dropout_mask=sbh / whole,
+                 mlp_norm_input=2 * sbh / whole, mlp_input=Fraction(2 * sbh), mlp_act_input=8 * sbh / t,
+                 mlp_down_input=8 * sbh / t, mlp_dropout_mask=sbh / whole)
+    if not fused_attention:
+        terms["scores"] = 5 * heads * seq_len * seq_len * batch / t
+    return {k: _whole(v) for k, v in terms.items()}
+
+
+def llama_block_terms(seq_len: int, batch: int, hidden: int, heads: int, kv_heads: int, d_ff: int, *,
+                      tp: int = 1, sp: bool = False, cp: int = 1, head_dim=None, dtype_bytes: int = 2) -> dict:
+    """A Llama block's saved tensors by :data:`LAYER_TERMS`, in bytes, on one rank, as PyTorch
+    keeps them on a GPU: ``seq_len`` the rank's tokens of a sequence (T / cp), ``tp`` ranks of
+    tensor parallelism (torchtitan's plan: q, k, v, gate, up column-parallel, o and down
+    row-parallel; with ``sp`` the norms sequence-parallel and one all-gather of the block
+    input per attention and per MLP), ``cp`` ranks of context parallelism (K and V all-gathered
+    over them), activations of ``dtype_bytes``. The block (``models.transformer``)::
+
+        x + o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x)))); h + down(silu(gate(n2(h))) * up(n2(h)))
+
+    Each term (e = dtype_bytes; s b tokens, t tp, d_h the head dim; derivatives.yaml):
+
+    - ``*_norm_input`` e sbh, /t under sp: ``_fused_rms_norm`` (CUDA) keeps its input, and
+      ``*_norm_stats`` its rstd, fp32 one a row: 4sb (/t under sp);
+    - ``attn_input``, ``mlp_input`` e sbh: the projections' shared input, whole (all-gathered
+      under sp, never split by t);
+    - ``q`` e sb a d_h / t; ``k``, ``v`` e (cp s) b kv d_h / t: the flash (or memory-efficient)
+      kernel keeps q, k, v after RoPE (RoPE's multiplications keep only the cos/sin tables,
+      one pair for all layers); K and V at the kv heads, all-gathered to cp s positions;
+    - ``attn_lse`` 4 b (a/t) s: the kernel's logsumexp, fp32 one per query and head;
+      ``scores`` 0: no s x s matrix is kept;
+    - ``attn_out`` e sb a d_h / t: the kernel's output, kept by it and (a view of the same
+      storage) by the output projection;
+    - ``mlp_act_input`` e sb f / t: gate's output, SiLU's input; ``mlp_act_output`` and
+      ``mlp_up`` e sb f / t each: the product's two factors; ``mlp_down_input`` e sb f / t: the
+      product, the down projection's input;
+    - ``*_dropout_mask`` 0: Llama has no dropout.
+
+    s=8, b=1, h=16, a=4, kv=2, f=24, t=2, sp, cp=2 (d_h 4, bf16): norms 2 x 8 x 16 / 2 = 128 and
+    rstd 4 x 8 / 2 = 16 each; inputs 2 x 8 x 16 = 256 each; q 2 x 8 x 4 x 4 / 2 = 128, k and v
+    2 x (2 x 8) x 2 x 4 / 2 = 128 each, lse 4 x 8 x 4 / 2 = 64, out 128; the MLP's four
+    2 x 8 x 24 / 2 = 192: 2 x 144 + 2 x 256 + 4 x 128 + 64 + 4 x 192 = 2,144.
+
+    >>> sum(llama_block_terms(8, 1, 16, 4, 2, 24, tp=2, sp=True, cp=2).values())
+    2144
+    """
+    head_dim = hidden // heads if head_dim is None else head_dim
+    _check_split(tp=(tp, 1), cp=(cp, 1), heads=(heads, tp), kv_heads=(kv_heads, tp), d_ff=(d_ff, tp))
+    e, t, sb = dtype_bytes, Fraction(tp), seq_len * batch
+    local = t if sp else Fraction(1)          # the norms' rows on this rank: sb / t under sp
+    terms = dict.fromkeys(LAYER_TERMS, Fraction(0))
+    terms.update(attn_norm_input=e * sb * hidden / local, attn_norm_stats=4 * sb / local,
+                 attn_input=Fraction(e * sb * hidden), q=e * sb * heads * head_dim / t,
+                 k=e * cp * sb * kv_heads * head_dim / t, v=e * cp * sb * kv_heads * head_dim / t,
+                 attn_lse=4 * sb * heads / t, attn_out=e * sb * heads * head_dim / t,
+                 mlp_norm_input=e * sb * hidden / local, mlp_norm_stats=4 * sb / local,
+                 mlp_input=Fraction(e * sb * hidden), mlp_act_input=e * sb * d_ff / t,
+                 mlp_act_output=e * sb * d_ff / t, mlp_up=e * sb * d_ff / t, mlp_down_input=e * sb * d_ff / t)
+    return {k: _whole(v) for k, v in terms.items()}
 
 
 def tensor_bytes(*shape: int, element_size: int = 2) -> int:

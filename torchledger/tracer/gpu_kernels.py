@@ -23,7 +23,9 @@ keeps mean and rstd in fp32 where CPU keeps them in a 16-bit input's dtype when 
 are 16-bit too: 4 B a row of each norm, left as CPU has it), SDPA (see ``tracer.build``).
 
 Known limitations: only calls through ``torch.nn.functional`` are seen (``torch.rms_norm``
-called directly keeps CPU's path); a DTensor input keeps CPU's path.
+called directly keeps CPU's path); a DTensor input to dropout keeps CPU's path (rms_norm on a
+DTensor of fake shards, sequence parallelism's norms, takes the fused kernel: DTensor has its
+sharding strategy on CUDA).
 """
 from __future__ import annotations
 
@@ -59,9 +61,25 @@ class _FusedRMSNorm(torch.autograd.Function):
         return gx, None, gw if mask[1] else None, None
 
 
+def _fake_kind(t, fake):
+    """"plain" for a fake tensor (or a parameter of one), "dtensor" for a DTensor whose local
+    shard is fake (tensor or sequence parallelism on fake tensors), else None."""
+    if type(t) is fake or (type(t) is torch.nn.Parameter and isinstance(t, fake)):
+        return "plain"
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return "dtensor" if type(t.to_local()) is fake else None
+    return None
+
+
 def _fused_rms_norm_applies(x, weight, fake) -> bool:
-    """``rms_norm_symint``'s conditions for the fused kernel, on a plain fake tensor."""
-    return (type(x) is fake and (weight is None or (type(weight) in (fake, torch.nn.Parameter)
+    """``rms_norm_symint``'s conditions for the fused kernel, on a fake tensor or a DTensor of
+    fake shards (on CUDA a DTensor takes the same path: ``rms_norm`` decomposes above the
+    DTensor and ``_fused_rms_norm`` and its backward have DTensor sharding strategies,
+    ``torch/distributed/tensor/_ops/_math_ops.py``)."""
+    kind = _fake_kind(x, fake)
+    return (kind is not None and (weight is None or (_fake_kind(weight, fake) == kind
                                                      and weight.dtype == x.dtype))
             and not x.is_complex() and x.dim() > 0
             and (x.dim() not in (4, 5) or x.is_contiguous()))     # channels-last: the composite
