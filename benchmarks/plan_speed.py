@@ -93,12 +93,17 @@ def check_case(name, preset, gpus, batch, layouts, folder) -> None:
     groups = [(g, d) for ch in plan_search.chains(space.candidates, facts) for g, d in ch if d]
     print(f"{name}: {len(groups):,} of the layouts' groups priced per block; checking {layouts}", flush=True)
     worst = [0.0, 0.0]
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
     for group, depth in groups[::max(1, len(groups) // layouts)][:layouts]:
-        t0 = time.perf_counter()
-        short = price_group(path, "audit_spec", "h100", gpus, group, depth)
-        t1 = time.perf_counter()
-        whole = price_group(path, "audit_spec", "h100", gpus, group, None)
-        t2 = time.perf_counter()
+        # each pricing in a fresh fork, as the plan prices a chain: a pipeline's ranks fork
+        # from a process that has made no world
+        with ctx.Pool(1, maxtasksperchild=1) as pool:
+            t0 = time.perf_counter()
+            short = pool.apply(price_group, (path, "audit_spec", "h100", gpus, group, depth))
+            t1 = time.perf_counter()
+            whole = pool.apply(price_group, (path, "audit_spec", "h100", gpus, group, None))
+            t2 = time.perf_counter()
         for c, a, b in zip(group, short, whole):
             step, peak = a["step_seconds"] / b["step_seconds"] - 1, a["peak_bytes"] / b["peak_bytes"] - 1
             worst = [max(worst[0], abs(step)), max(worst[1], abs(peak))]

@@ -8,20 +8,16 @@ savings that keep the figures the audit's (tests/test_plan.py checks rows agains
   schedule composed from it (``run_audit(schedules=...)``): a rank's micro-steps do not depend
   on the schedule, only which of them are in flight together.
 - *Per block*: a model whose blocks are alike (from the second on: same modules, parameter
-  shapes and attention kind) is traced at two depths, 3 and 4 blocks a pipeline chunk
-  (``Layout.blocks``), and each figure taken at its own depth K by the line through the two:
-  f(K) = f(3) + (K - 3) x (f(4) - f(3)). Every figure is a sum over blocks plus what the
-  ends add (the embedding, the head, the first gather, the last reduction), and the blocks
-  past the first trace alike, so the line is exact once the ends are
-  past (:data:`DEPTHS`; benchmarks/plan_speed.py --check measures it against whole audits).
-  The peak is taken per pipeline stage, then the largest, so a bound that moves from the
-  head's stage to the first with depth is followed. Shallow chunks are traced whole.
-
-A *chain* is the candidates of one mesh, policy and schedule in rising micro-batch size. The
-peak only grows with the micro-batch (the activations do, nothing else changes), so once one
-does not fit, the larger ones are not traced: they are reported as not fitting, by the smaller
-one's figures. Each chain runs in a forked child (``search``), so that one model file's
-state, or one world's, never meets the next.
+  shapes and attention kind) is traced at three short depths, 3, 4 and 5 blocks a pipeline
+  chunk (``Layout.blocks``), and each figure taken at its own depth K by the line through the
+  last two: f(K) = f(4) + (K - 4) x (f(5) - f(4)), once f(3) is on that line too
+  (:data:`OFF_LINE`; else the layout is traced whole). Every figure is a sum over blocks plus
+  what the ends add (the embedding, the head, the first gather, the last reduction), so the
+  line is exact once the ends are past; the check catches a peak that has not settled yet.
+  The peak is taken per pipeline stage and micro-step, then the largest, so a bound that
+  moves from the head's stage to the first with depth is followed. Chunks under
+  :data:`MIN_REDUCED` blocks are traced whole (benchmarks/plan_speed.py --check measures
+  the line against whole audits of Llama-3-8B).
 """
 from __future__ import annotations
 
@@ -44,16 +40,25 @@ __all__ = ["probe", "audit_args", "price", "price_group", "run_chain", "warm", "
 #: llama-tiny at dp=2,tp=2 with full checkpointing it is 844,120 B against the third step's
 #: 857,560 (1.6%), past the plan's 1%.
 STEPS = 2
-#: The two depths (blocks a pipeline chunk) a layout is traced at when its blocks are alike.
-#: Not shallower: the peak settles at the second-last block's backward (FSDP2 keeps the last
-#: block and the root gathered, prefetches one ahead) only from 3 blocks on; llama-tiny at
-#: dp=2, B=2: 1,865,176 / 2,391,804 / 2,850,848 / 3,309,892 B at 2 / 3 / 4 / 5 blocks, the
-#: peak at blocks.0 / blocks.1.mlp / blocks.2.mlp / blocks.3.mlp (the step time is on one line
-#: from 1 block on).
-DEPTHS = (3, 4)
-#: Chunks shallower than this are traced whole: the two short traces (7 blocks, two builds)
-#: would cost about as much.
-MIN_REDUCED = 12
+#: The depths (blocks a pipeline chunk) a layout whose blocks are alike is traced at: the line
+#: through the last two gives each figure at the model's own depth, the first checks that the
+#: figures are on a line by then. Not shallower: the peak settles at the second-last block's
+#: backward (FSDP2 keeps the last block and the root gathered, prefetches one ahead) only from
+#: 3 blocks on (llama-tiny at dp=2, B=2: 1,865,176 / 2,391,804 / 2,850,848 / 3,309,892 B at 2 /
+#: 3 / 4 / 5 blocks, the peak at blocks.0 / blocks.1.mlp / blocks.2.mlp / blocks.3.mlp), and a
+#: GPipe last stage's from 5 (hence the check).
+DEPTHS = (3, 4, 5)
+#: Chunks shallower than this are traced whole: the three short traces (12 blocks, three
+#: builds) would cost about as much. A pipeline's, deeper: its ranks trace three micro-steps
+#: each, whose fixed costs the short traces triple (Llama-3-8B at pp=2, 16 blocks a chunk:
+#: two short depths took 20.9 s against the whole trace's 25.0 s, 12.5 against 11.9;
+#: ``benchmarks/plan_speed.py --check``).
+MIN_REDUCED = 16
+MIN_REDUCED_PIPELINE = 32
+#: How far off the line the check depth may be, as the error it would make at the model's
+#: depth (the deviation x the blocks beyond, over the figure there): a quarter of the plan's
+#: bar (2% step time, 1% peak). Past it the layout is traced whole.
+OFF_LINE = {"step_seconds": 0.005, "peak_bytes": 0.0025}
 
 
 def warm() -> None:
@@ -117,15 +122,14 @@ def block_signature(block) -> tuple:
 
 
 def depths(facts: ModelFacts, c: Candidate) -> Optional[tuple]:
-    """(k1, k2, K): the two depths to trace and the chunk's own (blocks a pipeline chunk), or
-    None to trace the model whole (chunks under :data:`MIN_REDUCED` blocks, blocks not alike
+    """(k0, k1, k2, K): the three depths to trace (:data:`DEPTHS`) and the chunk's own (blocks
+    a pipeline chunk), or None to trace the model whole (chunks under :data:`MIN_REDUCED` blocks, blocks not alike
     past the first)."""
     chunks = c.size("pp") * c.virtual_stages
     K = facts.blocks // chunks
-    k1, k2 = DEPTHS
-    if K < MIN_REDUCED or facts.alike_from > 1:
+    if K < (MIN_REDUCED_PIPELINE if chunks > 1 else MIN_REDUCED) or facts.alike_from > 1:
         return None
-    return k1, k2, K
+    return DEPTHS + (K,)
 
 
 def audit_args(c: Candidate, global_batch: int) -> list:
@@ -147,14 +151,32 @@ def price(path: str, entry: str, gpu: str, gpus: int, c: Candidate, depth: Optio
 def price_group(path: str, entry: str, gpu: str, gpus: int, group: list, depth: Optional[tuple] = None) -> list:
     """The figures of each candidate of ``group`` (one layout, micro-batch and policy; its
     pipeline schedules, if any), in order: from one trace of the whole model (``depth`` None)
-    or from two short ones (``depth`` = (k1, k2, K) of :func:`depths`), by :func:`extrapolate`."""
+    or from three short ones (``depth`` = (k0, k1, k2, K) of :func:`depths`): the line through
+    k1 and k2 (:func:`extrapolate`), once k0 shows the figures are on it (:func:`off_line`);
+    when they are not, from a trace of the whole model after all."""
     if depth is None:
         return _priced_at(path, entry, gpu, gpus, group, None)
-    k1, k2, K = depth
+    k0, k1, k2, K = depth
     chunks = group[0].size("pp") * group[0].virtual_stages
-    low = _priced_at(path, entry, gpu, gpus, group, k1 * chunks)
-    high = _priced_at(path, entry, gpu, gpus, group, k2 * chunks)
-    return [extrapolate(a, b, k1, k2, K) for a, b in zip(low, high)]
+    first, low, high = (_priced_at(path, entry, gpu, gpus, group, k * chunks) for k in (k0, k1, k2))
+    out = [extrapolate(a, b, k1, k2, K) for a, b in zip(low, high)]
+    if any(off_line(c, a, b, k0, k1, k2, K) for c, a, b in zip(first, low, high)):
+        return _priced_at(path, entry, gpu, gpus, group, None)
+    for row in out:
+        row["blocks_traced"] = [k0, k1, k2]
+    return out
+
+
+def off_line(c: dict, a: dict, b: dict, k0: int, k1: int, k2: int, K: int) -> bool:
+    """Whether the figures at k0 (``c``) are off the line through k1 (``a``) and k2 (``b``) by
+    more than :data:`OFF_LINE` would make them off at K: the deviation grows with every block
+    past k2 as it did over the k1 - k0 blocks before k1."""
+    back, there = extrapolate(a, b, k1, k2, k0), extrapolate(a, b, k1, k2, K)
+    for key, bar in OFF_LINE.items():
+        err = abs(back[key] - c[key]) * (K - k2) / (k1 - k0)
+        if err > bar * abs(there[key]):
+            return True
+    return False
 
 
 def _priced_at(path, entry, gpu, gpus, group, blocks) -> list:
@@ -252,13 +274,14 @@ def run_chain(path: str, entry: str, gpu: str, gpus: int, chain: list, limit_byt
         live = [r for r in rows if r["skipped"] is None]
         if not live:
             continue
-        live[0]["audits"] = 1 if depth is None else 2
         try:
             figs = price_group(path, entry, gpu, gpus, [r["candidate"] for r in live], depth)
         except AuditError as e:
             for r in live:
                 r["error"] = str(e)
             continue
+        # one whole trace, or three short ones (and a whole one when they were off the line)
+        live[0]["audits"] = 1 if depth is None else len(DEPTHS) + (0 if figs[0]["blocks_traced"] else 1)
         for r, f in zip(live, figs):
             r["figures"] = f
             if f["peak_bytes"] > limit_bytes:

@@ -50,7 +50,7 @@ class ModelFacts:
     """Sequences in the model file's inputs (one micro-batch as the file has it)."""
     alike_from: int = 0
     """The first block from which every block is alike (``plan.evaluate.block_signature``):
-    0 or 1 lets a layout be traced at two short depths and priced per block."""
+    0 or 1 lets a layout be traced at short depths and priced per block."""
 
 
 @dataclass(frozen=True)
