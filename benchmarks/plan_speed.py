@@ -55,12 +55,16 @@ def run_case(name, preset, gpus, batch, target, sample, jobs, folder) -> None:
     chains = plan_search.chains(space.candidates, facts)
     print(f"{name}: {n:,} candidates in {len(chains):,} chains, {sum(space.rejected.values()):,} rejected before "
           f"tracing; target {target} s", flush=True)
+    every = plan_search.chains
     if sample:
         # the chains spread over the space: every k-th, so meshes of every kind are timed
         keep = chains[::max(1, len(chains) // sample)][:sample]
         plan_search.chains = lambda candidates, facts=None, _keep=keep: _keep
     t0 = time.perf_counter()
-    result = plan_search.search(path, "h100", gpus, batch, jobs=jobs, **SEARCH)
+    try:
+        result = plan_search.search(path, "h100", gpus, batch, jobs=jobs, **SEARCH)
+    finally:
+        plan_search.chains = every
     seconds = time.perf_counter() - t0
     traced, priced = result["traced"], result["composed"]
     done = sum(len(g) for ch in (keep if sample else chains) for g, _ in ch)

@@ -16,6 +16,7 @@ from torchledger.cli import cli
 from torchledger.plan.space import Candidate, ModelFacts, enumerate_space, factorisations
 
 from _pipeline_models import TINY4     # llama-tiny, 4 blocks, 4 KV heads, 2 x 32 tokens
+from _plan_helpers import cli_audit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,15 +106,6 @@ def test_ranking_equals_brute_force(tmp_path):
 
 
 # -- every printed row is what `audit` says -----------------------------------------------------
-def _cli_audit(path, gpus, args):
-    proc = subprocess.run([sys.executable, "-m", "torchledger", "audit", path, "--gpu", "h100", "--world-size",
-                           str(gpus), *args, "--format", "json", "--fail-on", "never"],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-500:]
-    rec = json.loads(proc.stdout)
-    return rec["predictions"]["step_time"]["seconds"], rec["totals"]["peak_bytes"]
-
-
 @pytest.mark.parametrize("text,dims,ckpt,gpus,batch", [
     (TINY4, "dp,tp,pp", "none", 2, 4),        # pipeline and not: 7 candidates
     (TINY2, "dp,tp", "full,selective-op", 4, 4),
@@ -130,7 +122,7 @@ def test_plan_rows_match_audit(tmp_path, text, dims, ckpt, gpus, batch):
     # the best, the worst, and a pipelined row where there is one
     sample = [plans[0], plans[-1]] + [p for p in plans if p["schedule"]][:1]
     for p in sample:
-        seconds, peak = _cli_audit(path, gpus, p["audit_args"])
+        seconds, peak = cli_audit(path, gpus, p["audit_args"])
         assert p["step_seconds"] == pytest.approx(seconds, rel=0.02), p["audit_args"]
         assert p["peak_bytes"] == pytest.approx(peak, rel=0.01), p["audit_args"]
 

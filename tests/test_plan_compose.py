@@ -3,9 +3,6 @@ trace of the stages for every pipeline schedule, and a model whose blocks are al
 three short depths and priced per block. Each saving is checked against the whole audit it stands
 for; the rules (which layouts, which depths) by hand."""
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,8 +10,8 @@ import pytest
 from torchledger.plan import evaluate
 from torchledger.plan.evaluate import DEPTHS, MIN_REDUCED, MIN_REDUCED_PIPELINE, depths, extrapolate, off_line
 from torchledger.plan.space import Candidate, ModelFacts
+from _plan_helpers import cli_audit
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: llama-tiny at 32 blocks (4 KV heads), 2 x 32 tokens a micro-batch: deep enough to be priced
 #: per block at pp=1 (32 a chunk) and pp=2 (16).
@@ -130,15 +127,6 @@ def test_one_trace_every_schedule_equals_each_schedule_audited(tmp_path):
     assert many["gpipe"].record.totals["peak_bytes"] > many["1f1b"].record.totals["peak_bytes"]
 
 
-def _cli_audit(path, gpus, args):
-    proc = subprocess.run([sys.executable, "-m", "torchledger", "audit", path, "--gpu", "h100", "--world-size",
-                           str(gpus), *args, "--format", "json", "--fail-on", "never"],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-500:]
-    rec = json.loads(proc.stdout)
-    return rec["predictions"]["step_time"]["seconds"], rec["totals"]["peak_bytes"]
-
-
 def test_rows_priced_per_block_match_audit(tmp_path, monkeypatch):
     """Item 3 for the composed rows: each row priced from short traces gives `audit`'s step
     time within 2% and peak within 1%; a GPipe last stage whose peak is not on a line at 3 to
@@ -163,6 +151,6 @@ def test_rows_priced_per_block_match_audit(tmp_path, monkeypatch):
     assert whole and all(p["blocks_traced"] is None for p in whole)      # fell back: traced whole
     sample = [per_block[0], per_block[-1], pipelined[0], whole[0]]
     for p in sample:
-        seconds, peak = _cli_audit(path, 4, p["audit_args"])
+        seconds, peak = cli_audit(path, 4, p["audit_args"])
         assert p["step_seconds"] == pytest.approx(seconds, rel=0.02), p["audit_args"]
         assert p["peak_bytes"] == pytest.approx(peak, rel=0.01), p["audit_args"]
