@@ -164,6 +164,7 @@ def price_group(path: str, entry: str, gpu: str, gpus: int, group: list, depth: 
         return _priced_at(path, entry, gpu, gpus, group, None)
     for row in out:
         row["blocks_traced"] = [k0, k1, k2]
+        row["bound"] = None         # the short trace's shares are not the model's
     return out
 
 
