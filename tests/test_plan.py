@@ -70,6 +70,27 @@ def test_space_other_dims_and_schedules():
     assert moe.rejected["ep=2 and the model has no experts"] == 1
 
 
+def test_space_virtual_stages_and_held_sizes():
+    # NeMo's Llama-3-70B: 80 blocks, pp=4 with 5 virtual stages (past MAX_VIRTUAL_STAGES = 4)
+    facts = ModelFacts(blocks=80, n_heads=64, n_kv_heads=8, d_ff=28672, seq_len=8192)
+    wide = enumerate_space(facts, gpus=8, global_batch=8, dims=("dp", "pp"), checkpointing=("none",),
+                           schedules=("interleaved",), virtual_stages=(2, 5), fixed={"pp": 4})
+    # held at pp=4: dp=2 only (dp x pp = 8); 8 / dp = 4 sequences a rank: b 1, 2, 4 -> m 4, 2, 1;
+    # interleaved v 2 (80 % 8) and 5 (80 % 20): m 4 takes both (rounds 4 // 4 = 1); m 2 and 1 too
+    # (max(1, m // 4) = 1 divides any m): 3 splits x 2 stage counts = 6 candidates
+    assert {c.mesh for c in wide.candidates} == {"pp=4,dp=2"}
+    assert sorted((c.micro_batch_size, c.virtual_stages) for c in wide.candidates) == [
+        (1, 2), (1, 5), (2, 2), (2, 5), (4, 2), (4, 5)]
+    assert not wide.rejected                           # the meshes not held are not counted
+    # default stage counts 2..4: 80 % (4 v) == 0 for v 2 and 4 (not 3: 80 % 12 = 8)
+    plain = enumerate_space(facts, gpus=8, global_batch=8, dims=("dp", "pp"), checkpointing=("none",),
+                            schedules=("interleaved",), fixed={"pp": 4})
+    assert sorted({c.virtual_stages for c in plain.candidates}) == [2, 4]
+    for bad in ({"fixed": {"tp": 2}}, {"fixed": {"pp": 0}}, {"virtual_stages": (1,)}):
+        with pytest.raises(ValueError):
+            enumerate_space(facts, gpus=8, global_batch=8, dims=("dp", "pp"), **bad)
+
+
 # -- the ranking is the brute-force audit's ------------------------------------------------------
 def _audit_figures(path, mesh, b, ckpt, gpus, global_batch):
     """One layout audited directly (run_audit, then the prediction as `audit --gpu` makes it)."""
