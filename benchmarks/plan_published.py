@@ -12,7 +12,7 @@ and ``--gpu``; ``jobs=1``.
 
 First the published layout alone is priced (a search held to it: its figures, whether it
 fits, or why the plan cannot price it, and the seconds it took). The whole search is then
-estimated as its chains' traced groups x those seconds; while that is over ``--budget``, the
+estimated as its chains x :data:`CHAIN_GROUPS` x those seconds; while that is over ``--budget``, the
 run's dimensions other than dp are held at the published sizes one at a time, in the order
 of :data:`PIN_ORDER` (said in the row as "held"). A search that still runs past twice the
 budget is stopped and the run reported as such.
@@ -41,7 +41,11 @@ sys.path.insert(0, HERE)
 from predict_published import DEFAULT_RUNS, model_file  # noqa: E402
 
 #: Dimensions held at the published size, in this order, while the search is over budget.
-PIN_ORDER = ("cp", "dp_replicate", "tp", "ep", "pp")
+PIN_ORDER = ("cp", "tp", "dp_replicate", "ep", "pp")
+#: Traced groups a chain is estimated at: its smallest micro-batches are traced until one does
+#: not fit (a first pass held to the published tp and pp: 19 audits for kor-175b's 12 chains,
+#: 10 for dgxc-l31-70b's 8).
+CHAIN_GROUPS = 2
 DEFAULT_BUDGET = 600.0
 
 
@@ -82,8 +86,9 @@ def is_published(row, pub) -> bool:
             and row["virtual_stages"] == pub["virtual_stages"] and row["schedule"] == pub["schedule"])
 
 
-def groups(path, run, gpus_per_node, opts, fixed) -> int:
-    """Traced groups the search would run at most (every chain traced to its end)."""
+def chains(path, run, gpus_per_node, opts, fixed) -> int:
+    """The chains the search would run (a chain: one mesh, policy and schedule, in rising
+    micro-batch size; each stops at its first micro-batch that does not fit)."""
     from torchledger.plan import search as plan_search
     from torchledger.plan.evaluate import probe
     from torchledger.plan.space import enumerate_space
@@ -91,7 +96,7 @@ def groups(path, run, gpus_per_node, opts, fixed) -> int:
     space = enumerate_space(facts, int(run["gpus"]), int(run["global_batch"]), opts["dims"], opts["checkpointing"],
                             opts["schedules"], opts["precision"], opts["kernels"], gpus_per_node,
                             opts["virtual_stages"], fixed)
-    return sum(len(chain) for chain in plan_search.chains(space.candidates, facts))
+    return len(plan_search.chains(space.candidates, facts))
 
 
 def held(run, path, opts, per_group, budget) -> tuple:
@@ -101,12 +106,12 @@ def held(run, path, opts, per_group, budget) -> tuple:
     pub = published(run)
     per_node = get_gpu(pub["gpu"]).gpus_per_node
     fixed = {}
-    estimate = groups(path, run, per_node, opts, fixed) * per_group
+    estimate = CHAIN_GROUPS * chains(path, run, per_node, opts, fixed) * per_group
     for name in [n for n in PIN_ORDER if n in opts["dims"]]:
         if estimate <= budget:
             break
         fixed[name] = pub["mesh"].get(name, 1)
-        estimate = groups(path, run, per_node, opts, fixed) * per_group
+        estimate = CHAIN_GROUPS * chains(path, run, per_node, opts, fixed) * per_group
     return fixed, estimate
 
 
@@ -134,7 +139,7 @@ def alone(run, path, opts) -> dict:
 
 def plan_run(run, models, budget, folder) -> dict:
     """One run's row (see the module docstring)."""
-    from torchledger.plan.search import rank, search, versus_best
+    from torchledger.plan.search import rank, search
     path = os.path.join(folder, run["id"].replace("-", "_") + ".py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(model_file(run, models, micro=1, tokens=False))
@@ -163,10 +168,26 @@ def plan_run(run, models, budget, folder) -> dict:
                rejected=res["rejected"], fitting=sum(r["fits"] for r in res["candidates"]),
                published_row=_brief(row), best=_brief(best) if best else None,
                rank=next((i + 1 for i, r in enumerate(ranked) if r is row), None) if row["fits"] else None,
-               versus_best=versus_best(row, best) if best and row["fits"] else
-               (f"{versus_best(row, best)} (and does not fit)" if best else "nothing fits"),
+               limit_bytes=res["memory_limit_bytes"],
+               versus_best=why(row, best, res["memory_limit_bytes"]),
                top=[_brief(r) for r in ranked[:5]])
     return out
+
+
+def why(row, best, limit) -> str:
+    """What separates the published row from the best: ``versus_best`` when it fits; when it
+    does not, by how much its peak passes the limit, and its step against the best's."""
+    from torchledger.plan.search import versus_best
+    if best is None:
+        return "nothing fits"
+    if row["audit_args"] == best["audit_args"]:
+        return "best"
+    if row["fits"]:
+        return versus_best(row, best)
+    step = row["step_seconds"] / best["step_seconds"] - 1
+    return (f"does not fit: peak {gib(row['peak_bytes'])} over the {gib(limit)} limit "
+            f"(+{row['peak_bytes'] / limit - 1:.0%}); its step {abs(step):.0%} "
+            f"{'shorter' if step < 0 else 'longer'} than the best's")
 
 
 def _brief(r) -> dict:
@@ -228,11 +249,19 @@ def layout(r, pub=None) -> str:
     return f"{r['mesh']} B={r['micro_batch_size']}x{r['micro_batches']} {r['checkpointing']} {sched}"
 
 
+def limit_of(r) -> float:
+    """The row's memory limit (rows saved before it was kept: the plan's default share)."""
+    from torchledger.formulas.hardware import get_gpu
+    from torchledger.plan.search import DEFAULT_MAX_MEMORY
+    return r.get("limit_bytes") or DEFAULT_MAX_MEMORY * get_gpu(r["gpu"]).memory_bytes
+
+
 def print_row(r) -> None:
     if r["status"] != "ok":
         print(f"{r['id']}: {r['status']}", flush=True)
         return
     p, b = r["published_row"], r["best"]
+    r["versus_best"] = why(p, b, limit_of(r))
     rank = f"rank {r['rank']} of {r['fitting']} fitting" if r["rank"] else "DOES NOT FIT"
     print(f"{r['id']} ({r['gpus']} x {r['gpu']}, global batch {r['global_batch']}):", flush=True)
     print(f"  published  {layout(p)}: {p['step_seconds']:.3f} s, peak {gib(p['peak_bytes'])}, {rank}")
@@ -245,6 +274,34 @@ def print_row(r) -> None:
           flush=True)
 
 
+def markdown(rows) -> str:
+    """The rows as docs/plan.md's table."""
+    out = ["| run | GPUs | published layout | its step (plan) | rank | plan's best | best's step | why |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["status"] != "ok":
+            out.append(f"| {r['id']} | {r['gpus']} | | | | | | {r['status']} |")
+            continue
+        p, b = r["published_row"], r["best"]
+        rank = f"{r['rank']} of {r['fitting']}" if r["rank"] else "does not fit"
+        held_ = f" (held {', '.join(f'{k}={v}' for k, v in r['held'].items())})" if r["held"] else ""
+        out.append(f"| {r['id']} | {r['gpus']} x {r['gpu']} | {layout(p)} | {p['step_seconds']:.3f} s | {rank} | "
+                   f"{layout(b) if b else '-'}{held_} | {b['step_seconds']:.3f} s | {why(p, b, limit_of(r))} |"
+                   if b else f"| {r['id']} | {r['gpus']} | {layout(p)} | {p['step_seconds']:.3f} s | {rank} | - | - "
+                   f"| nothing fits |")
+    return "\n".join(out)
+
+
+def merged(path, rows) -> list:
+    """``rows`` over the rows already saved in ``path`` (by run id, in the saved order)."""
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        old = json.load(f)["rows"]
+    new = {r["id"]: r for r in rows}
+    return [new.pop(r["id"], r) for r in old] + list(new.values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default=DEFAULT_RUNS)
@@ -252,11 +309,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="estimated seconds a run's search may take")
     ap.add_argument("--save", default=None, metavar="FILE", help="also write the rows' JSON here")
+    ap.add_argument("--load", default=None, metavar="FILE", help="print the rows a --save wrote, search nothing")
+    ap.add_argument("--markdown", action="store_true", help="with --load: the rows as a Markdown table")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         return one(args)
+    if args.load:
+        with open(args.load) as f:
+            rows = json.load(f)["rows"]
+        if args.markdown:
+            print(markdown(rows))
+        else:
+            for r in rows:
+                print_row(r)
+        return 0
     with open(args.runs) as f:
         data = json.load(f)
     only = set(args.only.split(",")) if args.only else None
@@ -265,13 +333,15 @@ def main(argv=None) -> int:
         if only and run["id"] not in only:
             continue
         rows.append(in_child(run, args))
+        rows[-1]["budget_s"] = args.budget
         if not args.json:
             print_row(rows[-1])
-        if args.save:
+        if args.save:                   # rows of other runs already there are kept (by id)
+            keep = merged(args.save, rows)
             with open(args.save, "w") as f:
-                json.dump({"rows": rows, "budget_s": args.budget}, f, indent=1)
+                json.dump({"rows": keep}, f, indent=1)
     if args.json:
-        print(json.dumps({"rows": rows, "budget_s": args.budget}, indent=1))
+        print(json.dumps({"rows": rows}, indent=1))
     return 0
 
 
