@@ -274,21 +274,33 @@ def print_row(r) -> None:
           flush=True)
 
 
+def short(r) -> str:
+    """A row's layout in few words: the mesh's dimensions past 1, B x M, policy, schedule."""
+    mesh = ",".join(x for x in r["mesh"].split(",") if not x.endswith("=1")) or r["mesh"].split(",")[0]
+    sched = f", {r['schedule']}" if r["schedule"] else ""
+    if r.get("virtual_stages", 1) > 1:
+        sched += f" v={r['virtual_stages']}"
+    return f"{mesh}, {r['micro_batch_size']} x {r['micro_batches']}, {r['checkpointing']}{sched}"
+
+
 def markdown(rows) -> str:
     """The rows as docs/plan.md's table."""
-    out = ["| run | GPUs | published layout | its step (plan) | rank | plan's best | best's step | why |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    from torchledger.formulas.hardware import get_gpu
+    out = ["| run | GPUs | published layout | its step | rank (fitting) | plan's best | best's step | published vs best "
+           "| priced, s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["status"] != "ok":
-            out.append(f"| {r['id']} | {r['gpus']} | | | | | | {r['status']} |")
+            out.append(f"| {r['id']} | {r['gpus']} | | | | | | {r['status']} | |")
             continue
         p, b = r["published_row"], r["best"]
-        rank = f"{r['rank']} of {r['fitting']}" if r["rank"] else "does not fit"
+        part = get_gpu(r["gpu"])
+        rank = f"{r['rank']} of {r['fitting']}" if r["rank"] else f"does not fit ({gib(p['peak_bytes'])})"
         held_ = f" (held {', '.join(f'{k}={v}' for k, v in r['held'].items())})" if r["held"] else ""
-        out.append(f"| {r['id']} | {r['gpus']} x {r['gpu']} | {layout(p)} | {p['step_seconds']:.3f} s | {rank} | "
-                   f"{layout(b) if b else '-'}{held_} | {b['step_seconds']:.3f} s | {why(p, b, limit_of(r))} |"
-                   if b else f"| {r['id']} | {r['gpus']} | {layout(p)} | {p['step_seconds']:.3f} s | {rank} | - | - "
-                   f"| nothing fits |")
+        out.append(f"| {r['id']} | {r['gpus']} x {part.name} | {short(p)} | {p['step_seconds']:.3f} s | {rank} | "
+                   f"{short(b) + held_ if b else 'nothing fits'} | {b['step_seconds']:.3f} s | "
+                   f"{why(p, b, limit_of(r))} | {r['candidates']}, {r['seconds']:.0f} |" if b else
+                   f"| {r['id']} | {r['gpus']} x {part.name} | {short(p)} | {p['step_seconds']:.3f} s | {rank} | "
+                   f"nothing fits{held_} | - | - | {r['candidates']}, {r['seconds']:.0f} |")
     return "\n".join(out)
 
 
