@@ -168,7 +168,7 @@ def plan_run(run, models, budget, folder) -> dict:
                rejected=res["rejected"], fitting=sum(r["fits"] for r in res["candidates"]),
                published_row=_brief(row), best=_brief(best) if best else None,
                rank=next((i + 1 for i, r in enumerate(ranked) if r is row), None) if row["fits"] else None,
-               limit_bytes=res["memory_limit_bytes"],
+               limit_bytes=res["memory_limit_bytes"], in_search=bool(mine),
                versus_best=why(row, best, res["memory_limit_bytes"]),
                top=[_brief(r) for r in ranked[:5]])
     return out
@@ -242,7 +242,16 @@ def gib(n) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def layout(r, pub=None) -> str:
+def rank_words(r) -> str:
+    """The published row's rank among the fitting, or why it has none."""
+    if r["rank"]:
+        return f"{r['rank']} of {r['fitting']}"
+    if r["published_row"]["fits"]:       # priced alone, but the search did not trace it
+        return "not traced by the search (a smaller micro-batch of its chain did not fit)"
+    return f"does not fit ({gib(r['published_row']['peak_bytes'])})"
+
+
+def layout(r) -> str:
     sched = r["schedule"] or "-"
     if r.get("virtual_stages", 1) > 1:
         sched += f" v={r['virtual_stages']}"
@@ -262,7 +271,7 @@ def print_row(r) -> None:
         return
     p, b = r["published_row"], r["best"]
     r["versus_best"] = why(p, b, limit_of(r))
-    rank = f"rank {r['rank']} of {r['fitting']} fitting" if r["rank"] else "DOES NOT FIT"
+    rank = f"rank {rank_words(r)} fitting" if r["rank"] else rank_words(r).upper()
     print(f"{r['id']} ({r['gpus']} x {r['gpu']}, global batch {r['global_batch']}):", flush=True)
     print(f"  published  {layout(p)}: {p['step_seconds']:.3f} s, peak {gib(p['peak_bytes'])}, {rank}")
     if b:
@@ -294,7 +303,7 @@ def markdown(rows) -> str:
             continue
         p, b = r["published_row"], r["best"]
         part = get_gpu(r["gpu"])
-        rank = f"{r['rank']} of {r['fitting']}" if r["rank"] else f"does not fit ({gib(p['peak_bytes'])})"
+        rank = rank_words(r)
         held_ = f" (held {', '.join(f'{k}={v}' for k, v in r['held'].items())})" if r["held"] else ""
         out.append(f"| {r['id']} | {r['gpus']} x {part.name} | {short(p)} | {p['step_seconds']:.3f} s | {rank} | "
                    f"{short(b) + held_ if b else 'nothing fits'} | {b['step_seconds']:.3f} s | "
