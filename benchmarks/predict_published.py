@@ -62,14 +62,19 @@ SPEC = textwrap.dedent('''
         return torchledger.AuditSpec(model, {{"idx": ids, "targets": ids}} if not hasattr(model, "config")
                                      or not hasattr(model.config, "model_type") else
                                      {{"input_ids": ids, "labels": ids}},
-                                     tokens=MICRO * SEQ, seq_len=SEQ)
+                                     tokens={tokens}, seq_len=SEQ)
 ''')
 
 
-def model_file(run, models) -> str:
-    """The model file of ``run`` (a preset name, TransformerConfig fields or a HF config)."""
+def model_file(run, models, micro=None, tokens=True) -> str:
+    """The model file of ``run`` (a preset name, TransformerConfig fields or a HF config):
+    inputs of ``micro`` sequences (default the run's micro-batch), ``AuditSpec(tokens=micro x
+    seq)`` unless ``tokens`` is False (``torchledger plan`` resizes the batch with ``audit
+    --micro-batch-size``, which a fixed token count forbids; the tokens are then read off the
+    inputs, the same count)."""
     return SPEC.format(model=models[run["model"]] if models[run["model"]] != "preset" else run["model"],
-                       seq=run["seq"], micro=run["micro_batch"])
+                       seq=run["seq"], micro=run["micro_batch"] if micro is None else micro,
+                       tokens="MICRO * SEQ" if tokens else "None")
 
 
 def tokens_per_step(run) -> int:

@@ -71,6 +71,27 @@ def test_space_other_dims_and_schedules():
     assert moe.rejected["ep=2 and the model has no experts"] == 1
 
 
+def test_space_virtual_stages_and_held_sizes():
+    # NeMo's Llama-3-70B: 80 blocks, pp=4 with 5 virtual stages (past MAX_VIRTUAL_STAGES = 4)
+    facts = ModelFacts(blocks=80, n_heads=64, n_kv_heads=8, d_ff=28672, seq_len=8192)
+    wide = enumerate_space(facts, gpus=8, global_batch=8, dims=("dp", "pp"), checkpointing=("none",),
+                           schedules=("interleaved",), virtual_stages=(2, 5), fixed={"pp": 4})
+    # held at pp=4: dp=2 only (dp x pp = 8); 8 / dp = 4 sequences a rank: b 1, 2, 4 -> m 4, 2, 1;
+    # interleaved v 2 (80 % 8) and 5 (80 % 20): m 4 takes both (rounds 4 // 4 = 1); m 2 and 1 too
+    # (max(1, m // 4) = 1 divides any m): 3 splits x 2 stage counts = 6 candidates
+    assert {c.mesh for c in wide.candidates} == {"pp=4,dp=2"}
+    assert sorted((c.micro_batch_size, c.virtual_stages) for c in wide.candidates) == [
+        (1, 2), (1, 5), (2, 2), (2, 5), (4, 2), (4, 5)]
+    assert not wide.rejected                           # the meshes not held are not counted
+    # default stage counts 2..4: 80 % (4 v) == 0 for v 2 and 4 (not 3: 80 % 12 = 8)
+    plain = enumerate_space(facts, gpus=8, global_batch=8, dims=("dp", "pp"), checkpointing=("none",),
+                            schedules=("interleaved",), fixed={"pp": 4})
+    assert sorted({c.virtual_stages for c in plain.candidates}) == [2, 4]
+    for bad in ({"fixed": {"tp": 2}}, {"fixed": {"pp": 0}}, {"virtual_stages": (1,)}):
+        with pytest.raises(ValueError):
+            enumerate_space(facts, gpus=8, global_batch=8, dims=("dp", "pp"), **bad)
+
+
 # -- the ranking is the brute-force audit's ------------------------------------------------------
 def _audit_figures(path, mesh, b, ckpt, gpus, global_batch):
     """One layout audited directly (run_audit, then the prediction as `audit --gpu` makes it)."""
@@ -255,3 +276,54 @@ def test_every_format_renders(fmt):
             assert "3.0 GiB" in text and "attention heads 4 not divisible by tp=3" in text
             if not fits:      # 3 GiB against a 2 GiB limit: 1 GiB over
                 assert "1.0 GiB over the limit" in text
+
+
+# -- the published runs (benchmarks/plan_published.py) -------------------------------------------
+def _plan_published():
+    import importlib.util
+    path = os.path.join(REPO, "benchmarks", "plan_published.py")
+    spec = importlib.util.spec_from_file_location("plan_published_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_published_layout_is_one_candidate_of_its_search(tmp_path):
+    from torchledger.formulas.hardware import get_gpu
+    from torchledger.plan.evaluate import probe
+    bench = _plan_published()
+    with open(bench.DEFAULT_RUNS) as f:
+        data = json.load(f)
+    assert len(data["runs"]) == 12
+    for run in data["runs"]:
+        path = tmp_path / (run["id"].replace("-", "_") + ".py")
+        path.write_text(bench.model_file(run, data["models"], micro=1, tokens=False))
+        facts = probe(str(path))                  # on the meta device: no memory
+        assert facts.batch == 1 and facts.seq_len == run["seq"], run["id"]
+        pub, opts = bench.published(run), bench.search_options(run)
+        space = enumerate_space(facts, run["gpus"], run["global_batch"], opts["dims"], opts["checkpointing"],
+                                opts["schedules"], opts["precision"], opts["kernels"],
+                                get_gpu(pub["gpu"]).gpus_per_node, opts["virtual_stages"])
+        rows = [{"mesh": c.mesh, "micro_batch_size": c.micro_batch_size, "checkpointing": c.checkpointing,
+                 "virtual_stages": c.virtual_stages, "schedule": c.schedule} for c in space.candidates]
+        assert sum(bench.is_published(r, pub) for r in rows) == 1, run["id"]
+    # NeMo's 70B: pp=4 x 5 virtual stages, past MAX_VIRTUAL_STAGES: tried as well as 2 to 4
+    nemo = next(r for r in data["runs"] if r["id"] == "dgxc-l31-70b-h100-64")
+    opts = bench.search_options(nemo)
+    assert opts["virtual_stages"] == (2, 3, 4, 5) and opts["schedules"] == ("1f1b", "interleaved")
+    assert opts["dims"] == ("dp", "pp", "dp_replicate", "cp", "tp") and opts["checkpointing"] == ("none", "full")
+
+
+def test_published_row_against_the_best_in_words():
+    bench = _plan_published()
+    best = {"step_seconds": 1.0, "comm_exposed_seconds": 0.1, "bubble_seconds": 0.0, "recompute_seconds": 0.0,
+            "compute_seconds": 0.8, "launch_seconds": 0.1, "fits": True, "audit_args": ["--mesh", "dp=8"],
+            "peak_bytes": 50 * 2**30}
+    assert bench.why(dict(best), best, 60 * 2**30) == "best"        # the same layout, a copy
+    row = dict(best, step_seconds=1.3, bubble_seconds=0.3, audit_args=["--mesh", "pp=2,dp=4"])
+    assert bench.why(row, best, 60 * 2**30) == "+30%: pipeline bubble 300 ms, the best has none"
+    # 75 GiB against a 60 GiB limit: +25%; 0.9 s against 1.0 s: 10% shorter
+    big = dict(row, fits=False, peak_bytes=75 * 2**30, step_seconds=0.9)
+    assert bench.why(big, best, 60 * 2**30) == ("does not fit: peak 75.0 GiB over the 60.0 GiB limit (+25%); "
+                                                "its step 10% shorter than the best's")
+    assert bench.why(row, None, 1) == "nothing fits"

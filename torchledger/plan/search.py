@@ -53,17 +53,18 @@ def _priced(work, jobs: int, progress):
 def search(path: str, gpu: str, gpus: int, global_batch: int, *, entry: str = "audit_spec",
            dims=DEFAULT_DIMS, checkpointing=DEFAULT_CHECKPOINTING, schedules=DEFAULT_SCHEDULES,
            precision: str = "bf16-mixed", kernels: str = "eager", max_memory: float = DEFAULT_MAX_MEMORY,
-           top: int = DEFAULT_TOP, jobs: int = 1, stderr=None) -> dict:
+           top: int = DEFAULT_TOP, jobs: int = 1, stderr=None, virtual_stages=None, fixed=None) -> dict:
     """Search the layouts of ``path``'s model on ``gpus`` x ``gpu`` for ``global_batch``
     sequences a step; the plan as INTERFACE's JSON (plus ``candidates``: every priced row,
-    for the HTML chart). AuditError on a model the plan cannot search."""
+    for the HTML chart). ``virtual_stages`` and ``fixed`` narrow or widen the space
+    (:func:`.space.enumerate_space`). AuditError on a model the plan cannot search."""
     t0 = time.perf_counter()
     part = get_gpu(gpu)
     limit = max_memory * part.memory_bytes
     facts = probe(path, entry)
     warm()
     space = enumerate_space(facts, gpus, global_batch, dims, checkpointing, schedules, precision, kernels,
-                            part.gpus_per_node)
+                            part.gpus_per_node, virtual_stages, fixed)
     rejected = Counter(space.rejected)
     work = [(path, entry, gpu, gpus, chain, limit) for chain in chains(space.candidates, facts)]
     counts = Counter()

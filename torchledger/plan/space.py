@@ -132,15 +132,22 @@ def mesh_problems(facts: ModelFacts, dims: dict, gpus_per_node: int) -> list:
 
 def enumerate_space(facts: ModelFacts, gpus: int, global_batch: int, dims=DEFAULT_DIMS,
                     checkpointing=DEFAULT_CHECKPOINTING, schedules=DEFAULT_SCHEDULES,
-                    precision: str = "bf16-mixed", kernels: str = "eager", gpus_per_node: int = 8) -> Space:
+                    precision: str = "bf16-mixed", kernels: str = "eager", gpus_per_node: int = 8,
+                    virtual_stages=None, fixed=None) -> Space:
     """Every candidate layout of ``gpus`` GPUs for ``global_batch`` sequences a step, and the
     rejected ones counted by reason (a mesh's first problem, once per mesh; a schedule's,
-    once per mesh and micro-batch split)."""
+    once per mesh and micro-batch split). ``virtual_stages``: the model chunks a pipeline
+    rank the interleaved schedule tries (default 2 to :data:`MAX_VIRTUAL_STAGES`); ``fixed``:
+    {dimension: size} held at that size (a narrower search; the other meshes are not
+    candidates and not counted as rejected)."""
     check_choices(dims, checkpointing, schedules, precision, kernels)
+    check_fixed(dims, fixed, virtual_stages)
     names = [n for n in DIM_ORDER if n in dims]
     space = Space()
     for shape in factorisations(gpus, len(names)):
         sizes = dict(zip(names, shape))
+        if any(sizes[n] != k for n, k in (fixed or {}).items()):
+            continue
         problems = mesh_problems(facts, sizes, gpus_per_node)
         if problems:
             space.rejected[problems[0]] += 1
@@ -152,11 +159,11 @@ def enumerate_space(facts: ModelFacts, gpus: int, global_batch: int, dims=DEFAUL
         per_rank = global_batch // d
         for b in [x for x in range(1, per_rank + 1) if per_rank % x == 0]:
             _add_splits(space, facts, tuple(sizes.items()), b, per_rank // b, checkpointing, schedules,
-                        precision, kernels)
+                        precision, kernels, virtual_stages)
     return space
 
 
-def _add_splits(space, facts, dims, b, m, checkpointing, schedules, precision, kernels) -> None:
+def _add_splits(space, facts, dims, b, m, checkpointing, schedules, precision, kernels, virtual_stages=None) -> None:
     """The candidates of one mesh at micro-batch size ``b`` and ``m`` micro-batches."""
     pp = dict(dims).get("pp", 1)
     if pp == 1:
@@ -165,7 +172,8 @@ def _add_splits(space, facts, dims, b, m, checkpointing, schedules, precision, k
         runs = []
         for schedule in schedules:
             if schedule == "interleaved":
-                stages = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if facts.blocks % (pp * v) == 0]
+                tried = virtual_stages or range(2, MAX_VIRTUAL_STAGES + 1)
+                stages = [v for v in tried if facts.blocks % (pp * v) == 0]
                 if not stages:
                     space.rejected[f"interleaved needs pp x virtual stages dividing the blocks "
                                    f"({facts.blocks})"] += 1
@@ -200,3 +208,16 @@ def check_choices(dims, checkpointing, schedules, precision, kernels) -> None:
                              f"{','.join(map(str, given)) or 'nothing'}")
         if len(set(given)) != len(given):
             raise ValueError(f"{flag}: {','.join(given)} names one twice; give each once")
+
+
+def check_fixed(dims, fixed, virtual_stages) -> None:
+    """ValueError (one line) on a held dimension that is not searched or a size below 1, or a
+    virtual stage count below 2."""
+    for name, size in (fixed or {}).items():
+        if name not in dims or not isinstance(size, int) or size < 1:
+            raise ValueError(f"fixed: expected {{dimension: size}} with dimensions from {','.join(dims)} and "
+                             f"sizes >= 1, got {name}={size}")
+    bad = [v for v in (virtual_stages or ()) if not isinstance(v, int) or v < 2]
+    if bad:
+        raise ValueError(f"virtual_stages: expected model chunks a pipeline rank of 2 or more, got "
+                         f"{','.join(map(str, bad))}")
