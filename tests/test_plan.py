@@ -198,6 +198,8 @@ def test_versus_best_from_the_numbers():
     # compute a hair more by rounding) and the recomputation, the more specific, is named
     row = dict(best, step_seconds=1.23, recompute_seconds=0.2272264969, compute_seconds=0.8 + 0.2272264970)
     assert versus_best(row, best) == "+23%: recomputation 227 ms, the best has none"
+    # a faster row (one that does not fit, set beside the best that does): a minus, not "+-"
+    assert versus_best(dict(best, step_seconds=0.98), best) == "-2%: no part larger than the best's"
 
 
 def test_frontier_by_hand():

@@ -133,7 +133,7 @@ def versus_best(row: dict, best: dict) -> str:
     if row is best:
         return "best"
     extra = row["step_seconds"] / best["step_seconds"] - 1 if best["step_seconds"] else 0.0
-    head = f"+{extra:.0%}" if extra >= 0.005 else f"+{extra:.1%}"
+    head = f"{extra:+.0%}" if abs(extra) >= 0.005 else f"{extra:+.1%}"     # a faster row: "-2%"
     growth = [row.get(k, 0.0) - best.get(k, 0.0) for k, _ in PARTS]
     # the first part within 1% of the largest growth: recomputation (a share of the compute)
     # is named before the compute it grew, whichever rounding left a hair larger
