@@ -162,7 +162,7 @@ def test_rejected_by_reason_heads_not_divisible_by_three(tmp_path):
     # dp=3,tp=2: b 1, 2 (6 / 3 = 2 sequences a rank); dp=6,tp=1: b 1
     assert sorted((p["mesh"], p["micro_batch_size"]) for p in got["plans"]) == [
         ("dp=3,tp=2", 1), ("dp=3,tp=2", 2), ("dp=6,tp=1", 1)]
-    assert got["searched"] == 5 and got["traced"] == 3
+    assert got["searched"] == 5 and got["traced"] == 3 and got["composed"] == 3    # 2 blocks: traced whole
     # the JSON names of INTERFACE's "Plan"
     assert {"plans", "rejected", "searched", "traced", "seconds"} <= set(got)
     assert {"mesh", "virtual_stages", "micro_batch_size", "micro_batches", "checkpointing", "precision", "kernels",
@@ -178,7 +178,7 @@ def test_nothing_fits_exit_1_and_larger_micro_batches_not_traced(tmp_path):
                                                    "--max-memory", "0.000001", "--format", "json"])
     assert out.exit_code == 1, out.stderr
     got = json.loads(out.stdout)
-    assert got["traced"] == 1
+    assert got["traced"] == 1 and got["composed"] == 1
     assert got["rejected"] == {"does not fit 1e-06 of H100 SXM's memory": 1,
                                "does not fit: a smaller micro-batch of the layout did not (not traced)": 2}
     assert [p["fits"] for p in got["plans"]] == [False]
@@ -260,7 +260,7 @@ def _result(plans_fit=True):
            "step_seconds": 0.5, "tokens_per_s_per_gpu": 1000.0, "mfu": 0.4, "peak_bytes": 3 * 2 ** 30,
            "peak_rank": 0, "fits": plans_fit, "versus_best": "best", "audit_args": ["--mesh", "dp=2,tp=1"]}
     return {"plans": [row], "candidates": [row], "rejected": {"attention heads 4 not divisible by tp=3": 1},
-            "searched": 2, "traced": 1, "seconds": 1.0, "file": "m.py", "gpu": "H100 SXM", "gpu_flag": "h100",
+            "searched": 2, "traced": 3, "composed": 1, "seconds": 1.0, "file": "m.py", "gpu": "H100 SXM", "gpu_flag": "h100",
             "gpus": 2, "global_batch": 4, "memory_limit_bytes": 2 * 2 ** 30 if not plans_fit else 72 * 10 ** 9}
 
 
@@ -276,6 +276,7 @@ def test_every_format_renders(fmt):
             assert text.count("<svg") == 1 and "memory limit" in text
         if fmt == "table":
             assert "3.0 GiB" in text and "attention heads 4 not divisible by tp=3" in text
+            assert "searched 2 layouts, priced 1 from 3 traces, in 1 s" in text
             if not fits:      # 3 GiB against a 2 GiB limit: 1 GiB over
                 assert "1.0 GiB over the limit" in text
 

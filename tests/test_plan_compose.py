@@ -143,7 +143,10 @@ def test_rows_priced_per_block_match_audit(tmp_path, monkeypatch):
     assert out.exit_code == 0, out.stderr
     got = json.loads(out.stdout)
     per_block = [p for p in got["plans"] if p.get("blocks_traced")]
-    assert all(p["blocks_traced"] == [3, 4, 5] for p in per_block)
+    assert all(p["blocks_traced"] == [3, 4, 5] and p["bound"] is None for p in per_block)
+    # every candidate fits the tiny model: each priced one is a plan; a per-block group ran 3
+    # (or 4) audits, a whole one 1
+    assert got["composed"] == len(got["plans"]) and got["traced"] > got["composed"]
     pipelined = [p for p in per_block if p["schedule"]]
     assert per_block and pipelined
     whole = [p for p in got["plans"] if p["mesh"] == "pp=2,dp=2,tp=1" and p["micro_batch_size"] == 2

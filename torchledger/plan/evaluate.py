@@ -159,9 +159,9 @@ def price_group(path: str, entry: str, gpu: str, gpus: int, group: list, depth: 
     k0, k1, k2, K = depth
     chunks = group[0].size("pp") * group[0].virtual_stages
     first, low, high = (_priced_at(path, entry, gpu, gpus, group, k * chunks) for k in (k0, k1, k2))
-    out = [extrapolate(a, b, k1, k2, K) for a, b in zip(low, high)]
     if any(off_line(c, a, b, k0, k1, k2, K) for c, a, b in zip(first, low, high)):
         return _priced_at(path, entry, gpu, gpus, group, None)
+    out = [extrapolate(a, b, k1, k2, K) for a, b in zip(low, high)]
     for row in out:
         row["blocks_traced"] = [k0, k1, k2]
         row["bound"] = None         # the short trace's shares are not the model's
