@@ -230,3 +230,42 @@ def test_selective_attention_recomputes_the_attention_core_only(tmp_path):
     assert d["meta"]["audit"]["kernels"] == "te"
     res, none = _audit(tmp_path, "--checkpointing", "none")
     assert d["totals"]["activation_bytes"] < none["totals"]["activation_bytes"]
+
+
+@pytest.mark.parametrize("precision", ["bf16-params", "bf16-mixed"])
+def test_distributed_optimizer_splits_masters_and_state_over_the_replicas(tmp_path, precision):
+    """--kernels te with dp_replicate: Megatron's distributed optimizer. Each replica's optimizer
+    holds the first ceil(n/4) elements of every parameter: fp32 master shards of 16-bit weights
+    (4 + 16/d bytes a parameter), or views of fp32 weights (8 + 8/d), never the whole state."""
+    flags = ("--gpu", "h100", "--world-size", "4", "--mesh", "dp_replicate=4", "--precision", precision)
+    res, d = _audit(tmp_path, *flags, "--kernels", "te")
+    assert res.exit_code in (0, 1), res.output
+    res, whole = _audit(tmp_path, *flags)
+    assert res.exit_code in (0, 1), res.output
+    n = d["totals"]["trainable_params"]
+    opt = d["optimizer"]
+    assert opt["shards"] == 4 and "shards" not in whole["optimizer"]
+    k = next(e for e in opt["state"] if e["key"] == "exp_avg")["tensors"]
+    shard = next(e for e in opt["state"] if e["key"] == "exp_avg")["numel"]
+    assert n / 4 <= shard <= n / 4 + k              # each tensor's ceil(n_i / 4)
+    assert opt["params"] == shard
+    assert next(e for e in whole["optimizer"]["state"] if e["key"] == "exp_avg")["numel"] == n
+    # the weights and their gradients stay whole on every replica
+    assert d["totals"]["param_bytes"] == whole["totals"]["param_bytes"]
+    if precision == "bf16-params":
+        assert opt["master_weight_bytes"] == 4 * shard and whole["optimizer"]["master_weight_bytes"] == 4 * n
+    else:
+        assert opt["master_weight_bytes"] == 0      # the fp32 weights are their own masters
+    row = next(c for c in d["predictions"]["comparisons"] if c["quantity"].startswith("static bytes"))
+    assert abs(row["ratio"] - 1) < 0.001 and "distributed optimizer splits" in row["explanation"]
+    assert d["totals"]["peak_bytes"] < whole["totals"]["peak_bytes"]
+    assert any("distributed optimizer" in line for line in d["meta"]["audit"]["plan"])
+    # the traced step ran 1/4 of the update: priced as traced, not divided again (a record
+    # without ``optimizer.shards``, traced whole, is the one the pricing divides)
+    from torchledger.record.core import StepRecord
+    from torchledger.steptime.predict import predict_step_time
+    rec = StepRecord.from_dict(d)
+    split = predict_step_time(rec, "h100")["by_phase"]["optimizer"]
+    assert split == pytest.approx(d["predictions"]["step_time"]["by_phase"]["optimizer"], rel=1e-9)
+    del rec.optimizer["shards"]
+    assert predict_step_time(rec, "h100")["by_phase"]["optimizer"] == pytest.approx(split / 4, rel=1e-9)

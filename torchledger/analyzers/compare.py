@@ -239,7 +239,7 @@ def _predict_static(record) -> dict:
     sm = static_memory(t["trainable_params"], opt["kind"], opt["precision"], gpus=gpus, zero=zero)
     frozen = _frozen_params(t) * bytes_per_param(opt["kind"], opt["precision"])["params"]
     layout = t.get("layout") or {}
-    if layout.get("params") and (gpus > 1 or _tp(t) > 1 or layout.get("tp", 1) > 1):
+    if layout.get("params") and (gpus > 1 or _tp(t) > 1 or layout.get("tp", 1) > 1 or int(opt.get("shards") or 1) > 1):
         # the mesh as PyTorch laid it out: each parameter's shard on this rank (TP's split,
         # then FSDP2's padded dim 0), x bytes per parameter; replicate groups divide nothing
         out["static_bytes"], out["static_bytes_layout"] = layout_static(layout, opt)

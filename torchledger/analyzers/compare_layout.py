@@ -16,9 +16,13 @@ __all__ = ["layout_static", "layout_text", "sequence_parallel", "korthikanti_lay
 def layout_static(layout: dict, opt: dict) -> tuple:
     """(bytes, detail): each parameter's shard on this rank (TP's split, then FSDP2's padded
     dim 0) x the optimizer x precision bytes per parameter; replicate groups divide nothing."""
+    shards = int(opt.get("shards") or 1)
     ref = static_bytes_per_rank(layout["params"], opt["kind"], opt["precision"],
-                                tp_rank=int(layout.get("tp_rank") or 0), shard_rank=int(layout.get("shard_rank") or 0))
+                                tp_rank=int(layout.get("tp_rank") or 0), shard_rank=int(layout.get("shard_rank") or 0),
+                                optimizer_shards=shards)
     detail = {k: layout.get(k, 1) for k in ("shard_group", "replicate_group", "tp")}
+    if shards > 1:
+        detail["optimizer_shards"] = shards
     detail.update(numel=ref["numel"], numel_unpadded=round(ref["numel_unpadded"]))
     return ref["bytes"], detail
 
@@ -34,8 +38,13 @@ def layout_text(lay: dict) -> str:
                                                         if r > 1 else ""))
     elif r > 1:
         parts.append(f"replicated on each of {r} ranks (DDP: nothing divided)")
+    if lay.get("optimizer_shards", 1) > 1:
+        d = lay["optimizer_shards"]
+        parts.append(f"the distributed optimizer splits the master weights and optimizer state over {d} "
+                     f"replicas (each rank's 1/{d}; weights and gradients whole)")
     pad = lay["numel"] - lay["numel_unpadded"]
-    return ("; this rank's shares: " + ", ".join(parts) + f": {lay['numel']:,} params on this rank"
+    return ("; this rank's shares: " + "".join(f"{', '.join(parts)}: " for _ in parts[:1])
+            + f"{lay['numel']:,} params on this rank"
             + (f" ({pad:,} of them padding: FSDP2 pads dim 0 to a multiple of {s}, rank 0 holds "
                f"the ceil)" if pad > 0 and s > 1 else "")
             + (f" (uneven splits: rank 0 holds the ceil, {pad:,} params above an even split)"

@@ -459,6 +459,8 @@ class _StageRunner:
         # ``output_chunks``: the logits, held until the next step starts)
         self.recv_bytes, self.grad_recv_bytes, self.output_bytes = {}, {}, 0
         self.outputs = []
+        # Megatron's schedule (--kernels te) keeps each micro-batch's loss, not its logits
+        self.keep_outputs = layout.kernels != "te"
         self.tied, self.tied_ranks, self.tied_bytes = None, None, 0
 
     def tie(self, fqn: str, ranks: list) -> None:
@@ -564,8 +566,9 @@ class _StageRunner:
         model, dec = self.model, self.dec
         from ..tracer.memory import tensor_bytes
         logits = dec.module(model, dec.head)(dec.module(model, dec.norm)(x))
-        self.outputs.append(logits)         # PipelineStage's output_chunks
-        self.output_bytes = tensor_bytes(logits)
+        if self.keep_outputs:
+            self.outputs.append(logits)     # PipelineStage's output_chunks
+            self.output_bytes = tensor_bytes(logits)
         idx = self._ids()
         targets = self._targets(idx)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
@@ -709,7 +712,9 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
     ones' after it. Beside it: the other chunk-micro-batches in flight (each chunk's own
     activations: the head's chunk keeps its loss's too, GPipe m of them), and what PyTorch's
     ``PipelineStage`` keeps: the last chunk's output of every micro-batch run so far
-    (``output_chunks``, until the next step), the other chunks' outputs in flight (its
+    (``output_chunks``, until the next step; none under ``--kernels te``: Megatron's schedule
+    keeps each micro-batch's loss, its logits freed once the loss is computed, and
+    ``meta["output_bytes"]`` is 0), the other chunks' outputs in flight (its
     ``fwd_cache``, until their backward), and m receive buffers of the activation per
     chunk but the first (allocated once, for every micro-batch; those in flight are their
     first block's saved input, in the activations already) and m of the output's gradient per

@@ -197,7 +197,7 @@ def sharded_numel(shape, *, tp: int = 1, tp_dim: int = -1, shard_group: int = 1,
 
 
 def static_bytes_per_rank(params, optimizer: str = "adamw", precision: str = "fp32", *,
-                          tp_rank: int = 0, shard_rank: int = 0) -> dict:
+                          tp_rank: int = 0, shard_rank: int = 0, optimizer_shards: int = 1) -> dict:
     """Static bytes (params + grads + master + optimizer state) on rank 0 of a mesh, from
     ``params`` rows ``(shape, tp, tp_dim, shard_group, replicate_group, trainable, ..., count)``
     (``totals.layout["params"]``): each row's :func:`sharded_numel` x the bytes per parameter
@@ -206,11 +206,23 @@ def static_bytes_per_rank(params, optimizer: str = "adamw", precision: str = "fp
     ``{"bytes", "numel", "numel_unpadded"}``: ``numel`` the padded shards,
     ``numel_unpadded`` the same split as if every dim divided (global numel / (tp x s)).
 
+    ``optimizer_shards`` d > 1 (Megatron's distributed optimizer): the master and optimizer
+    bytes of each shard over d ranks (its first ceil(n/d) elements), the weight and gradient
+    bytes whole.
+
     >>> static_bytes_per_rank([((130, 64), 1, -1, 8, 1, True, 1)])["bytes"]   # 17*64 x 16
     17408
+    >>> static_bytes_per_rank([((10, 3), 1, -1, 1, 4, True, 1)], precision="mixed",
+    ...                       optimizer_shards=4)["bytes"]                   # 30 x 4 + 8 x 12
+    216
     """
+    if not isinstance(optimizer_shards, int) or optimizer_shards < 1:
+        raise ValueError(f"optimizer_shards must be a whole number >= 1, got {optimizer_shards!r}")
     per = bytes_per_param(optimizer, precision)
+    whole_part = per["params"] + per["grads"]
     trained, frozen = sum(per.values()), per["params"]
+    if optimizer_shards > 1:
+        trained = whole_part
     out = {"bytes": 0, "numel": 0, "numel_unpadded": 0.0}
     for row in params:
         shape, tp, tp_dim, s, trainable, count = row[0], row[1], row[2], row[3], row[5], row[-1]
@@ -222,6 +234,9 @@ def static_bytes_per_rank(params, optimizer: str = "adamw", precision: str = "fp
         out["numel"] += n
         out["numel_unpadded"] += whole * count / (max(tp, 1) * max(s, 1))
         out["bytes"] += n * (trained if trainable else frozen)
+        if trainable and optimizer_shards > 1:
+            part = -(-(n // count) // optimizer_shards) * count
+            out["bytes"] += part * (per["master"] + per["optimizer"])
     return out
 
 

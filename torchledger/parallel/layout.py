@@ -162,6 +162,14 @@ class Layout:
         return self.size("pp") > 1
 
     @property
+    def optimizer_shards(self) -> int:
+        """Ranks the optimizer's state is split over, each updating its own part: Megatron's
+        distributed optimizer (ZeRO-1, which ``--kernels te`` describes) over the replicated
+        data-parallel ranks (``dp_replicate``; FSDP's ``dp`` already shards the weights); 1
+        otherwise."""
+        return self.size("dp_replicate") if self.kernels == "te" else 1
+
+    @property
     def dp_degree(self) -> int:
         """Data-parallel ranks (each its own batch): dp x dp_replicate x ep."""
         return self.size("dp") * self.size("dp_replicate") * self.size("ep")

@@ -55,6 +55,7 @@ from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, sha
                      top_k, use_balanced_experts)
 from .hf_mla import (fused_attention, is_latent_attention, latent_tp_plan, sum_rotary_key_grads,
                      use_fused_latent_attention)
+from ..tracer.memory import OPTIMIZER_SHARDS_ATTR
 from .layout import PARAMS_16
 
 __all__ = ["DDP_BUCKET_CAP_MB", "PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "make_optimizer"]
@@ -100,6 +101,8 @@ class Decoder:
     attention: str = "mha"
     """``mha`` (q/k/v/o projections, grouped or not) or ``mla`` (DeepSeek's multi-head latent
     attention: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)."""
+    pos_embed: Optional[str] = None
+    """FQN of a learned position table added to the token embeddings (GPT-2/3's), or None."""
 
     def module(self, model, fqn: str):
         return model.get_submodule(fqn) if fqn else model
@@ -115,7 +118,7 @@ def find_decoder(model) -> Optional[Decoder]:
         cfg = model.config
         return Decoder("torchledger", model.blocks, "blocks", "attn", "mlp", ("attn_norm", "mlp_norm"),
                        cfg.gated, "tok_emb", "norm", "lm_head", cfg.n_heads, cfg.n_kv_heads,
-                       cfg.d_ff, sequence_parallel=not cfg.n_positions)
+                       cfg.d_ff, sequence_parallel=True, pos_embed="pos_emb" if cfg.n_positions else None)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     head = getattr(model, "lm_head", None)
@@ -203,7 +206,12 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
             sum_rotary_key_grads(attn, tp_mesh)
     if sp:
         root = {}
+        # a learned position table: its rows split like the token table's, each rank's T/tp
+        # positions reduce-scattered (Shard(0) of the (T, d) lookup), added to its T/tp tokens
+        pos = ((dec.pos_embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))),) \
+            if dec.pos_embed else ()
         for fqn, style in ((dec.embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))),
+                           *pos,
                            (dec.norm, SequenceParallel()),
                            (dec.head, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))):
             if not _is_placeholder(dec.module(model, fqn)):
@@ -211,7 +219,8 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
         if root:
             parallelize_module(model, tp_mesh, root)
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block, "
-                     f"sequence parallel (norms SequenceParallel; embedding, head sharded)")
+                     f"sequence parallel (norms SequenceParallel; embedding"
+                     + (", learned positions" if dec.pos_embed else "") + ", head sharded)")
     elif dec.attention == "mla":
         notes.append(f"tp={n}: latent attention's q (q_proj or q_b_proj) and kv_b_proj ColwiseParallel, o_proj "
                      f"RowwiseParallel, q_a_proj and kv_a_proj_with_mqa whole on every rank (the rotary "
@@ -219,7 +228,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
                      f"(no sequence parallelism: a Hugging Face decoder)")
     else:
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
-                     f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
+                     f"(no sequence parallelism: a Hugging Face decoder)")
 
 
 def _attention_tp_plan(dec: Decoder, blocks, sp: bool) -> dict:
@@ -566,11 +575,23 @@ def make_optimizer(factory, model, layout):
     weights (:data:`~.layout.PARAMS_16`) ``factory`` over fp32 master copies of them, as
     Megatron's mixed precision runs: the step casts each 16-bit gradient to an fp32 one on the
     master (freeing the 16-bit one), updates the masters and copies them back into the
-    weights; the copies are the optimizer phase's ops."""
+    weights; the copies are the optimizer phase's ops.
+
+    Under Megatron's distributed optimizer (``layout.optimizer_shards`` d > 1: ``--kernels te``
+    with ``dp_replicate``) each rank's optimizer holds 1/d of every parameter (its first
+    ceil(n/d) elements, the fullest rank's share): fp32 master shards of 16-bit weights, or
+    views of fp32 weights (their moments sharded, the weights and gradients whole), Megatron's
+    "4 + 16/d" and "8 + 8/d" bytes a parameter. The gradients' reduce-scatter and the weights'
+    all-gather carry the bytes of the all-reduce the replicas already run (not traced twice)."""
     import torch
     params = list(model.parameters())
     sixteen = (torch.bfloat16, torch.float16)
-    if layout is None or layout.precision not in PARAMS_16 or not any(q.dtype in sixteen for q in params):
+    shards = layout.optimizer_shards if layout is not None else 1
+    masters16 = (layout is not None and layout.precision in PARAMS_16
+                 and any(q.dtype in sixteen for q in params))
+    if shards > 1:
+        return _sharded_optimizer(factory, params, shards, masters16)
+    if not masters16:
         return factory(params)      # (a model file's own plan that kept fp32 weights: no masters)
     masters = [q.detach().float().requires_grad_(q.requires_grad) for q in params]
     opt = factory(masters)
@@ -589,6 +610,50 @@ def make_optimizer(factory, model, layout):
 
     opt.register_step_pre_hook(grads_to_masters)
     opt.register_step_post_hook(masters_to_weights)
+    return opt
+
+
+def _flat_local(t):
+    """``t``'s elements on this rank as one flat view (a DTensor's local shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.view(-1) if local.is_contiguous() else local.reshape(-1)
+
+
+def _sharded_optimizer(factory, params, shards: int, masters16: bool):
+    """:func:`make_optimizer` under the distributed optimizer: ``factory`` over this rank's
+    1/``shards`` of every trainable parameter."""
+    import torch
+    trained = [q for q in params if q.requires_grad]
+    pairs = []
+    for q in trained:
+        flat = _flat_local(q.detach())
+        part = flat[:-(-flat.numel() // shards)]
+        if masters16 and q.dtype in (torch.bfloat16, torch.float16):
+            pairs.append((q, part.float().requires_grad_(), True))
+        else:
+            pairs.append((q, part.requires_grad_(), False))      # a view: the weight itself
+    opt = factory([m for _, m, _ in pairs])
+
+    def grads_to_shards(optimizer, args, kwargs):
+        for q, m, copy in pairs:
+            if q.grad is None:
+                m.grad = None
+                continue
+            g = _flat_local(q.grad)[:m.numel()]
+            m.grad = g.float() if copy else g
+            if copy:
+                q.grad = None
+
+    def shards_to_weights(optimizer, args, kwargs):
+        with torch.no_grad():
+            for q, m, copy in pairs:
+                if copy:
+                    _flat_local(q.detach())[:m.numel()].copy_(m)
+                m.grad = None
+
+    opt.register_step_pre_hook(grads_to_shards)
+    opt.register_step_post_hook(shards_to_weights)
+    setattr(opt, OPTIMIZER_SHARDS_ATTR, shards)
     return opt
 
 
@@ -776,6 +841,10 @@ def _apply_precision(model, layout, notes: list) -> None:
                      f"master weights and optimizer state (Megatron's mixed precision)"
                      + ("; the blocks' GEMMs priced in fp8 (Transformer Engine), traced in bf16"
                         if layout.precision == "fp8" else ""))
+    d = layout.optimizer_shards
+    if d > 1:
+        notes.append(f"distributed optimizer (Megatron's, --kernels te): the master weights and optimizer state "
+                     f"split over the {d} dp_replicate ranks, each updating its 1/{d} of every parameter")
 
 
 def _apply_model_parallel(model, dec, chosen, mesh, layout, notes: list, pipelined: bool):

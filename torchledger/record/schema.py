@@ -277,7 +277,7 @@ MEMORY = _Obj({"timeline": _List(TIMELINE_ROW), "categories": _List(STR), "note"
               after=_categories_not_phase)
 OPTIMIZER = _Obj({"names": _List(STR), "kind": OPT_STR, "precision": OPT_STR, "state": _List(_Obj()),
                   "state_bytes": COUNT, "params": COUNT, "bytes_per_param": _Null(NONNEG),
-                  "master_weight_bytes": COUNT, "note": OPT_STR})
+                  "master_weight_bytes": COUNT, "shards": _Count(1), "note": OPT_STR})
 
 RECORD = _Obj({"schema": STR, "conventions": _Obj(), "meta": META, "totals": TOTALS,
                "predictions": PREDICTIONS, "modules": _List(MODULE), "ops": _List(OP),

@@ -349,8 +349,12 @@ def _pricing(rec, gpu, opts: dict) -> dict:
     # fp8 GEMMs where the part has fp8 tensor cores (Hopper, Blackwell); elsewhere they run 16-bit
     fp8_asked = audit.get("precision") == "fp8"
     # Megatron's distributed optimizer (ZeRO-1) under te: each data-parallel replica updates
-    # 1/d of the parameters (its shard of the fp32 masters and moments)
-    zero1 = max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1
+    # 1/d of the parameters (its shard of the fp32 masters and moments). A step traced with it
+    # (``optimizer.shards``: the standard plan's) already ran 1/d of the update; an older
+    # record's full update is divided here
+    shards = int((rec.optimizer or {}).get("shards") or 1) if isinstance(rec.optimizer, dict) else 1
+    zero1 = shards if shards > 1 else (
+        max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1)
     pipe = t.get("pipeline") if isinstance(t.get("pipeline"), dict) else None
     # a pipeline audit's composed stage (``per_stage``): its ops are one micro-step's, its
     # totals and collectives the whole step's (m micro-steps, each row with ``micro_steps``)
@@ -362,7 +366,7 @@ def _pricing(rec, gpu, opts: dict) -> dict:
     return {"gpu": gpu, "eff": eff, "dtype": _dtype_of(rec), "cp": _cp_of(t),
             "fp8": fp8_asked and bool(gpu.peak_flops.get("fp8")), "fp8_asked": fp8_asked, "te": te,
             "kernels": kernels, "compiled": compiled and fusion_known, "fusion_known": fusion_known,
-            "unfusable": compiled and not fusion_known, "zero1": zero1, "pipe": pipe, "composed": composed,
+            "unfusable": compiled and not fusion_known, "zero1": zero1, "zero1_traced": shards > 1, "pipe": pipe, "composed": composed,
             "micro": micro}
 
 
@@ -685,7 +689,7 @@ def _price_row(row, phase, p) -> tuple:
         row, casts = fp8_row(row)
     fuse = p["compiled"] and (phase in ("forward", "backward", "recompute") or (p["te"] and phase == "optimizer"))
     got = op_seconds(row, p["gpu"], p["eff"], p["dtype"], fuse, p["cp"])
-    if phase == "optimizer" and p["zero1"] > 1:
+    if phase == "optimizer" and p["zero1"] > 1 and not p["zero1_traced"]:
         got = {k: (v / p["zero1"] if isinstance(v, float) else v) for k, v in got.items()}
     cast_s = st.memory_seconds(casts, p["gpu"], p["eff"], floor=False) if casts else 0.0
     return row, got, fuse, cast_s

@@ -10,7 +10,8 @@ import torch
 from ..record import TOKENS_GIVEN, StepRecord
 from .phases import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
 from .flops_attention import score_recompute_flops
-from .memory import ACT, ALL_CATEGORIES, CATEGORIES, GRAD, UNSHARDED, state_tensors, tensor_bytes
+from .memory import (ACT, ALL_CATEGORIES, CATEGORIES, GRAD, OPTIMIZER_SHARDS_ATTR, UNSHARDED, state_tensors,
+                     tensor_bytes)
 from .modules import NO_MODULE
 from .ranks import rank_totals
 from .segments import op_namer, op_segments
@@ -464,8 +465,10 @@ def _optimizer_summary(optimizers, params) -> dict:
     low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
     names, kinds = [], []
     dtype_names: dict = {}
+    shards = 1
     for opt in optimizers:
         names.append(type(opt).__name__)
+        shards = max(shards, int(getattr(opt, OPTIMIZER_SHARDS_ATTR, 1) or 1))
         kinds.append(_optimizer_kind(opt))
         for group in opt.param_groups:
             for p in group["params"]:
@@ -491,6 +494,7 @@ def _optimizer_summary(optimizers, params) -> dict:
             "state_bytes": state_bytes, "params": n_opt_params,
             "bytes_per_param": state_bytes / n_opt_params if n_opt_params else None,
             "master_weight_bytes": master,
+            **({"shards": shards} if shards > 1 else {}),
             "note": "state appears after the optimizer's first step" if not by_key else None}
 
 
