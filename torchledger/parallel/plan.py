@@ -55,7 +55,7 @@ from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, sha
                      top_k, use_balanced_experts)
 from .hf_mla import (fused_attention, is_latent_attention, latent_tp_plan, sum_rotary_key_grads,
                      use_fused_latent_attention)
-from ..tracer.memory import OPTIMIZER_SHARDS_ATTR
+from ..record import OPTIMIZER_SHARDS_ATTR
 from .layout import PARAMS_16
 
 __all__ = ["DDP_BUCKET_CAP_MB", "PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "make_optimizer"]

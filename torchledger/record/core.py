@@ -24,7 +24,7 @@ from .schema import check_record, parse_record
 from .trace import trace_events
 
 __all__ = ["StepRecord", "Finding", "SCHEMA", "CONVENTIONS", "TOKENS_GIVEN", "TOKENS_FROM_SPEC",
-           "SAMPLES_NOT_TOKENS", "counts_samples", "EMPTY_SENTENCE", "is_empty", "as_findings",
+           "SAMPLES_NOT_TOKENS", "OPTIMIZER_SHARDS_ATTR", "counts_samples", "EMPTY_SENTENCE", "is_empty", "as_findings",
            "attention_ran_causal", "matmul_flops_by_dtype", "compute_dtype"]
 
 SCHEMA = "torchledger/1"
@@ -46,6 +46,11 @@ CONVENTIONS = {
 TOKENS_GIVEN = "given"                          # trace(..., tokens=N) / Ledger.step(tokens=N)
 TOKENS_FROM_SPEC = "AuditSpec(tokens=...)"      # the audited file set it
 SAMPLES_NOT_TOKENS = "samples, not tokens"      # in the source when D is a batch of images
+
+#: ``optimizer.shards``: the attribute an optimizer carries when its state is split over that
+#: many ranks, each updating its own part (Megatron's distributed optimizer, as the standard
+#: plan builds it under ``--kernels te``); the tracer reports it.
+OPTIMIZER_SHARDS_ATTR = "torchledger_shards"
 
 
 def counts_samples(totals: dict) -> bool:

@@ -7,11 +7,10 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from ..record import TOKENS_GIVEN, StepRecord
+from ..record import OPTIMIZER_SHARDS_ATTR, TOKENS_GIVEN, StepRecord
 from .phases import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES, RECOMPUTE
 from .flops_attention import score_recompute_flops
-from .memory import (ACT, ALL_CATEGORIES, CATEGORIES, GRAD, OPTIMIZER_SHARDS_ATTR, UNSHARDED, state_tensors,
-                     tensor_bytes)
+from .memory import ACT, ALL_CATEGORIES, CATEGORIES, GRAD, UNSHARDED, state_tensors, tensor_bytes
 from .modules import NO_MODULE
 from .ranks import rank_totals
 from .segments import op_namer, op_segments

@@ -78,11 +78,6 @@ def tensor_bytes(t) -> int:
     return sum(x.nbytes for x in data_tensors(t))
 
 
-#: An optimizer's attribute naming the ranks its state is split over (Megatron's distributed
-#: optimizer as ``parallel.plan.make_optimizer`` builds it): reported as ``optimizer.shards``.
-OPTIMIZER_SHARDS_ATTR = "torchledger_shards"
-
-
 def state_tensors(opt, limit: int = 100_000):
     """(key, tensor) for every tensor in an optimizer's state, also inside lists, tuples and
     dicts (LBFGS keeps its history in lists); each tensor once."""
