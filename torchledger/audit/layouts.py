@@ -11,6 +11,7 @@ from ..record.tokens import infer_tokens
 from .errors import USER_ERRORS, raised, where
 from .spec import AuditError
 from ..parallel.layout import parse_layout
+from ..parallel.megatron_loss import megatron_cross_entropy
 from ..parallel.plan import PlanError, apply_standard_plan, cp_inputs, find_decoder
 from .world import WorldError, resolve_world
 
@@ -153,3 +154,13 @@ def keep_blocks(model, layout, path: str) -> None:
     if n > len(dec.blocks):
         raise AuditError(f"{path}: keeping the first {n} blocks of a decoder of {len(dec.blocks)}")
     del dec.blocks[n:]
+
+
+def step_kernels(layout, applied: dict):
+    """What the step's framework runs in place of PyTorch's functions, entered around the
+    traced step: Megatron's cross-entropy under ``--kernels te``
+    (:mod:`..parallel.megatron_loss`); nothing otherwise. ``applied`` counts what was taken."""
+    import contextlib
+    if layout is not None and layout.kernels == "te":
+        return megatron_cross_entropy(applied)
+    return contextlib.nullcontext()

@@ -69,7 +69,8 @@ from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
 from ..record import StepRecord
 from ..record.tokens import infer_tokens
 from ..render.sarif import spec_location
-from .layouts import batch_part, keep_blocks, standard_plan
+from .layouts import batch_part, keep_blocks, standard_plan, step_kernels
+from ..parallel.megatron_loss import LOSS_NOTE
 from .loading import AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs, stdout_to_stderr
 from .world import WorldError, fake_world
 
@@ -339,11 +340,12 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
         kinds = ["only"] if m == 1 else ["first", "last"] if m == 2 else ["first", "steady", "last"]
         ledger = Ledger(model, optimizer=opt, keep=len(kinds))
         tokens = infer_tokens(inputs)
-        traced = {}
+        traced, applied = {}, {}
         for kind in kinds:
             _fsdp_flags(model, last_micro_batch=kind in ("only", "last"))
             try:
-                with ledger.step(tokens=tokens.tokens, seq_len=tokens.seq_len, tokens_source=tokens.source):
+                with step_kernels(layout, applied), \
+                        ledger.step(tokens=tokens.tokens, seq_len=tokens.seq_len, tokens_source=tokens.source):
                     runner.micro_step(optimizer=opt if kind in ("only", "last") else None)
             except Exception as e:
                 raise AuditError(f"{where(e, path)}: pipeline rank {r}'s micro-step raised "
@@ -352,6 +354,8 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             # the world this rank sits in (the tracer sees the mesh FSDP2 was given)
             traced[kind].totals.update(rank=int(mesh.get_rank()), world_size=int(mesh.size()),
                                        mesh=list(mesh.shape))
+    if applied.get("cross_entropy"):
+        notes = [*notes, LOSS_NOTE]
     block_names = [f"{dec.prefix}.{i}" for i in sorted(keep)]
     # the rank's own sequence length (a cp-th of the spec's under context parallelism), as
     # an audit without pp records it
@@ -571,7 +575,9 @@ class _StageRunner:
             self.output_bytes = tensor_bytes(logits)
         idx = self._ids()
         targets = self._targets(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        flat = logits.reshape(-1, logits.shape[-1])
+        # Megatron's loss (--kernels te, patched in while the step runs) makes its own fp32 copy
+        return F.cross_entropy(flat if not self.keep_outputs else flat.float(), targets.reshape(-1))
 
 
 def _dtype_name(dtype):
