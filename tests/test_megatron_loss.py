@@ -4,7 +4,6 @@ gradients, swapped in only while a te step runs."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
