@@ -101,8 +101,6 @@ class Decoder:
     attention: str = "mha"
     """``mha`` (q/k/v/o projections, grouped or not) or ``mla`` (DeepSeek's multi-head latent
     attention: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)."""
-    pos_embed: Optional[str] = None
-    """FQN of a learned position table added to the token embeddings (GPT-2/3's), or None."""
 
     def module(self, model, fqn: str):
         return model.get_submodule(fqn) if fqn else model
@@ -118,7 +116,7 @@ def find_decoder(model) -> Optional[Decoder]:
         cfg = model.config
         return Decoder("torchledger", model.blocks, "blocks", "attn", "mlp", ("attn_norm", "mlp_norm"),
                        cfg.gated, "tok_emb", "norm", "lm_head", cfg.n_heads, cfg.n_kv_heads,
-                       cfg.d_ff, sequence_parallel=True, pos_embed="pos_emb" if cfg.n_positions else None)
+                       cfg.d_ff, sequence_parallel=not cfg.n_positions)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     head = getattr(model, "lm_head", None)
@@ -206,12 +204,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
             sum_rotary_key_grads(attn, tp_mesh)
     if sp:
         root = {}
-        # a learned position table: its rows split like the token table's, each rank's T/tp
-        # positions reduce-scattered (Shard(0) of the (T, d) lookup), added to its T/tp tokens
-        pos = ((dec.pos_embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))),) \
-            if dec.pos_embed else ()
         for fqn, style in ((dec.embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))),
-                           *pos,
                            (dec.norm, SequenceParallel()),
                            (dec.head, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))):
             if not _is_placeholder(dec.module(model, fqn)):
@@ -219,8 +212,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
         if root:
             parallelize_module(model, tp_mesh, root)
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block, "
-                     f"sequence parallel (norms SequenceParallel; embedding"
-                     + (", learned positions" if dec.pos_embed else "") + ", head sharded)")
+                     f"sequence parallel (norms SequenceParallel; embedding, head sharded)")
     elif dec.attention == "mla":
         notes.append(f"tp={n}: latent attention's q (q_proj or q_b_proj) and kv_b_proj ColwiseParallel, o_proj "
                      f"RowwiseParallel, q_a_proj and kv_a_proj_with_mqa whole on every rank (the rotary "
@@ -228,7 +220,7 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
                      f"(no sequence parallelism: a Hugging Face decoder)")
     else:
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
-                     f"(no sequence parallelism: a Hugging Face decoder)")
+                     f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
 
 
 def _attention_tp_plan(dec: Decoder, blocks, sp: bool) -> dict:
