@@ -724,13 +724,18 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
     ``fwd_cache``, until their backward), and m receive buffers of the activation per
     chunk but the first (allocated once, for every micro-batch; those in flight are their
     first block's saved input, in the activations already) and m of the output's gradient per
-    chunk but the last (the traced micro-step receives its own)."""
+    chunk but the last (the traced micro-step receives its own); under ``--kernels te``
+    Megatron's p2p, which makes a buffer per receive: none beyond those in flight."""
     p, v = layout.size("pp"), layout.virtual_stages
     last_chunk = p * v - 1
     steady = traced.get("steady") or traced.get("first") or traced["only"]
     per_chunk = _chunk_activations(steady, meta, last_chunk)
     out = (meta.get("output_bytes") or 0) if last_chunk in per_chunk else 0
-    grad_buffers = sum((m - 1) * n for n in meta["grad_recv_bytes"].values())
+    # Megatron's p2p (--kernels te) receives each micro-batch into a buffer made for it
+    # (``p2p_communication._communicate``: torch.empty per call), consumed by its forward or
+    # backward: no receive buffers beyond those in flight, which the activations hold already
+    megatron = layout.kernels == "te"
+    grad_buffers = 0 if megatron else sum((m - 1) * n for n in meta["grad_recv_bytes"].values())
     # a chunk's sent output stays in the stage's fwd_cache until its backward: held as long
     # as the micro-batch's activations, though autograd does not save it
     sent = {int(c): n for c, n in meta["grad_recv_bytes"].items()}
@@ -745,8 +750,8 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
         _, live, runs = in_flight_bytes(p, v, m, r, schedule, held, {last_chunk: out},
                                         since_backward=kind in ("steady", "last"))
         extra_act = sum((live.get(c, 0) - 1) * n for c, n in per_chunk.items())
-        buffers = {"activations_received": sum(max(0, m - live.get(int(c), 0)) * n
-                                               for c, n in meta["recv_bytes"].items()),
+        buffers = {"activations_received": 0 if megatron else sum(max(0, m - live.get(int(c), 0)) * n
+                                                                  for c, n in meta["recv_bytes"].items()),
                    "gradients_received": grad_buffers,
                    "outputs_held": max(0, runs.get(last_chunk, 0) - 1) * out +
                    sum(live.get(c, 0) * n for c, n in sent.items())}
