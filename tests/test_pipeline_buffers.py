@@ -96,22 +96,22 @@ def test_1f1b_stage_buffers_by_hand(audited):
 
 
 def test_megatron_stage_keeps_no_receive_buffers_and_no_logits(tmp_path):
-    """--kernels te: Megatron's p2p makes a buffer per receive and its schedule keeps each
-    micro-batch's loss, so beside the activations a stage holds only its sent outputs in
-    flight (fwd_cache's equivalent: Megatron keeps them for the backward's send too)."""
+    """--kernels te: Megatron's p2p makes a buffer per receive, frees each output once sent
+    (deallocate_output_tensor) and its schedule keeps each micro-batch's loss, so beside the
+    activations a stage holds none of PyTorch's PipelineStage buffers."""
     from torchledger.audit.engine import run_audit
     path = write_model(tmp_path, MODEL)
     te = {s["rank"]: s for s in run_audit(path, mesh="pp=2", plan={"micro_batches": M, "kernels": "te"})
           .record.totals["pipeline"]["per_stage"]}
     eager = {s["rank"]: s for s in run_audit(path, mesh="pp=2", plan={"micro_batches": M})
              .record.totals["pipeline"]["per_stage"]}
-    # rank 0: its 2 micro-batches in flight keep their sent output; no gradient buffers (eager: 3)
-    assert te[0]["stage_buffer_bytes"] == {"activations_received": 0, "gradients_received": 0,
-                                           "outputs_held": 2 * ACT}
-    assert eager[0]["stage_buffer_bytes"]["gradients_received"] == (M - 1) * ACT
+    # rank 0: no gradient buffers (eager: 3), no sent outputs (eager: its 2 in flight)
+    assert te[0]["stage_buffer_bytes"] == {"activations_received": 0, "gradients_received": 0, "outputs_held": 0}
+    assert eager[0]["stage_buffer_bytes"] == {"activations_received": 0, "gradients_received": (M - 1) * ACT,
+                                              "outputs_held": 2 * ACT}
     # rank 1: no activation buffers (eager: 3), no logits of earlier micro-batches (eager: 3)
     assert te[1]["stage_buffer_bytes"] == {"activations_received": 0, "gradients_received": 0, "outputs_held": 0}
     assert eager[1]["stage_buffer_bytes"] == {"activations_received": (M - 1) * ACT, "gradients_received": 0,
                                               "outputs_held": (M - 1) * LOGITS}
-    # rank 0 runs no loss: its peak is eager's less the 3 gradient buffers
-    assert te[0]["peak_bytes"] == eager[0]["peak_bytes"] - (M - 1) * ACT
+    # rank 0 runs no loss: its peak is eager's less the 3 gradient buffers and 2 sent outputs
+    assert te[0]["peak_bytes"] == eager[0]["peak_bytes"] - (M - 1) * ACT - 2 * ACT

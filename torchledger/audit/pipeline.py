@@ -724,8 +724,9 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
     ``fwd_cache``, until their backward), and m receive buffers of the activation per
     chunk but the first (allocated once, for every micro-batch; those in flight are their
     first block's saved input, in the activations already) and m of the output's gradient per
-    chunk but the last (the traced micro-step receives its own); under ``--kernels te``
-    Megatron's p2p, which makes a buffer per receive: none beyond those in flight."""
+    chunk but the last (the traced micro-step receives its own). Under ``--kernels te``
+    Megatron's: a buffer made per receive (none beyond those in flight) and each output freed
+    once sent."""
     p, v = layout.size("pp"), layout.virtual_stages
     last_chunk = p * v - 1
     steady = traced.get("steady") or traced.get("first") or traced["only"]
@@ -737,8 +738,10 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
     megatron = layout.kernels == "te"
     grad_buffers = 0 if megatron else sum((m - 1) * n for n in meta["grad_recv_bytes"].values())
     # a chunk's sent output stays in the stage's fwd_cache until its backward: held as long
-    # as the micro-batch's activations, though autograd does not save it
-    sent = {int(c): n for c, n in meta["grad_recv_bytes"].items()}
+    # as the micro-batch's activations, though autograd does not save it. Megatron frees it
+    # once sent (``deallocate_output_tensor``: its .data made a scalar; Megatron-LM and NeMo
+    # set ``deallocate_pipeline_outputs``)
+    sent = {} if megatron else {int(c): n for c, n in meta["grad_recv_bytes"].items()}
     held = {c: n + sent.get(c, 0) for c, n in per_chunk.items()}
     best, by_kind = None, {}
     for kind, rec in traced.items():
