@@ -147,6 +147,16 @@ class MaskFacts:
         self.bool_storages: set = set()
         self._reason = False
 
+    def causal_basis(self, mask, module, model) -> Optional[str]:
+        """The evidence that ``mask``, a boolean mask handed to SDPA by ``module`` of
+        ``model``, is the causal one a GPU run would not build (see the module doc), or None."""
+        try:
+            if self._reason is False:
+                self._reason = causal_lm(model)
+            return _causal_basis(mask, mask.dtype == torch.bool, module, self._reason)
+        except Exception:       # a model whose attributes raise: not taken for the causal one
+            return None
+
     def state(self, func, args, kwargs, module, model):
         """``(basis, mask bytes)`` of a fused attention op called with an explicit mask, None
         without one. ``module`` is the module that ran it, ``model`` the traced model; basis

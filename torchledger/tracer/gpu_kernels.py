@@ -16,6 +16,12 @@ From ``tools/autograd/derivatives.yaml`` and the kernels (PyTorch 2.13):
   bool mask (1 B an element); on CPU the input times a noise tensor of the input's dtype, kept
   (4 B an element in fp32, 2 in bf16). Here: ``native_dropout``. In place, both devices
   multiply by the noise: unchanged.
+- ``F.scaled_dot_product_attention`` given a boolean mask by a causal LM (Hugging Face's
+  ``create_causal_mask``, which cannot read a fake padding mask and so always builds one): on a
+  GPU with no padded token transformers passes no mask and ``is_causal=True``; on CPU SDPA
+  converts the mask to an fp32 copy (T x T a call, 4 B an element) that its kernel keeps for
+  backward. Here, where :meth:`.attn_masks.MaskFacts.causal_basis` takes the mask for the causal
+  one (as the time model prices it): no mask and ``is_causal=True``, queries as many as keys.
 
 The same on both (checked, not changed): ``gelu`` and ``silu`` keep their input,
 ``_softmax``/``_log_softmax`` their output, ``native_layer_norm`` input, mean and rstd (CUDA
@@ -39,6 +45,9 @@ KERNEL_NOTES = {
                 "where CPU's composite keeps fp32 copies)",
     "dropout": "dropout as CUDA's native_dropout (keeps a 1-byte mask, where CPU keeps a noise tensor of "
                "the input's dtype)",
+    "causal_mask": "a causal LM's boolean attention mask passed to SDPA as is_causal=True and no mask, as "
+                   "transformers calls it on a GPU when no token is padded (fake tensors hold no values to "
+                   "check; where CPU's kernel keeps an fp32 copy of the mask, T x T a call)",
 }
 
 
@@ -85,13 +94,37 @@ def _fused_rms_norm_applies(x, weight, fake) -> bool:
             and (x.dim() not in (4, 5) or x.is_contiguous()))     # channels-last: the composite
 
 
-def gpu_kernel_hook(life, ours, applied: dict) -> None:
-    """Patch ``F.rms_norm`` and ``F.dropout`` (through ``life``, undone with the step) to run the
-    CUDA path on fake tensors of the step's thread; ``applied`` counts each substitution."""
+def _causal_call(args, kwargs, fake, where, masks):
+    """(args, kwargs) of an SDPA call whose explicit boolean mask is the causal one a GPU run
+    would not build (``masks.causal_basis``), with no mask and ``is_causal=True``; else None.
+    Queries as many as keys (``is_causal`` aligns top-left: the causal mask only then), fake
+    operands, no scale or GQA argument moved."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    got = dict(zip(names, args))
+    if len(args) > len(names) or any(k in got for k in kwargs):
+        return None
+    got.update(kwargs)
+    mask, q, k = got.get("attn_mask"), got.get("query"), got.get("key")
+    if (mask is None or got.get("is_causal") or getattr(mask, "dtype", None) is not torch.bool
+            or q is None or k is None or q.dim() < 2 or q.shape[-2] != k.shape[-2]
+            or _fake_kind(q, fake) != "plain" or _fake_kind(mask, fake) != "plain"):
+        return None
+    module, model = where()
+    if not masks.causal_basis(mask, module, model):
+        return None
+    got.update(attn_mask=None, is_causal=True)
+    return (), got
+
+
+def gpu_kernel_hook(life, ours, applied: dict, where=None, masks=None) -> None:
+    """Patch ``F.rms_norm``, ``F.dropout`` and, with ``where`` (-> (module, model) running) and
+    ``masks`` (the step's :class:`~.attn_masks.MaskFacts`), ``F.scaled_dot_product_attention``
+    (through ``life``, undone with the step) to run the CUDA path on fake tensors of the
+    step's thread; ``applied`` counts each substitution."""
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensor
 
-    rms_norm, dropout = F.rms_norm, F.dropout
+    rms_norm, dropout, sdpa = F.rms_norm, F.dropout, F.scaled_dot_product_attention
 
     def gpu_rms_norm(input, normalized_shape, weight=None, eps=None):
         if ours() and _fused_rms_norm_applies(input, weight, FakeTensor):
@@ -107,6 +140,20 @@ def gpu_kernel_hook(life, ours, applied: dict) -> None:
             return torch.ops.aten.native_dropout(input, p, True)[0]
         return dropout(input, p, training, inplace)
 
-    for name, new, old in (("rms_norm", gpu_rms_norm, rms_norm), ("dropout", gpu_dropout, dropout)):
-        new.__wrapped__, new.__doc__ = old, old.__doc__
+    def gpu_sdpa(*args, **kwargs):
+        if ours() and where is not None:
+            try:
+                causal = _causal_call(args, kwargs, FakeTensor, where, masks)
+            except Exception:  # noqa: BLE001  (the tracer's own check never fails the user's step)
+                causal = None
+            if causal is not None:
+                applied["causal_mask"] = applied.get("causal_mask", 0) + 1
+                return sdpa(*causal[0], **causal[1])
+        return sdpa(*args, **kwargs)
+
+    for name, new, old in (("rms_norm", gpu_rms_norm, rms_norm), ("dropout", gpu_dropout, dropout),
+                           ("scaled_dot_product_attention", gpu_sdpa, sdpa)):
+        # NB: the original's name too: code that patches F by the function's __name__
+        # (context_parallel's _distribute_function) must find the attribute it replaces
+        new.__wrapped__, new.__doc__, new.__name__, new.__qualname__ = old, old.__doc__, old.__name__, old.__qualname__
         life.patch(F, name, new)

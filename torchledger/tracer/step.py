@@ -156,7 +156,9 @@ class StepTracer:
         self.gpu_kernels = {}
         if self._params and _is_fake(getattr(self._params[0], "_local_tensor", self._params[0])):
             # a fake step (a DTensor's local shard, under a simulated world) describes a GPU run
-            gpu_kernel_hook(life, self._ours, self.gpu_kernels)
+            scope = self.scope
+            gpu_kernel_hook(life, self._ours, self.gpu_kernels,
+                            where=lambda: (scope.module(scope.top), scope.module(0)), masks=self.mode.masks)
         unseen = selective_checkpoint_hook(self.note_saved, life, self._ours)   # SAC's kept outputs
         if unseen:
             self._warn(unseen)
