@@ -258,6 +258,9 @@ def test_distributed_optimizer_splits_masters_and_state_over_the_replicas(tmp_pa
         assert opt["master_weight_bytes"] == 0      # the fp32 weights are their own masters
     row = next(c for c in d["predictions"]["comparisons"] if c["quantity"].startswith("static bytes"))
     assert abs(row["ratio"] - 1) < 0.001 and "distributed optimizer splits" in row["explanation"]
+    # DDP alone divides nothing: the sentence names the params without an empty list before them
+    plain = next(c for c in whole["predictions"]["comparisons"] if c["quantity"].startswith("static bytes"))
+    assert f"this rank's shares: {n:,} params on this rank" in plain["explanation"]
     assert d["totals"]["peak_bytes"] < whole["totals"]["peak_bytes"]
     assert any("distributed optimizer" in line for line in d["meta"]["audit"]["plan"])
     # the traced step ran 1/4 of the update: priced as traced, not divided again (a record

@@ -43,7 +43,7 @@ def layout_text(lay: dict) -> str:
         parts.append(f"the distributed optimizer splits the master weights and optimizer state over {d} "
                      f"replicas (each rank's 1/{d}; weights and gradients whole)")
     pad = lay["numel"] - lay["numel_unpadded"]
-    return ("; this rank's shares: " + "".join(f"{', '.join(parts)}: " for _ in parts[:1])
+    return ("; this rank's shares: " + (", ".join(parts) + ": " if parts else "")
             + f"{lay['numel']:,} params on this rank"
             + (f" ({pad:,} of them padding: FSDP2 pads dim 0 to a multiple of {s}, rank 0 holds "
                f"the ceil)" if pad > 0 and s > 1 else "")

@@ -17,14 +17,13 @@ from typing import Optional
 from ..analyzers.compare import record_predictions
 from ..analyzers.mfu import mfu_totals
 from ..ledger import Ledger
-from ..parallel.megatron_loss import LOSS_NOTE
 from ..parallel.plan import make_optimizer
 from ..record import TOKENS_FROM_SPEC
 from ..record.tokens import infer_tokens, tokens_warning
 from ..render.sarif import spec_location
 from .errors import USER_ERRORS, device_hint, raised, step_error, where
 from .layouts import (accumulated, batch_part, cp_part, keep_blocks, parallelize, resolve, resolve_layout,
-                      standard_plan, step_kernels)
+                      kernel_notes, standard_plan, step_kernels)
 from .loading import (DEVICES, AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs,  # noqa: F401
                       stdout_to_stderr, to_device)
 from .spec import AuditError, as_spec, call_model, pick_loss
@@ -100,8 +99,7 @@ def _run_audit(path, entry, device, steps, peak_flops, timing_steps, world=None,
             warmup = 0
             if device in ("cpu", "cuda"):       # untraced steps time the step for MFU
                 warmup = time_untraced(ledger, step, timing_steps)
-    if applied.get("cross_entropy"):
-        built.plan_notes = [*built.plan_notes, LOSS_NOTE]
+    built.plan_notes = [*built.plan_notes, *kernel_notes(applied)]
     _restore_cwd(cwd)                   # a model file that chdir'd: paths are the user's again
     info = {"file": os.path.relpath(path), "entry": entry, "device": device, "steps": steps,
             "seq_len": built.seq, "spec_line": spec_location(path, entry)[1],   # SARIF points here

@@ -5,13 +5,14 @@ accumulation and rank 0's part of a context-parallel sequence. Every failure is 
 ``AuditError`` (one line)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 from ..record.tokens import infer_tokens
 from .errors import USER_ERRORS, raised, where
 from .spec import AuditError
 from ..parallel.layout import parse_layout
-from ..parallel.megatron_loss import megatron_cross_entropy
+from ..parallel.megatron_loss import LOSS_NOTE, megatron_cross_entropy
 from ..parallel.plan import PlanError, apply_standard_plan, cp_inputs, find_decoder
 from .world import WorldError, resolve_world
 
@@ -160,7 +161,11 @@ def step_kernels(layout, applied: dict):
     """What the step's framework runs in place of PyTorch's functions, entered around the
     traced step: Megatron's cross-entropy under ``--kernels te``
     (:mod:`..parallel.megatron_loss`); nothing otherwise. ``applied`` counts what was taken."""
-    import contextlib
-    if layout is not None and layout.kernels == "te":
+    if layout is not None and layout.megatron:
         return megatron_cross_entropy(applied)
     return contextlib.nullcontext()
+
+
+def kernel_notes(applied: dict) -> list:
+    """The plan notes of what :func:`step_kernels` swapped in and the step took."""
+    return [LOSS_NOTE] if applied.get("cross_entropy") else []

@@ -69,8 +69,7 @@ from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
 from ..record import StepRecord
 from ..record.tokens import infer_tokens
 from ..render.sarif import spec_location
-from .layouts import batch_part, keep_blocks, standard_plan, step_kernels
-from ..parallel.megatron_loss import LOSS_NOTE
+from .layouts import batch_part, keep_blocks, kernel_notes, standard_plan, step_kernels
 from .loading import AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs, stdout_to_stderr
 from .world import WorldError, fake_world
 
@@ -354,8 +353,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             # the world this rank sits in (the tracer sees the mesh FSDP2 was given)
             traced[kind].totals.update(rank=int(mesh.get_rank()), world_size=int(mesh.size()),
                                        mesh=list(mesh.shape))
-    if applied.get("cross_entropy"):
-        notes = [*notes, LOSS_NOTE]
+    notes = [*notes, *kernel_notes(applied)]
     block_names = [f"{dec.prefix}.{i}" for i in sorted(keep)]
     # the rank's own sequence length (a cp-th of the spec's under context parallelism), as
     # an audit without pp records it
@@ -464,7 +462,7 @@ class _StageRunner:
         self.recv_bytes, self.grad_recv_bytes, self.output_bytes = {}, {}, 0
         self.outputs = []
         # Megatron's schedule (--kernels te) keeps each micro-batch's loss, not its logits
-        self.keep_outputs = layout.kernels != "te"
+        self.megatron = layout.megatron
         self.tied, self.tied_ranks, self.tied_bytes = None, None, 0
 
     def tie(self, fqn: str, ranks: list) -> None:
@@ -570,14 +568,14 @@ class _StageRunner:
         model, dec = self.model, self.dec
         from ..tracer.memory import tensor_bytes
         logits = dec.module(model, dec.head)(dec.module(model, dec.norm)(x))
-        if self.keep_outputs:
+        if not self.megatron:
             self.outputs.append(logits)     # PipelineStage's output_chunks
             self.output_bytes = tensor_bytes(logits)
         idx = self._ids()
         targets = self._targets(idx)
         flat = logits.reshape(-1, logits.shape[-1])
         # Megatron's loss (--kernels te, patched in while the step runs) makes its own fp32 copy
-        return F.cross_entropy(flat if not self.keep_outputs else flat.float(), targets.reshape(-1))
+        return F.cross_entropy(flat if self.megatron else flat.float(), targets.reshape(-1))
 
 
 def _dtype_name(dtype):
@@ -735,7 +733,7 @@ def _stage_peak(traced, meta, layout, r, m, schedule, sharded) -> dict:
     # Megatron's p2p (--kernels te) receives each micro-batch into a buffer made for it
     # (``p2p_communication._communicate``: torch.empty per call), consumed by its forward or
     # backward: no receive buffers beyond those in flight, which the activations hold already
-    megatron = layout.kernels == "te"
+    megatron = layout.megatron
     grad_buffers = 0 if megatron else sum((m - 1) * n for n in meta["grad_recv_bytes"].values())
     # a chunk's sent output stays in the stage's fwd_cache until its backward: held as long
     # as the micro-batch's activations, though autograd does not save it. Megatron frees it

@@ -162,12 +162,18 @@ class Layout:
         return self.size("pp") > 1
 
     @property
+    def megatron(self) -> bool:
+        """The step describes a Megatron-Core / NeMo run (``--kernels te``): its distributed
+        optimizer, cross-entropy and pipeline buffers in place of PyTorch's."""
+        return self.kernels == "te"
+
+    @property
     def optimizer_shards(self) -> int:
         """Ranks the optimizer's state is split over, each updating its own part: Megatron's
         distributed optimizer (ZeRO-1, which ``--kernels te`` describes) over the replicated
         data-parallel ranks (``dp_replicate``; FSDP's ``dp`` already shards the weights); 1
         otherwise."""
-        return self.size("dp_replicate") if self.kernels == "te" else 1
+        return self.size("dp_replicate") if self.megatron else 1
 
     @property
     def dp_degree(self) -> int:

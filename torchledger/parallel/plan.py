@@ -581,7 +581,7 @@ def make_optimizer(factory, model, layout):
     shards = layout.optimizer_shards if layout is not None else 1
     masters16 = (layout is not None and layout.precision in PARAMS_16
                  and any(q.dtype in sixteen for q in params))
-    if shards > 1:
+    if shards > 1 and any(q.requires_grad for q in params):
         return _sharded_optimizer(factory, params, shards, masters16)
     if not masters16:
         return factory(params)      # (a model file's own plan that kept fp32 weights: no masters)

@@ -352,7 +352,7 @@ def _pricing(rec, gpu, opts: dict) -> dict:
     # 1/d of the parameters (its shard of the fp32 masters and moments). A step traced with it
     # (``optimizer.shards``: the standard plan's) already ran 1/d of the update; an older
     # record's full update is divided here
-    shards = int((rec.optimizer or {}).get("shards") or 1) if isinstance(rec.optimizer, dict) else 1
+    shards = int(rec.optimizer.get("shards") or 1) if isinstance(rec.optimizer, dict) else 1
     zero1 = shards if shards > 1 else (
         max(int((t.get("parallel_dims") or {}).get("dp_replicate") or 1), 1) if te else 1)
     pipe = t.get("pipeline") if isinstance(t.get("pipeline"), dict) else None

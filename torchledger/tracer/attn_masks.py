@@ -151,11 +151,14 @@ class MaskFacts:
         """The evidence that ``mask``, a boolean mask handed to SDPA by ``module`` of
         ``model``, is the causal one a GPU run would not build (see the module doc), or None."""
         try:
-            if self._reason is False:
-                self._reason = causal_lm(model)
-            return _causal_basis(mask, mask.dtype == torch.bool, module, self._reason)
+            return self._basis(mask, mask.dtype == torch.bool, module, model)
         except Exception:       # a model whose attributes raise: not taken for the causal one
             return None
+
+    def _basis(self, mask, boolean: bool, module, model) -> Optional[str]:
+        if self._reason is False:
+            self._reason = causal_lm(model)
+        return _causal_basis(mask, boolean, module, self._reason)
 
     def state(self, func, args, kwargs, module, model):
         """``(basis, mask bytes)`` of a fused attention op called with an explicit mask, None
@@ -169,8 +172,6 @@ class MaskFacts:
             boolean = mask.dtype == torch.bool or self.bool_call or (key is not None and key in self.bool_storages)
             if self.bool_call and key is not None:
                 self.bool_storages.add(key)
-            if self._reason is False:
-                self._reason = causal_lm(model)
-            return _causal_basis(mask, boolean, module, self._reason), _nbytes(mask)
+            return self._basis(mask, boolean, module, model), _nbytes(mask)
         except Exception:       # a model whose attributes raise: an explicit mask, nothing more
             return None, 0
