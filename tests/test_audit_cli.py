@@ -270,7 +270,7 @@ def test_audit_gpu_fit_gates_ci():
     r = run("audit", path, "--steps", "1", "--gpu", "h100", "--format", "json")
     assert r.exit_code == 1, r.output
     (f,) = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "TL-MEM-002"]
-    assert f["severity"] == "error" and f["expected"] == 80e9 and f["measured"] > 16 * 6_738_415_616
+    assert f["severity"] == "error" and f["expected"] == 79.18 * 2**30 and f["measured"] > 16 * 6_738_415_616
     r = run("audit", path, "--steps", "1", "--gpu", "h200", "--format", "json")
     assert r.exit_code == 0, r.output
     (f,) = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "TL-MEM-002"]

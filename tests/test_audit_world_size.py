@@ -401,10 +401,11 @@ def test_gpu_fit_speaks_of_each_rank(fsdp8):
     assert f.message.startswith("the step fits at world size 8: each rank's peak (rank 0's), ")
     assert f.measured == fsdp8[0]["totals"]["peak_bytes"]
     big = StepRecord.from_dict(fsdp8[0])
-    big.totals["peak_bytes"] = 90e9                  # 90 GB > 80 GB: an error, worded per rank
+    big.totals["peak_bytes"] = 90e9                  # 90 GB > 85.0 GB: an error, worded per rank
     (f,) = check_gpu_fit([big], {"gpu": "H100"})
     assert f.severity == "error" and f.message.startswith("the step does not fit at world size 8: each rank's peak")
-    assert "112.5% of one H100 SXM's 80.0 GB" in f.message        # 90 / 80 = 1.125
+    # an H100 80GB gives a process 79.18 GiB = 85.02e9 B: 90 / 85.02 = 1.0586
+    assert "105.9% of one H100 SXM's 85.0 GB (79.2 GiB)" in f.message
 
 
 def test_mfu_option_reaches_the_net_finding(tmp_path):

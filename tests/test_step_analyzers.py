@@ -259,16 +259,19 @@ def _with_peak(peak_bytes, phase="optimizer"):
     return rec
 
 
+H100_BYTES = 79.18 * 2**30      # 85,018,877,624 B: what CUDA reports for an "80 GB" H100
+
+
 @pytest.mark.parametrize("peak, severity", [
-    (80_000_000_001, "error"),        # one byte over an H100's 80 GB
-    (80_000_000_000, "warning"),      # fits exactly: no room for the CUDA context
-    (72_000_000_001, "warning"),      # 0.1% less than 10% headroom
-    (72_000_000_000, "info"),         # exactly 10% to spare
+    (H100_BYTES + 1, "error"),             # one byte over the 79.18 GiB an H100 80GB gives a process
+    (H100_BYTES, "warning"),               # fits exactly: no room for the CUDA context
+    (0.9 * H100_BYTES + 1, "warning"),     # a byte less than 10% headroom
+    (0.9 * H100_BYTES, "info"),            # exactly 10% to spare
 ])
 def test_gpu_fit_thresholds_by_hand(peak, severity):
     from torchledger.analyzers.fit import check_gpu_fit
     (f,) = check_gpu_fit([_with_peak(peak)], {"gpu": "H100"})
-    assert (f.rule, f.severity, f.measured, f.expected) == ("TL-MEM-002", severity, peak, 80e9)
+    assert (f.rule, f.severity, f.measured, f.expected) == ("TL-MEM-002", severity, peak, H100_BYTES)
     assert "H100 SXM" in f.message and "the optimizer step" in f.message
     assert check_gpu_fit([_with_peak(peak)], {}) == []                   # no GPU named: no verdict
     assert check_gpu_fit([_with_peak(peak)], {"gpu": "no-such-gpu"}) == []

@@ -177,7 +177,7 @@ def test_sustained_fraction_and_overlap_slowdown(part):
 
 def test_the_500w_h100_part():
     gpu = hardware.get_gpu("h100-96gb-500w")
-    assert gpu.memory_bytes == 96e9 and gpu.bandwidth_bytes_per_s == pytest.approx(2.46e12)
+    assert gpu.memory_bytes == 95 * 2**30 and gpu.bandwidth_bytes_per_s == pytest.approx(2.46e12)
     eff = st.efficiency(gpu)
     # (500 / 700)^(1/3) = 0.894 of the 700 W part's matmul and attention fractions
     assert round((500 / 700) ** (1 / 3), 3) == 0.894

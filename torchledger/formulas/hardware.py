@@ -2,8 +2,10 @@
 
 The built-in table: vendor datasheets, one row per part (dense math only:
 a datasheet's "with sparsity" figure is twice the dense one and is never used here; every
-row says where its figures come from in ``GPUSpec.sources``). Units: memory in bytes with
-GB = 1e9 (vendor units), bandwidth in bytes/s, peaks in FLOP/s. A dtype the part has no
+row says where its figures come from in ``GPUSpec.sources``). Units: memory in bytes, the
+capacity the runtime reports rather than the datasheet's round figure (an "80 GB" H100 gives
+a process 79.18 GiB = 85.0e9 B; a "192 GB" B200 178.35 GiB = 191.5e9 B: see ``_USABLE_GIB``),
+bandwidth in bytes/s (GB = 1e9, vendor units), peaks in FLOP/s. A dtype the part has no
 tensor-core figure for is ``None`` (the V100 has no bf16, the B200 row gives no fp32/tf32).
 
 Beyond the datasheet figures a part carries what the step-time model
@@ -64,7 +66,11 @@ class GPUSpec:
     name: str
     """Display name, e.g. ``'H100 SXM'``."""
     memory_bytes: float
-    """HBM capacity in bytes (80 GB = 80e9)."""
+    """Device memory a process can allocate from, in bytes: for the built-in parts the total
+    the CUDA/HIP runtime reports (``torch.cuda.get_device_properties(0).total_memory``, the
+    "total capacity" of an out-of-memory message: an H100 80GB reports 79.18 GiB = 85.0e9 B,
+    not the datasheet's 80e9), so "fits" is judged against what the allocator can hand out.
+    Parts registered by users: the figure they give."""
     bandwidth_bytes_per_s: float
     """HBM bandwidth in bytes/s (3.35 TB/s = 3.35e12)."""
     peak_flops: Mapping[str, Optional[float]] = field(default_factory=dict)
@@ -107,10 +113,38 @@ class GPUSpec:
                 "sources": dict(self.sources)}
 
 
+# The memory a process gets, in GiB: the total the CUDA (HIP) runtime reports for the part,
+# as PyTorch prints it in its out-of-memory message ("GPU 0 has a total capacity of 79.19 GiB")
+# and nvidia-smi shows it (H100 80GB HBM3: 81,559 MiB, less the driver's reservation). The
+# datasheets' "80 GB" is neither 80e9 B nor 80 GiB of usable memory. Figures: the smallest
+# total seen in public OOM reports for the part (GitHub issues and logs, 2023-2026); a part
+# without one keeps its datasheet figure (GB = 1e9) and says so in its sources.
+_USABLE_GIB = {
+    "V100 SXM": (31.74, "V100 32GB OOM reports: '31.74 GiB total capacity'"),
+    "A100 SXM": (79.15, "A100 80GB OOM reports: '79.15 GiB total capacity' (nvidia-smi 81,920 MiB)"),
+    "A100 40GB SXM": (39.39, "A100 40GB OOM reports: '39.39 GiB total capacity'"),
+    "H100 SXM": (79.18, "H100 80GB HBM3 OOM reports: 'a total capacity of 79.18 GiB' (79.19 on "
+                        "other drivers; nvidia-smi 81,559 MiB)"),
+    "H100 96GB 500W": (95.0, "torchtitan's published benchmarks: 'H100 GPUs with 95 GiB HBM2e'"),
+    "H100 NVL": (93.09, "H100 NVL OOM reports: 'a total capacity of 93.09 GiB'"),
+    "H200 SXM": (139.80, "H200 OOM reports: 'a total capacity of 139.80 GiB' (nvidia-smi 143,771 MiB)"),
+    "B200 SXM": (178.35, "B200 OOM reports: 'a total capacity of 178.35 GiB' (the part exposes 180 GB)"),
+    "MI300X": (191.98, "MI300X HIP OOM reports: 'a total capacity of 191.98 GiB'"),
+    "H100 PCIe": (79.18, "nvidia-smi shows the H100 PCIe's 81,559 MiB as the SXM part's: the SXM "
+                         "part's runtime total, 79.18 GiB"),
+    "L4": (22.03, "L4 OOM reports: 'a total capacity of 22.03 GiB' (nvidia-smi 23,034 MiB, less the "
+                  "479 MiB the H100 also loses between the two)"),
+    "L40S": (44.39, "L40S OOM reports: 'a total capacity of 44.39 GiB' (44.4 GiB per L40S)"),
+}
+
+
 def _spec(name, mem_gb, bw_tb, fp32, tf32, bf16, fp16, fp8, aliases=(), sms=None, nvlink_gb=None,
           nic_gb=None, nics=8, gpus=8, efficiency=None, **sources):
     peaks = {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16, "fp8": fp8}
-    return GPUSpec(name, mem_gb * 1e9, bw_tb * 1e12,
+    usable = _USABLE_GIB.get(name)
+    sources.setdefault("memory", usable[1] if usable else
+                       f"datasheet {mem_gb} GB (= {mem_gb}e9 B; the runtime's usable total not sourced)")
+    return GPUSpec(name, usable[0] * 2**30 if usable else mem_gb * 1e9, bw_tb * 1e12,
                    {k: (v * _TF if v is not None else None) for k, v in peaks.items()},
                    tuple(aliases), sms, nvlink_gb * 1e9 if nvlink_gb else None,
                    nic_gb * 1e9 if nic_gb else None, nics, gpus, dict(efficiency or {}), sources)
