@@ -8,7 +8,9 @@ For each run, the model file is predict_published's with one sequence a micro-ba
 the mesh dimensions the run uses (its ``--mesh``, plus ``dp`` always), checkpointing the
 run's policy plus ``none`` and ``full``, schedule ``1f1b`` (plus ``interleaved`` at 2 to 4
 virtual stages and the run's own when it has them), the run's ``--precision``, ``--kernels``
-and ``--gpu``; ``jobs=1``.
+and ``--gpu``, ``--sequence-parallel on`` where the run says it used sequence parallelism
+(``"sp": true``: Korthikanti's GPT runs, whose learned positions the standard plan otherwise
+runs without it); ``jobs=1``.
 
 First the published layout alone is priced (a search held to it: its figures, whether it
 fits, or why the plan cannot price it, and the seconds it took). The whole search is then
@@ -72,7 +74,8 @@ def search_options(run) -> dict:
     vp = pub["virtual_stages"]
     opts = {"dims": tuple(dims), "checkpointing": tuple(dict.fromkeys([pub["checkpointing"], "none", "full"])),
             "schedules": ("1f1b", "interleaved") if vp > 1 else ("1f1b",),
-            "precision": pub["precision"], "kernels": pub["kernels"], "virtual_stages": None}
+            "precision": pub["precision"], "kernels": pub["kernels"], "virtual_stages": None,
+            "sequence_parallel": True if run.get("sp") else None}
     if vp > MAX_VIRTUAL_STAGES:
         opts["virtual_stages"] = tuple(range(2, MAX_VIRTUAL_STAGES + 1)) + (vp,)
     return opts
@@ -92,10 +95,10 @@ def chains(path, run, gpus_per_node, opts, fixed) -> int:
     from torchledger.plan import search as plan_search
     from torchledger.plan.evaluate import probe
     from torchledger.plan.space import enumerate_space
-    facts = probe(path)
+    facts = probe(path, sequence_parallel=opts["sequence_parallel"])
     space = enumerate_space(facts, int(run["gpus"]), int(run["global_batch"]), opts["dims"], opts["checkpointing"],
                             opts["schedules"], opts["precision"], opts["kernels"], gpus_per_node,
-                            opts["virtual_stages"], fixed)
+                            opts["virtual_stages"], fixed, opts["sequence_parallel"])
     return len(plan_search.chains(space.candidates, facts))
 
 
@@ -122,7 +125,7 @@ def alone(run, path, opts) -> dict:
     from torchledger.plan.search import search
     warm()
     t0 = time.perf_counter()
-    probe(path)
+    probe(path, sequence_parallel=opts["sequence_parallel"])
     probe_s = time.perf_counter() - t0
     pub = published(run)
     one = dict(opts, checkpointing=(pub["checkpointing"],),

@@ -17,7 +17,7 @@ from ..parallel.plan import PlanError, apply_standard_plan, cp_inputs, find_deco
 from .world import WorldError, resolve_world
 
 __all__ = ["resolve_layout", "resolve", "standard_plan", "parallelize", "accumulated", "cp_part", "batch_part",
-           "keep_blocks"]
+           "keep_blocks", "decoder"]
 
 
 def resolve_layout(world, mesh, plan):
@@ -40,6 +40,15 @@ def resolve_layout(world, mesh, plan):
     except WorldError as e:
         raise AuditError(str(e)) from None
     return layout
+
+
+def decoder(model, layout, path: str):
+    """The standard plan's decoder of ``model`` under ``layout`` (its ``--sequence-parallel``
+    applied), or None; AuditError (one line) where the layout asks what the model cannot take."""
+    try:
+        return find_decoder(model, layout)
+    except PlanError as e:
+        raise AuditError(f"{path}: {e}") from None
 
 
 def resolve(world_size, mesh, device):

@@ -69,7 +69,7 @@ from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
 from ..record import StepRecord
 from ..record.tokens import infer_tokens
 from ..render.sarif import spec_location
-from .layouts import batch_part, keep_blocks, kernel_notes, standard_plan, step_kernels
+from .layouts import batch_part, decoder, keep_blocks, kernel_notes, standard_plan, step_kernels
 from .loading import AuditRun, device_context, fake_safe_init, load_entry, quiet_torch_logs, stdout_to_stderr
 from .world import WorldError, fake_world
 
@@ -174,7 +174,7 @@ def _probe(fn, path, entry, layout):
         raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
     if find_decoder(spec.model) is not None:
         keep_blocks(spec.model, layout, path)
-    dec = find_decoder(spec.model)
+    dec = decoder(spec.model, layout, path)
     if dec is None:
         raise AuditError(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
                      f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2, "
@@ -317,7 +317,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
         model = spec.model
         keep_blocks(model, layout, path)
-        dec = find_decoder(model)
+        dec = decoder(model, layout, path)
         inputs = batch_part(spec.inputs, spec, layout)        # --micro-batch-size
         seq = infer_tokens(inputs)
         tied = tied_weight(model, dec, has_first=0 in chunks, has_last=last in chunks)

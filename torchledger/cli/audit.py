@@ -184,6 +184,10 @@ def _exit_code(findings, fail_on: str) -> int:
                    "model, as --compiled), te (Megatron-Core / NeMo with Transformer Engine: cuDNN fused "
                    "attention, fused norm/activation/bias, TP communication overlapped with GEMMs, fused Adam, "
                    "distributed optimizer).")
+@click.option("--sequence-parallel", type=click.Choice(["on", "off"]), default=None,
+              help="Standard plan with tp: whether tensor parallelism also splits the sequence between the "
+                   "blocks (Megatron's sequence parallelism) [default: on for RoPE decoders, off for learned "
+                   "positions (GPT-2/3: Megatron's GPT ran without it before 2022) and Hugging Face decoders].")
 @click.option("--link-bandwidth", type=BANDWIDTH, default=None, metavar="450GB/s",
               help="Bus bandwidth per rank for the communication time (default: --gpu's NVLink, or its "
                    "node's InfiniBand when the world spans nodes); B is bytes, b bits (400Gb/s = 50 GB/s).")
@@ -211,7 +215,7 @@ def _exit_code(findings, fail_on: str) -> int:
 def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops, gpu, world_size, mesh,
           virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision,
           link_bandwidth, mfu, depth, memory_snapshot, ignore, timing_steps, compiled=False, kernels=None,
-          micro_batch_size=None):
+          micro_batch_size=None, sequence_parallel=None):
     """Run and trace training steps of the model in FILE.py, compare with the closed forms,
     report per layer and gate CI on findings, budgets and a baseline.
 
@@ -253,7 +257,8 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
                             torch_logs=_debug(), world_size=world_size, mesh=mesh,
                             timing_steps=timing_steps,
                             plan=_plan(virtual_stages, micro_batches, global_batch, schedule,
-                                       checkpointing, precision, kernels, micro_batch_size))
+                                       checkpointing, precision, kernels, micro_batch_size,
+                                       sequence_parallel))
     except AuditError as e:
         raise InputError(str(e)) from None
     if memory_snapshot:
@@ -290,14 +295,16 @@ def audit(file, entry, device, steps, fmt, output, fail_on, baseline, peak_flops
 
 
 def _plan(virtual_stages, micro_batches, global_batch, schedule, checkpointing, precision, kernels,
-          micro_batch_size=None) -> dict:
+          micro_batch_size=None, sequence_parallel=None) -> dict:
     return {"virtual_stages": virtual_stages, "micro_batches": micro_batches, "global_batch": global_batch,
             "schedule": schedule, "micro_batch_size": micro_batch_size, "checkpointing": checkpointing,
-            "precision": precision, "kernels": kernels}
+            "precision": precision, "kernels": kernels,
+            "sequence_parallel": {"on": True, "off": False}.get(sequence_parallel)}
 
 
 def _check_world(*, device, world_size, mesh, virtual_stages, micro_batches, global_batch, schedule,
-                 checkpointing, precision, compiled=False, kernels=None, micro_batch_size=None, **_) -> None:
+                 checkpointing, precision, compiled=False, kernels=None, micro_batch_size=None,
+                 sequence_parallel=None, **_) -> None:
     """``--world-size``, ``--mesh`` and the plan options, checked in this process before the
     audit's child starts (and spends seconds importing torch): the parsers import no torch. The
     child checks them again where it uses them (``run_audit``)."""
@@ -307,7 +314,8 @@ def _check_world(*, device, world_size, mesh, virtual_stages, micro_batches, glo
     try:
         world = resolve(world_size, mesh, device)
         resolve_layout(world, mesh, _plan(virtual_stages, micro_batches, global_batch, schedule,
-                                          checkpointing, precision, kernels, micro_batch_size))
+                                          checkpointing, precision, kernels, micro_batch_size,
+                                          sequence_parallel))
     except AuditError as e:
         raise InputError(str(e)) from None
 

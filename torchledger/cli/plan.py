@@ -38,6 +38,9 @@ def _names(text: str, flag: str) -> tuple:
               help="The standard plan's precision (as audit --precision).")
 @click.option("--kernels", type=click.Choice(list(KERNELS)), default="eager", show_default=True,
               help="The kernels the step is priced as (as audit --kernels).")
+@click.option("--sequence-parallel", type=click.Choice(["on", "off"]), default=None,
+              help="Every layout's tensor parallelism with or without sequence parallelism (as audit "
+                   "--sequence-parallel) [default: the standard plan's choice for the model].")
 @click.option("--max-memory", type=FRACTION, default=0.9, show_default=True,
               help="Fraction of the part's memory a rank's peak may use.")
 @click.option("--dims", default="dp,tp,pp", show_default=True,
@@ -51,7 +54,7 @@ def _names(text: str, flag: str) -> tuple:
               help="Layouts traced at once, each in its own forked process.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
 def plan(file, gpu, gpus, global_batch, global_tokens, seq, top, precision, kernels, max_memory, dims,
-         checkpointing, schedules, jobs, fmt):
+         checkpointing, schedules, jobs, fmt, sequence_parallel=None):
     """Search the layouts of the model in FILE.py on N GPUs: every mesh of the asked dimensions
     the model allows, the micro-batch size and count that make the global batch, the
     checkpointing policy and the pipeline schedule; price each as `audit` would (its
@@ -75,13 +78,14 @@ def plan(file, gpu, gpus, global_batch, global_tokens, seq, top, precision, kern
     if not os.path.isfile(file):
         raise InputError(f"{file}: no such file; expected a Python model file that defines audit_spec()")
     result = _search(file, gpu, int(gpus), global_batch, global_tokens, seq, lists, precision, kernels,
-                     max_memory, top, int(jobs))
+                     max_memory, top, int(jobs), {"on": True, "off": False}.get(sequence_parallel))
     from ..render.plan import render_plan
     click.echo(render_plan(result, fmt))
     return 0 if any(p["fits"] for p in result["plans"]) else 1
 
 
-def _search(file, gpu, gpus, global_batch, global_tokens, seq, lists, precision, kernels, max_memory, top, jobs):
+def _search(file, gpu, gpus, global_batch, global_tokens, seq, lists, precision, kernels, max_memory, top, jobs,
+            sequence_parallel=None):
     from ..audit.engine import stdout_to_stderr
     from ..audit.spec import AuditError  # lazy: CLI startup (before torch)
     from ..plan.evaluate import probe  # lazy: CLI startup (before torch)
@@ -89,10 +93,11 @@ def _search(file, gpu, gpus, global_batch, global_tokens, seq, lists, precision,
     try:
         with stdout_to_stderr():
             if global_tokens is not None:
-                global_batch = _batch_of_tokens(probe(file).seq_len, global_tokens, seq)
+                global_batch = _batch_of_tokens(probe(file, sequence_parallel=sequence_parallel).seq_len,
+                                                global_tokens, seq)
             return search(file, gpu, gpus, global_batch, dims=lists["dims"], checkpointing=lists["checkpointing"],
                           schedules=lists["schedules"], precision=precision, kernels=kernels,
-                          max_memory=max_memory, top=top, jobs=jobs)
+                          max_memory=max_memory, top=top, jobs=jobs, sequence_parallel=sequence_parallel)
     except AuditError as e:
         raise InputError(str(e)) from None
 

@@ -115,6 +115,11 @@ class Layout:
     """eager, compiled or te (:data:`KERNELS`): how the step's kernels are priced."""
     named: bool = True
     """False for the unnamed ``8x8`` form."""
+    sequence_parallel: Optional[bool] = None
+    """Tensor parallelism also splits the sequence between the blocks (Megatron's sequence
+    parallelism, torchtitan's SP): True/False as ``--sequence-parallel on|off`` says; None: the
+    standard plan's choice for the model (on for RoPE decoders, off for learned positions and
+    Hugging Face decoders: ``parallel.plan.find_decoder``)."""
     blocks: Optional[int] = None
     """Keep only the decoder's first N blocks (``torchledger plan`` prices a layout from two
     such short traces, per block; ``audit/layouts.keep_blocks``); None: every block."""
@@ -132,6 +137,8 @@ class Layout:
         if self.micro_batches is not None and self.global_batch is not None:
             raise _error("--micro-batches and --global-batch both given; give one (the global batch "
                          "implies the micro-batches: G / (dp x the spec's batch))")
+        if not (self.sequence_parallel is None or isinstance(self.sequence_parallel, bool)):
+            raise _error(f"--sequence-parallel: expected on or off, got {self.sequence_parallel!r}")
         for key, choices, flag in (("schedule", SCHEDULES, "--schedule"),
                                    ("checkpointing", CHECKPOINTING, "--checkpointing"),
                                    ("precision", PRECISIONS, "--precision"),

@@ -9,8 +9,11 @@ In torchtitan's order (``parallelize_llama``), per transformer block:
   **sequence parallelism** as torchtitan does (norms ``SequenceParallel``, the block inputs
   all-gathered by ``PrepareModuleInput``, o/down reduce-scattered to ``Shard(1)``, the
   embedding ``RowwiseParallel`` to ``Shard(1)``, the head ``ColwiseParallel`` from it);
-  Hugging Face decoders and learned-position models get TP on the blocks without SP (they
-  compute positions from the embedded sequence's length, which SP would shard).
+  Hugging Face decoders get TP on the blocks without SP (they compute positions from the
+  embedded sequence's length, which SP would shard); learned-position models (GPT-2/3) without
+  it unless the layout says ``--sequence-parallel on`` (Megatron's GPT runs had it from 2022,
+  not before), which splits the position table like the token table; ``--sequence-parallel
+  off`` runs RoPE decoders without it.
 - **CP** (``cp``): each rank holds T/cp of the sequence (its inputs are narrowed); attention
   all-gathers K and V over the cp group (backward reduce-scatters their gradients), the
   all-gather variant Llama 3 was trained with, and attends its own queries to all keys
@@ -47,8 +50,8 @@ by heads as :mod:`.hf_mla` describes).
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 from .hf_moe import (expert_width, is_sparse_block, n_experts, owns_experts, shard_experts, split_over_tp,
@@ -94,20 +97,39 @@ class Decoder:
     n_kv_heads: int
     d_ff: int
     sequence_parallel: bool
-    """TP shards the sequence between blocks too (torchtitan's SP)."""
+    """TP shards the sequence between blocks too (torchtitan's SP): the plan's choice for the
+    model, or the layout's ``--sequence-parallel`` (:func:`find_decoder`)."""
     experts: int = 0
     """E of its mixture-of-experts layers (a Hugging Face sparse block); 0: none."""
     top_k: int = 0
     attention: str = "mha"
     """``mha`` (q/k/v/o projections, grouped or not) or ``mla`` (DeepSeek's multi-head latent
     attention: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)."""
+    pos_embed: Optional[str] = None
+    """FQN of a learned position table added to the token embeddings (GPT-2/3's), or None."""
 
     def module(self, model, fqn: str):
         return model.get_submodule(fqn) if fqn else model
 
 
-def find_decoder(model) -> Optional[Decoder]:
-    """The decoder structure of ``model``, or None when it is not one the plan knows."""
+def find_decoder(model, layout=None) -> Optional[Decoder]:
+    """The decoder structure of ``model``, or None when it is not one the plan knows; with a
+    layout that says ``sequence_parallel``, with that choice (PlanError where the model cannot
+    take it: a Hugging Face decoder computes its positions from the embedded sequence's
+    length, which sequence parallelism would cut)."""
+    dec = _decoder(model)
+    want = getattr(layout, "sequence_parallel", None)
+    if dec is None or want is None or want == dec.sequence_parallel:
+        return dec
+    if want and dec.family == "hf":
+        raise PlanError(f"--sequence-parallel on: {type(model).__name__} is a Hugging Face decoder, which "
+                        f"computes its positions from the embedded sequence's length (sequence parallelism "
+                        f"would cut it); the standard plan runs its tensor parallelism without: drop "
+                        f"--sequence-parallel")
+    return dataclasses.replace(dec, sequence_parallel=want)
+
+
+def _decoder(model) -> Optional[Decoder]:
     try:
         from ..models.transformer import Transformer
     except ImportError:                  # pragma: no cover
@@ -116,7 +138,8 @@ def find_decoder(model) -> Optional[Decoder]:
         cfg = model.config
         return Decoder("torchledger", model.blocks, "blocks", "attn", "mlp", ("attn_norm", "mlp_norm"),
                        cfg.gated, "tok_emb", "norm", "lm_head", cfg.n_heads, cfg.n_kv_heads,
-                       cfg.d_ff, sequence_parallel=not cfg.n_positions)
+                       cfg.d_ff, sequence_parallel=not cfg.n_positions,
+                       pos_embed="pos_emb" if cfg.n_positions else None)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     head = getattr(model, "lm_head", None)
@@ -204,7 +227,13 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
             sum_rotary_key_grads(attn, tp_mesh)
     if sp:
         root = {}
+        # a learned position table: its rows split like the token table's, each rank's T/tp
+        # positions reduce-scattered (Shard(0) of the (T, d) lookup), added to its T/tp tokens
+        pos = ((dec.pos_embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))),) \
+            if dec.pos_embed and getattr(model, dec.pos_embed, None) is not None \
+            and not _is_placeholder(getattr(model, dec.pos_embed)) else ()
         for fqn, style in ((dec.embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))),
+                           *pos,
                            (dec.norm, SequenceParallel()),
                            (dec.head, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))):
             if not _is_placeholder(dec.module(model, fqn)):
@@ -212,7 +241,8 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
         if root:
             parallelize_module(model, tp_mesh, root)
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block, "
-                     f"sequence parallel (norms SequenceParallel; embedding, head sharded)")
+                     f"sequence parallel (norms SequenceParallel; embedding"
+                     + (", learned positions" if pos else "") + ", head sharded)")
     elif dec.attention == "mla":
         notes.append(f"tp={n}: latent attention's q (q_proj or q_b_proj) and kv_b_proj ColwiseParallel, o_proj "
                      f"RowwiseParallel, q_a_proj and kv_a_proj_with_mqa whole on every rank (the rotary "
@@ -220,7 +250,15 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
                      f"(no sequence parallelism: a Hugging Face decoder)")
     else:
         notes.append(f"tp={n}: q/k/v, gate/up ColwiseParallel, o/down RowwiseParallel per block "
-                     f"(no sequence parallelism: {'a Hugging Face decoder' if dec.family == 'hf' else 'learned positions'})")
+                     f"(no sequence parallelism: {_why_no_sp(dec)})")
+
+
+def _why_no_sp(dec: Decoder) -> str:
+    if dec.family == "hf":
+        return "a Hugging Face decoder"
+    if dec.pos_embed:
+        return "learned positions, as Megatron's GPT without --sequence-parallel; --sequence-parallel on splits them"
+    return "--sequence-parallel off"
 
 
 def _attention_tp_plan(dec: Decoder, blocks, sp: bool) -> dict:
@@ -784,7 +822,7 @@ def apply_standard_plan(model, mesh, layout, *, seq_len=None, blocks=None, pipel
     precision, TP, CP, EP, checkpointing, data parallelism."""
     import torch
     notes = []
-    dec = find_decoder(model)
+    dec = find_decoder(model, layout)
     _check_plan_applies(model, dec, layout, seq_len)
     mixed = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(layout.precision)
     _apply_precision(model, layout, notes)

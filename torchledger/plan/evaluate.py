@@ -25,9 +25,10 @@ from typing import Optional
 
 from .space import Candidate, ModelFacts
 from ..audit.errors import raised, where
+from ..audit.layouts import decoder
 from ..audit.loading import load_entry, quiet_torch_logs
 from ..audit.spec import AuditError, as_spec
-from ..parallel.plan import find_decoder
+from ..parallel.layout import Layout
 from ..record.tokens import infer_tokens
 from ..steptime.predict import predict_into
 
@@ -72,10 +73,11 @@ def warm() -> None:
         importlib.import_module(name)
 
 
-def probe(path: str, entry: str = "audit_spec") -> ModelFacts:
+def probe(path: str, entry: str = "audit_spec", sequence_parallel=None) -> ModelFacts:
     """What the model allows (blocks, heads, KV heads, MLP width, experts, sequence, batch),
-    read off the model file's spec built on the meta device (no memory). AuditError if the
-    model is not a decoder the standard plan knows."""
+    read off the model file's spec built on the meta device (no memory), under
+    ``--sequence-parallel`` ``sequence_parallel`` (None: the plan's default). AuditError if the
+    model is not a decoder the standard plan knows or cannot take that choice."""
     import torch
     fn = load_entry(path, entry)
     try:
@@ -83,7 +85,7 @@ def probe(path: str, entry: str = "audit_spec") -> ModelFacts:
             spec = as_spec(fn())
     except Exception as e:  # noqa: BLE001  (the user's code: one line)
         raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
-    dec = find_decoder(spec.model)
+    dec = decoder(spec.model, Layout(sequence_parallel=sequence_parallel), path)
     if dec is None:
         raise AuditError(f"{path}: plan searches the layouts of decoders the standard plan knows "
                          f"(torchledger's models, Hugging Face Llama/Mistral/Qwen2 and their MoE kin), not "
@@ -140,6 +142,8 @@ def audit_args(c: Candidate, global_batch: int) -> list:
         args += ["--schedule", c.schedule]
     if c.virtual_stages > 1:
         args += ["--virtual-stages", str(c.virtual_stages)]
+    if c.sequence_parallel is not None:
+        args += ["--sequence-parallel", "on" if c.sequence_parallel else "off"]
     return args
 
 
@@ -187,7 +191,7 @@ def _priced_at(path, entry, gpu, gpus, group, blocks) -> list:
     plan = {"micro_batch_size": c.micro_batch_size, "global_batch": c.global_batch,
             "checkpointing": c.checkpointing, "precision": c.precision, "kernels": c.kernels,
             "schedule": c.schedule, "virtual_stages": c.virtual_stages if c.virtual_stages > 1 else None,
-            "blocks": blocks}
+            "blocks": blocks, "sequence_parallel": c.sequence_parallel}
     schedules = [x.schedule for x in group] if c.schedule is not None else None
     out = run_audit(path, entry=entry, device="fake", steps=STEPS, world_size=gpus, mesh=c.mesh, plan=plan,
                     schedules=schedules)

@@ -27,7 +27,7 @@ def chains(candidates, facts=None) -> list:
     (:func:`.evaluate.depths`; None: whole, also without ``facts``)."""
     found: dict = {}
     for c in candidates:
-        key = (c.dims, c.checkpointing, c.virtual_stages, c.precision, c.kernels)
+        key = (c.dims, c.checkpointing, c.virtual_stages, c.precision, c.kernels, c.sequence_parallel)
         found.setdefault(key, {}).setdefault(c.micro_batch_size, []).append(c)
     return [[(g, depths(facts, g[0]) if facts is not None else None) for _, g in sorted(by_b.items())]
             for by_b in found.values()]
@@ -53,18 +53,21 @@ def _priced(work, jobs: int, progress):
 def search(path: str, gpu: str, gpus: int, global_batch: int, *, entry: str = "audit_spec",
            dims=DEFAULT_DIMS, checkpointing=DEFAULT_CHECKPOINTING, schedules=DEFAULT_SCHEDULES,
            precision: str = "bf16-mixed", kernels: str = "eager", max_memory: float = DEFAULT_MAX_MEMORY,
-           top: int = DEFAULT_TOP, jobs: int = 1, stderr=None, virtual_stages=None, fixed=None) -> dict:
+           top: int = DEFAULT_TOP, jobs: int = 1, stderr=None, virtual_stages=None, fixed=None,
+           sequence_parallel=None) -> dict:
     """Search the layouts of ``path``'s model on ``gpus`` x ``gpu`` for ``global_batch``
     sequences a step; the plan as INTERFACE's JSON (plus ``candidates``: every priced row,
     for the HTML chart). ``virtual_stages`` and ``fixed`` narrow or widen the space
-    (:func:`.space.enumerate_space`). AuditError on a model the plan cannot search."""
+    (:func:`.space.enumerate_space`); ``sequence_parallel``: every layout's
+    ``--sequence-parallel`` (None: the plan's default for the model). AuditError on a model the
+    plan cannot search."""
     t0 = time.perf_counter()
     part = get_gpu(gpu)
     limit = max_memory * part.memory_bytes
-    facts = probe(path, entry)
+    facts = probe(path, entry, sequence_parallel)
     warm()
     space = enumerate_space(facts, gpus, global_batch, dims, checkpointing, schedules, precision, kernels,
-                            part.gpus_per_node, virtual_stages, fixed)
+                            part.gpus_per_node, virtual_stages, fixed, sequence_parallel)
     rejected = Counter(space.rejected)
     work = [(path, entry, gpu, gpus, chain, limit) for chain in chains(space.candidates, facts)]
     counts = Counter()

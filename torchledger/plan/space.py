@@ -66,6 +66,8 @@ class Candidate:
     virtual_stages: int = 1
     precision: str = "bf16-mixed"
     kernels: str = "eager"
+    sequence_parallel: Optional[bool] = None
+    """``--sequence-parallel``: True/False as the search was asked, None the plan's default."""
 
     @property
     def mesh(self) -> str:
@@ -133,13 +135,14 @@ def mesh_problems(facts: ModelFacts, dims: dict, gpus_per_node: int) -> list:
 def enumerate_space(facts: ModelFacts, gpus: int, global_batch: int, dims=DEFAULT_DIMS,
                     checkpointing=DEFAULT_CHECKPOINTING, schedules=DEFAULT_SCHEDULES,
                     precision: str = "bf16-mixed", kernels: str = "eager", gpus_per_node: int = 8,
-                    virtual_stages=None, fixed=None) -> Space:
+                    virtual_stages=None, fixed=None, sequence_parallel=None) -> Space:
     """Every candidate layout of ``gpus`` GPUs for ``global_batch`` sequences a step, and the
     rejected ones counted by reason (a mesh's first problem, once per mesh; a schedule's,
     once per mesh and micro-batch split). ``virtual_stages``: the model chunks a pipeline
     rank the interleaved schedule tries (default 2 to :data:`MAX_VIRTUAL_STAGES`); ``fixed``:
     {dimension: size} held at that size (a narrower search; the other meshes are not
-    candidates and not counted as rejected)."""
+    candidates and not counted as rejected); ``sequence_parallel``: every candidate's
+    ``--sequence-parallel`` (``facts`` read under the same choice)."""
     check_choices(dims, checkpointing, schedules, precision, kernels)
     check_fixed(dims, fixed, virtual_stages)
     names = [n for n in DIM_ORDER if n in dims]
@@ -159,11 +162,12 @@ def enumerate_space(facts: ModelFacts, gpus: int, global_batch: int, dims=DEFAUL
         per_rank = global_batch // d
         for b in [x for x in range(1, per_rank + 1) if per_rank % x == 0]:
             _add_splits(space, facts, tuple(sizes.items()), b, per_rank // b, checkpointing, schedules,
-                        precision, kernels, virtual_stages)
+                        precision, kernels, virtual_stages, sequence_parallel)
     return space
 
 
-def _add_splits(space, facts, dims, b, m, checkpointing, schedules, precision, kernels, virtual_stages=None) -> None:
+def _add_splits(space, facts, dims, b, m, checkpointing, schedules, precision, kernels, virtual_stages=None,
+                sequence_parallel=None) -> None:
     """The candidates of one mesh at micro-batch size ``b`` and ``m`` micro-batches."""
     pp = dict(dims).get("pp", 1)
     if pp == 1:
@@ -187,7 +191,7 @@ def _add_splits(space, facts, dims, b, m, checkpointing, schedules, precision, k
                     runs.append((schedule, v))
     for schedule, v in runs:
         for ckpt in checkpointing:
-            space.candidates.append(Candidate(dims, b, m, ckpt, schedule, v, precision, kernels))
+            space.candidates.append(Candidate(dims, b, m, ckpt, schedule, v, precision, kernels, sequence_parallel))
 
 
 def _schedule_reason(schedule: str, problem: str) -> str:
