@@ -103,3 +103,25 @@ def test_cruncher_runs():
     out = model(**example_inputs("cruncher", batch=3))
     assert out.shape == (3,)
     assert meta_counts("cruncher")[0] == 128 * 128 * 4 + 128                 # D*D*num_layers + D
+
+
+@pytest.mark.parametrize("name, published", [
+    # the Hugging Face model cards' parameter totals (safetensors metadata)
+    ("llama3-405b", 405_853_388_800),
+    ("llama3.1-405b", 405_853_388_800),
+    ("llama3.1-8b", 8_030_261_248),
+    ("llama3.1-70b", 70_553_706_496),
+    ("llama3.2-1b", 1_235_814_400),
+    ("llama3.2-3b", 3_212_749_824),
+])
+def test_llama3_presets_match_published_counts(name, published):
+    assert count_params(PRESETS[name]).total == published
+
+
+def test_gpt3_presets_by_hand():
+    # GPT-3 125M (Brown et al. Table 2.1: d 768, 12 layers, 12 heads) on Megatron's padded
+    # vocabulary: V d + 2048 d + 12 (12 d^2 + 13 d) + 2 d (tied head) =
+    # 39,321,600 + 1,572,864 + 85,054,464 + 1,536 = 125,950,464
+    assert count_params(PRESETS["gpt3-125m"]).total == 125_950_464
+    cfg = PRESETS["gpt3-175b"]
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_positions) == (12288, 96, 96, 2048)

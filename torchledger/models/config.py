@@ -147,11 +147,20 @@ def _gpt2(name, d, L, h, **kw):
                              n_positions=kw.pop("n_positions", 1024), name=name, **kw)
 
 
-def _llama(name, V, d, L, h, kv, ff, ctx, theta=10000.0, eps=1e-5):
+def _llama(name, V, d, L, h, kv, ff, ctx, theta=10000.0, eps=1e-5, tied=False):
     return TransformerConfig(vocab_size=V, d_model=d, n_layers=L, n_heads=h, n_kv_heads=kv,
                              d_ff=ff, mlp="swiglu", norm="rmsnorm", bias=False,
-                             tie_embeddings=False, n_positions=0, max_seq_len=ctx,
+                             tie_embeddings=tied, n_positions=0, max_seq_len=ctx,
                              rope_theta=theta, norm_eps=eps, name=name)
+
+
+def _gpt3(name, d, L, h):
+    """Brown et al. 2020, Table 2.1 (the rows whose d_head is d / h), with Megatron-LM's
+    vocabulary padded to 51,200 (GPT-2's 50,257 rounded up to a multiple of 128 x 8, as
+    Megatron's GPT runs pad it) and 2,048 learned positions."""
+    return TransformerConfig(vocab_size=51200, d_model=d, n_layers=L, n_heads=h, mlp="gelu",
+                             norm="layernorm", bias=True, tie_embeddings=True, n_positions=2048,
+                             max_seq_len=2048, name=name)
 
 
 #: Named presets. The big ones are meant for the meta device or fake tensors.
@@ -166,6 +175,21 @@ PRESETS: dict[str, Config] = {
         _llama("llama2-70b", 32000, 8192, 80, 64, 8, 28672, 4096),
         _llama("llama3-8b", 128256, 4096, 32, 32, 8, 14336, 8192, theta=500000.0),
         _llama("llama3-70b", 128256, 8192, 80, 64, 8, 28672, 8192, theta=500000.0),
+        # Llama 3 paper (arXiv 2407.21783) Table 3: 126 layers, d 16,384, FFN 53,248, 128 heads, 8 KV
+        _llama("llama3-405b", 128256, 16384, 126, 128, 8, 53248, 8192, theta=500000.0),
+        # Llama 3.1: the same shapes, 128k context (its RoPE scaling changes no count or shape)
+        _llama("llama3.1-8b", 128256, 4096, 32, 32, 8, 14336, 131072, theta=500000.0),
+        _llama("llama3.1-70b", 128256, 8192, 80, 64, 8, 28672, 131072, theta=500000.0),
+        _llama("llama3.1-405b", 128256, 16384, 126, 128, 8, 53248, 131072, theta=500000.0),
+        # Llama 3.2 1B / 3B (their config.json): tied embeddings
+        _llama("llama3.2-1b", 128256, 2048, 16, 32, 8, 8192, 131072, theta=500000.0, tied=True),
+        _llama("llama3.2-3b", 128256, 3072, 28, 24, 8, 8192, 131072, theta=500000.0, tied=True),
+        _gpt3("gpt3-125m", 768, 12, 12),
+        _gpt3("gpt3-350m", 1024, 24, 16),
+        _gpt3("gpt3-2.7b", 2560, 32, 32),
+        _gpt3("gpt3-6.7b", 4096, 32, 32),
+        _gpt3("gpt3-13b", 5120, 40, 40),
+        _gpt3("gpt3-175b", 12288, 96, 96),
         _llama("mistral-7b", 32000, 4096, 32, 32, 8, 14336, 32768, theta=10000.0),
         # Small models for tests, demos and benchmarks (CPU-friendly).
         _gpt2("gpt2-tiny", 64, 2, 4, n_positions=128).replace(vocab_size=512),
