@@ -510,3 +510,39 @@ def test_attention_with_value_head_dim_apart_by_hand():
     #   402.7 us of K and V both at 192)
     t = st.attention_seconds(1, 128, 1, 4096, 192, 128, False, False, "bf16", PART, eff=EFF)
     assert t == pytest.approx(335_626_240 / 1e12, rel=1e-12)
+
+
+def test_interleaved_te_pipeline_hides_p2p_under_the_chunks():
+    """Megatron-Core overlaps an interleaved schedule's sends and receives with the chunks'
+    compute (overlap_p2p_comm, on whenever virtual stages > 1 in NeMo / Megatron-Bridge); a
+    1F1B one batches them and waits, and eager PyTorch's are priced exposed."""
+    from torchledger.steptime.predict import collective_row_seconds, predict_step_time
+    from torchledger.formulas import hardware
+    hardware._ensure_loaded()
+    part = hardware.register_gpu("Round-pp3", "80GB", "1TB/s", {"bf16": "100T"}, sm_count=100,
+                                 nvlink="100GB/s", nic="10GB/s",
+                                 efficiency={"memory_fraction": 1.0, "nvlink_fraction": 1.0, "overlap_slowdown": 0.0})
+    rec = _record()                   # one micro-step: 2 blocks x (1 ms forward + 2 ms backward)
+    rec.totals["pipeline"] = {"stages": 2, "virtual_stages": 2, "micro_batches": 4, "schedule": "interleaved",
+                              "bubble_fraction": 0.0, "per_stage": [{"rank": 0}]}
+    send = {"op": "send", "phase": "forward", "module": None, "count": 8, "bytes": 8 * 10 ** 6,
+            "algo_bytes": 8 * 10 ** 6, "group_size": 2, "group_span": 9, "micro_steps": 4}
+    rec.collectives = [send]
+    s = collective_row_seconds(send, part, st.efficiency(part))[0]
+    assert 1e-3 < s < 24e-3                       # 8 MB over a 10 GB/s NIC, under the 24 ms of compute
+    eager = predict_step_time(rec, part)["seconds"]
+    assert eager == pytest.approx(4 * 6e-3 + s)                          # exposed
+    te = predict_step_time(rec, part, {"kernels": "te"})
+    passes = te["by_phase"]["forward"] + te["by_phase"]["backward"]
+    assert te["comm_exposed_seconds"] == pytest.approx(0, abs=1e-12) and s < passes
+    assert te["seconds"] == pytest.approx(passes + te["by_phase"].get("optimizer", 0) + te["by_phase"].get("other", 0))
+    assert any("overlap_p2p_comm" in a for a in te["assumptions"])
+    # more p2p than compute: the rest exposed
+    send.update(count=80, bytes=8 * 10 ** 8, algo_bytes=8 * 10 ** 8)
+    big = collective_row_seconds(send, part, st.efficiency(part))[0]
+    te_big = predict_step_time(rec, part, {"kernels": "te"})
+    assert big > passes and te_big["comm_exposed_seconds"] == pytest.approx(big - passes, rel=1e-6)
+    # 1F1B under te (batch_p2p_comm): exposed
+    rec.totals["pipeline"].update(virtual_stages=1, schedule="1f1b")
+    send.update(count=8, bytes=8 * 10 ** 6, algo_bytes=8 * 10 ** 6)
+    assert predict_step_time(rec, part, {"kernels": "te"})["comm_exposed_seconds"] == pytest.approx(s)

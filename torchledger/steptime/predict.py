@@ -29,7 +29,9 @@ framework schedules them:
   composed stage (``totals.pipeline.per_stage``) holds one micro-step's ops and the step's
   totals and collectives (each row with ``micro_steps``, how many micro-steps issue it): its
   ops run m times, FSDP2's gathers in the first micro-step, reductions in the last, p2p and
-  TP collectives (the step's rows) exposed; its FLOPs and tokens are not multiplied again.
+  TP collectives (the step's rows) exposed (under te with virtual stages > 1 the p2p beside the
+  chunks' compute: Megatron's ``overlap_p2p_comm``, exposed beyond it); its FLOPs and tokens
+  are not multiplied again.
 
 The result is ``predictions.step_time`` (docs/step-time.md, docs/record-format.md), with
 ``modules[].predicted_seconds`` (inclusive, compute only, x M) and
@@ -68,6 +70,7 @@ NO_KERNEL = ("aten.empty.", "aten.empty_like.", "aten.empty_strided.", "aten.new
 _GATHER_OPS = ("all_gather",)
 _KINDS = ("matmul", "attention", "memory_bound", "launch")
 _REDUCE_OPS = ("reduce_scatter", "all_reduce")
+_P2P_OPS = ("send", "recv")
 
 
 def _dtype_of(rec) -> str:
@@ -309,6 +312,12 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     # into chunks that run under the neighbouring GEMM's chunks; it overlaps no all-reduce, so
     # TP without sequence parallelism stays exposed): exposed only beyond the matmul time
     serial = comm.serial + max(0.0, comm.tp_serial - micro * comp.kinds["matmul"])
+    # an interleaved te pipeline's sends and receives (Megatron-Core's overlap_p2p_comm, which
+    # NeMo / Megatron-Bridge turn on whenever virtual stages > 1): each is issued
+    # asynchronously beside the chunk it feeds or follows: exposed only beyond the passes'
+    # compute. Without interleaving Megatron batches them and waits (batch_p2p_comm): exposed
+    passes_compute = micro * (comp.group_total("forward") + comp.group_total("backward"))
+    serial += max(0.0, comm.p2p_overlapped - passes_compute)
     if ctx["composed"]:
         comm_step = comm.total
     else:
@@ -367,7 +376,7 @@ def _pricing(rec, gpu, opts: dict) -> dict:
             "fp8": fp8_asked and bool(gpu.peak_flops.get("fp8")), "fp8_asked": fp8_asked, "te": te,
             "kernels": kernels, "compiled": compiled and fusion_known, "fusion_known": fusion_known,
             "unfusable": compiled and not fusion_known, "zero1": zero1, "zero1_traced": shards > 1, "pipe": pipe, "composed": composed,
-            "micro": micro}
+            "micro": micro, "p2p_overlap": te and pipe is not None and int(pipe.get("virtual_stages") or 1) > 1}
 
 
 @dataclass
@@ -460,6 +469,7 @@ class _Comm:
     tail: float = 0.0            # reductions of the root / no unit: after the last block
     reduced_once: float = 0.0    # reductions (last micro-step only) of a one-micro-step record
     tp_serial: float = 0.0       # tensor-parallel collectives of the step (under te)
+    p2p_overlapped: float = 0.0  # pipeline sends/receives of an interleaved te step (overlap_p2p_comm)
 
 
 def _place_collectives(rec, ctx: dict) -> _Comm:
@@ -503,6 +513,8 @@ def _place(comm: _Comm, c: dict, secs: float, tp: int, ctx: dict) -> None:
         comm.after += secs
     elif is_tp and ctx["te"] and op in ("all_gather", "reduce_scatter"):
         comm.tp_serial += exposed
+    elif op in _P2P_OPS and ctx["p2p_overlap"]:
+        comm.p2p_overlapped += exposed
     elif is_tp:
         comm.serial += exposed
     elif op in _GATHER_OPS and unit is not None:
@@ -581,8 +593,10 @@ def _bubble(ctx: dict, passes_compute: float) -> tuple:
     assumptions = [f"pipeline {p} stages, {m} micro-batches, {sched}: bubble (p-1)/(v m) = {frac:.3f} "
                    f"of the compute"]
     if ctx["composed"]:
+        p2p = ("p2p overlapped with the chunks' compute (Megatron's overlap_p2p_comm of interleaved "
+               "schedules: exposed beyond it)" if ctx["p2p_overlap"] else "p2p exposed")
         assumptions.append(f"the bounding stage's step: {m} micro-steps of its traced one, FSDP2's gathers in "
-                           f"the first, gradient reductions in the last, p2p and TP collectives exposed")
+                           f"the first, gradient reductions in the last, {p2p}, TP collectives as above")
     return frac * passes_compute, assumptions
 
 
