@@ -328,6 +328,38 @@ def test_meta_step_that_reads_a_value_points_to_fake_and_cpu(tmp_path):
     one_line_error(run("audit", path, "--device", "meta"), "meta tensors have no values",
                    "--device cpu", "m.py:10")
     one_line_error(run("audit", path), "fake tensors have no values", "--device cpu")
+    # a simulated world runs on fake tensors only: --device cpu is refused there, so not offered
+    err = one_line_error(run("audit", path, "--world-size", "2"), "fake tensors have no values",
+                         "a simulated world", "torchrun")
+    assert "--device cpu" not in err
+
+
+DDP_UNUSED = """
+    import torch, torchledger
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.a(x).sum()
+
+    def audit_spec():
+        return torchledger.AuditSpec(M(), torch.randn(2, 8),
+                                     parallelize=lambda m, mesh: DDP(m, FLAG=True))
+"""
+
+
+@pytest.mark.parametrize("flag", ["find_unused_parameters", "static_graph"])
+def test_ddp_unused_parameter_search_on_fake_tensors_says_what_to_drop(tmp_path, flag):
+    """DDP's reducer reads the all-reduced used-parameter map in backward: one line naming the
+    flag to drop for the audit, not "try --device cpu" (refused in a simulated world)."""
+    path = write(tmp_path, "ddp.py", DDP_UNUSED.replace("FLAG", flag))
+    err = one_line_error(run("audit", path, "--world-size", "2"), f"DistributedDataParallel({flag}=True)",
+                         f"audit the step without {flag}", "torchrun")
+    assert "--device cpu" not in err
     assert run("audit", path, "--device", "cpu", "--steps", "1").exit_code == 0     # real values
 
 

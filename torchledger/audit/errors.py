@@ -43,6 +43,23 @@ def device_hint(e: Exception, device: str) -> str:
     return ""
 
 
+def _ddp_hint(e: BaseException, device: str, model) -> str:
+    """What to do when DistributedDataParallel's unused-parameter search fails on fake tensors:
+    its reducer reads, in backward, which parameters the ranks used (the all-reduced
+    used-parameter map), a value fake tensors do not have."""
+    from torch.nn.parallel import DistributedDataParallel
+    if device != "fake" or not isinstance(model, DistributedDataParallel) or "DataDependent" not in type(e).__name__:
+        return ""
+    flags = [f for f in ("find_unused_parameters", "static_graph") if getattr(model, f, False)]
+    if not flags:
+        return ""
+    return (f"; DistributedDataParallel({', '.join(f + '=True' for f in flags)}) reads in backward which "
+            f"parameters the ranks used (its reducer's all-reduced used-parameter map), a value fake tensors "
+            f"do not have: audit the step without {' and '.join(flags)} (the same FLOPs and bytes but for "
+            f"that map's all-reduce, 4 B a parameter), or run real ranks with torchrun and merge them with "
+            f"`torchledger report rank*.json`")
+
+
 def _memory_format_call(e: BaseException) -> bool:
     """True when a frame of the user's code (not torch's) asked for a memory format conversion."""
     import torch
@@ -83,12 +100,17 @@ def step_error(e: BaseException, path: str, device: str, world=None, model=None)
     split = _mesh_split_hint(e, world, model)
     if split:
         return AuditError(f"{where(e, path)}: {split} (the step raised {name}: {message_of(e)})")
-    layout = _layout_hint(e, device)
+    layout = _layout_hint(e, device) or _ddp_hint(e, device, model)
     if layout:
         return AuditError(f"{where(e, path)}: the step cannot run on {device} tensors ({name}: "
                           f"{message_of(e)}){layout}")
     hint = device_hint(e, device) or (
         "; try --device cpu (or --device meta)" if device == "fake" and "fake" in text_of(e).lower()[:200] else "")
+    if hint and world is not None and "--device cpu" in hint:
+        # a simulated world runs on fake tensors only: --device cpu is refused there
+        hint = ("; fake tensors have no values, and a simulated world (--world-size/--mesh) runs on them "
+                "only: keep the value-reading call out of the step, or run real ranks with torchrun and "
+                "merge them with `torchledger report rank*.json`")
     if hint:
         return AuditError(f"{where(e, path)}: the step cannot run on {device} tensors ({name}: "
                           f"{message_of(e)}){hint}")
