@@ -8,7 +8,7 @@ import click
 from torchledger.cli import cli
 
 SURFACE = {
-    'audit': ['--baseline', '--checkpointing', '--compiled', '--depth', '--device', '--entry', '--fail-on', '--format', '--global-batch', '--gpu', '--ignore', '--kernels', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--micro-batch-size', '--micro-batches', '--output', '--peak-flops', '--precision', '--schedule', '--steps', '--timeout', '--timing-steps', '--virtual-stages', '--world-size'],
+    'audit': ['--baseline', '--checkpointing', '--compiled', '--depth', '--device', '--entry', '--fail-on', '--format', '--global-batch', '--gpu', '--ignore', '--kernels', '--link-bandwidth', '--memory-snapshot', '--mesh', '--mfu', '--micro-batch-size', '--micro-batches', '--output', '--peak-flops', '--precision', '--schedule', '--sequence-parallel', '--steps', '--timeout', '--timing-steps', '--virtual-stages', '--world-size'],
     'calibrate': ['--compiled', '--gpu', '--output'],
     'estimate decode': ['--batch', '--dtype', '--gpu', '--json', '--matmul-params', '--params', '--preset'],
     'estimate kv-cache': ['--batch', '--dtype', '--head-dim', '--json', '--kv-heads', '--layers', '--preset', '--tokens'],
@@ -16,7 +16,7 @@ SURFACE = {
     'estimate params': ['--bias', '--ffn', '--heads', '--hidden', '--json', '--kv-heads', '--layers', '--mlp', '--no-bias', '--no-tie-embeddings', '--norm', '--positions', '--preset', '--tie-embeddings', '--vocab'],
     'estimate train': ['--dtype', '--gpu', '--gpus', '--json', '--mfu', '--params', '--peak-flops', '--preset', '--price', '--seq-len', '--tokens'],
     'lint': ['--fail-on', '--format'],
-    'plan': ['--checkpointing', '--dims', '--format', '--global-batch', '--global-tokens', '--gpu', '--gpus', '--jobs', '--kernels', '--max-memory', '--precision', '--schedules', '--seq', '--top'],
+    'plan': ['--checkpointing', '--dims', '--format', '--global-batch', '--global-tokens', '--gpu', '--gpus', '--jobs', '--kernels', '--max-memory', '--precision', '--schedules', '--seq', '--sequence-parallel', '--top'],
     'report': ['--depth', '--fail-on', '--format', '--output'],
     'snapshot': ['--format', '--output', '--top', '-o'],
 }
