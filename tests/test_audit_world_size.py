@@ -446,3 +446,19 @@ def test_fsdp_world_8_optimizer_reads_the_shards(fsdp8):
     # 2 x 83,104 B over the 21 tensors (the global tensors' bytes would be 8x that)
     (row,) = [o for o in fsdp8[0]["ops"] if o["op"] == "aten.lerp_.Scalar" and o["phase"] == "optimizer"]
     assert row["bytes_read"] == 2 * FSDP8_LOCAL * 4
+
+
+def test_fsdp_world_8_foreach_optimizer_reads_the_shards(tmp_path):
+    """AdamW(foreach=True) (torchtitan's choice) takes lists of DTensors: its ops read the rank's
+    shards, as the for-loop's do (a list's elements were counted at their global size: 8x the
+    bytes at world size 8, and the step-time model priced the optimizer on them)."""
+    body = TINY.replace('parallelize=PARALLELIZE)', 'parallelize=PARALLELIZE,\n'
+                        '                                     optimizer=lambda p: torch.optim.AdamW(p, foreach=True))')
+    assert body != TINY
+    path = write(tmp_path, body)
+    r = run("audit", path, "--world-size", "8", "--steps", "1", "--format", "json")
+    assert r.exit_code == 0, r.output
+    ops = [o for o in json.loads(r.stdout)["ops"] if o["phase"] == "optimizer"]
+    (lerp,) = [o for o in ops if o["op"] == "aten._foreach_lerp_.Scalar"]
+    # exp_avgs and grads, 21 shards each: 2 x 20,776 x 4 B (the global lists: 8x)
+    assert lerp["bytes_read"] == 2 * FSDP8_LOCAL * 4

@@ -496,8 +496,13 @@ class LedgerMode(TorchDispatchMode):
                 read += tensor_bytes(a) if wrapper else nbytes(a)   # a DTensor reads its local shard
             elif isinstance(a, (list, tuple)):
                 for b in a:
-                    if isinstance(b, _Tensor):
+                    if type(b) in PLAIN:
                         read += nbytes(b)
+                    elif isinstance(b, _Tensor):    # a list of DTensors (foreach ops): local shards
+                        wrapper = wrappers.get(type(b))
+                        if wrapper is None:
+                            wrapper = is_wrapper_subclass(type(b))
+                        read += tensor_bytes(b) if wrapper else nbytes(b)
         st = self.storages
         # the tensors a graph can be kept through (retention.py): forward and recomputation
         # outputs; no weakref for the others (each one feeds the gc)
