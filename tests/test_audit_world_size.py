@@ -442,23 +442,23 @@ def test_net_finding_shows_small_times_in_their_unit():
 
 
 def test_fsdp_world_8_optimizer_reads_the_shards(fsdp8):
-    # AdamW's exp_avg.lerp_(grad, 1 - beta1) reads exp_avg and the grad, both DTensor shards:
-    # 2 x 83,104 B over the 21 tensors (the global tensors' bytes would be 8x that)
-    (row,) = [o for o in fsdp8[0]["ops"] if o["op"] == "aten.lerp_.Scalar" and o["phase"] == "optimizer"]
+    # AdamW's default on a GPU is its foreach path (DTensors are on its list): exp_avgs.lerp_
+    # (grads, 1 - beta1) reads the 21 exp_avg and grad DTensor shards: 2 x 83,104 B (a list's
+    # elements counted at their global size would be 8x that)
+    data = fsdp8[0]
+    (row,) = [o for o in data["ops"] if o["op"] == "aten._foreach_lerp_.Scalar" and o["phase"] == "optimizer"]
     assert row["bytes_read"] == 2 * FSDP8_LOCAL * 4
+    assert "optimizer_foreach" in data["meta"]["gpu_kernels"]
 
 
-def test_fsdp_world_8_foreach_optimizer_reads_the_shards(tmp_path):
-    """AdamW(foreach=True) (torchtitan's choice) takes lists of DTensors: its ops read the rank's
-    shards, as the for-loop's do (a list's elements were counted at their global size: 8x the
-    bytes at world size 8, and the step-time model priced the optimizer on them)."""
+def test_fsdp_world_8_for_loop_optimizer_reads_the_shards(tmp_path):
+    """AdamW(foreach=False): the for-loop, one parameter at a time, reads the same shards."""
     body = TINY.replace('parallelize=PARALLELIZE)', 'parallelize=PARALLELIZE,\n'
-                        '                                     optimizer=lambda p: torch.optim.AdamW(p, foreach=True))')
+                        '                                     optimizer=lambda p: torch.optim.AdamW(p, foreach=False))')
     assert body != TINY
-    path = write(tmp_path, body)
-    r = run("audit", path, "--world-size", "8", "--steps", "1", "--format", "json")
+    r = run("audit", write(tmp_path, body), "--world-size", "8", "--steps", "1", "--format", "json")
     assert r.exit_code == 0, r.output
     ops = [o for o in json.loads(r.stdout)["ops"] if o["phase"] == "optimizer"]
-    (lerp,) = [o for o in ops if o["op"] == "aten._foreach_lerp_.Scalar"]
-    # exp_avgs and grads, 21 shards each: 2 x 20,776 x 4 B (the global lists: 8x)
-    assert lerp["bytes_read"] == 2 * FSDP8_LOCAL * 4
+    (lerp,) = [o for o in ops if o["op"] == "aten.lerp_.Scalar"]
+    assert lerp["bytes_read"] == 2 * FSDP8_LOCAL * 4 and lerp["count"] == TENSORS
+    assert not [o for o in ops if o["op"].startswith("aten._foreach_")]

@@ -127,8 +127,9 @@ def test_a_first_step_is_priced_as_a_steady_one(audited, tmp_path):
     p1, p2 = one["predictions"]["step_time"], two["predictions"]["step_time"]
     assert p1["by_phase"]["optimizer"] == pytest.approx(p2["by_phase"]["optimizer"])
     assert p1["seconds"] == pytest.approx(p2["seconds"])
-    # 2 zeros_like + 1 lift_fresh per parameter tensor
-    assert f"made its state ({3 * n_params} zero-fill and scalar kernels)" in " ".join(p1["assumptions"])
+    # 2 zeros_like + 1 lift_fresh per parameter tensor, and the foreach path's host scalar
+    # (torch.tensor(1.0) on the CPU its step counts are added to: no GPU kernel either)
+    assert f"made its state ({3 * n_params + 1} zero-fill and scalar kernels)" in " ".join(p1["assumptions"])
 
 
 def _tiny_model():

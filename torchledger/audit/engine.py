@@ -17,7 +17,7 @@ from typing import Optional
 from ..analyzers.compare import record_predictions
 from ..analyzers.mfu import mfu_totals
 from ..ledger import Ledger
-from ..parallel.plan import make_optimizer
+from ..parallel.plan import default_optimizer, make_optimizer
 from ..record import TOKENS_FROM_SPEC
 from ..record.tokens import infer_tokens, tokens_warning
 from ..render.sarif import spec_location
@@ -132,7 +132,6 @@ class _Built(types.SimpleNamespace):
 def _build(fn, path, entry, device, world, layout) -> _Built:
     """Call the model file's ``entry()`` in the device context, apply the plan (the file's own
     ``parallelize`` or the standard plan of ``layout``) and make the optimizer."""
-    import torch
     try:
         with fake_safe_init(device):
             raw = fn()
@@ -157,7 +156,7 @@ def _build(fn, path, entry, device, world, layout) -> _Built:
         model, plan_notes = standard_plan(model, None, layout, path)
     count = infer_tokens(inputs, model)
     try:
-        opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
+        opt = make_optimizer(spec.optimizer or default_optimizer(layout), model, layout)
     except USER_ERRORS as e:
         raise AuditError(f"{where(e, path)}: making the optimizer {raised(e)}") from None
     _check_optimizer(opt, spec, path)

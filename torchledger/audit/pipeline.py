@@ -65,7 +65,7 @@ from ..analyzers.compare import record_predictions
 from ..formulas.pipeline import (bubble_fraction, chunk_sizes, in_flight, in_flight_bytes, rank_chunks,
                                  schedule_problem)
 from ..parallel.layout import Layout
-from ..parallel.plan import cp_inputs, find_decoder, make_optimizer
+from ..parallel.plan import cp_inputs, default_optimizer, find_decoder, make_optimizer
 from ..record import StepRecord
 from ..record.tokens import infer_tokens
 from ..render.sarif import spec_location
@@ -300,7 +300,6 @@ def _trace_to_file(args, out) -> None:
 
 def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
     """Build, prune, plan and trace rank ``r``'s micro-steps; (records by kind, notes, meta)."""
-    import torch
     from ..ledger import Ledger
     p, v = layout.size("pp"), layout.virtual_stages
     chunks = rank_chunks(p, v, r)
@@ -329,7 +328,7 @@ def _trace_rank(fn, path, entry, layout, mesh, r, sizes, m, act_dtype=None):
             model, notes = standard_plan(model, mesh, layout, path, seq.seq_len, blocks=keep, pipelined=True)
         if layout.size("cp") > 1:
             inputs = cp_inputs(inputs, layout.size("cp"), mesh["cp"].get_local_rank(), seq.seq_len)
-        opt = make_optimizer(spec.optimizer or torch.optim.AdamW, model, layout)
+        opt = make_optimizer(spec.optimizer or default_optimizer(layout), model, layout)
         runner = _StageRunner(model, dec, inputs, chunks, blocks, last, pp_ranks, mesh["pp"].get_group(),
                               layout, spec, _dtype_named(act_dtype))
         if tied:

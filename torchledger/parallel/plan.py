@@ -61,7 +61,8 @@ from .hf_mla import (fused_attention, is_latent_attention, latent_tp_plan, sum_r
 from ..record import OPTIMIZER_SHARDS_ATTR
 from .layout import PARAMS_16
 
-__all__ = ["DDP_BUCKET_CAP_MB", "PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs", "make_optimizer"]
+__all__ = ["DDP_BUCKET_CAP_MB", "PlanError", "Decoder", "find_decoder", "apply_standard_plan", "cp_inputs",
+           "make_optimizer", "default_optimizer"]
 
 #: DDP's ``bucket_cap_mb`` under ``dp_replicate`` alone: torchtitan's ``apply_ddp`` calls
 #: ``replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)`` (torchtitan/models/llama3/infra/
@@ -598,6 +599,19 @@ def _checkpoint_attention(model, dec, blocks, notes) -> None:
             attn.sdpa = recomputed(attn.sdpa or torch.nn.functional.scaled_dot_product_attention)
     notes.append(f"checkpointing selective-attention: the attention core of {len(blocks)} blocks recomputed "
                  f"in backward (Megatron's selective recompute)")
+
+
+def default_optimizer(layout):
+    """The optimizer a model file without ``AuditSpec(optimizer=)`` trains with: AdamW; under
+    ``--kernels te`` without PyTorch's foreach path, whose intermediates are a list the size of
+    the parameters (``tracer.gpu_kernels``): Megatron-Core and NeMo step with Transformer
+    Engine's (or Apex's) FusedAdam, one multi-tensor kernel that keeps none, which the step-time
+    model prices as fused; the for-loop holds one parameter's at a time, the nearest in memory."""
+    import functools
+    import torch
+    if layout is not None and layout.megatron:
+        return functools.partial(torch.optim.AdamW, foreach=False)
+    return torch.optim.AdamW
 
 
 def make_optimizer(factory, model, layout):

@@ -23,6 +23,15 @@ From ``tools/autograd/derivatives.yaml`` and the kernels (PyTorch 2.13):
   backward. Here, where :meth:`.attn_masks.MaskFacts.causal_basis` takes the mask for the causal
   one (as the time model prices it): no mask and ``is_causal=True``, queries as many as keys.
 
+- ``torch.optim``'s default implementation (``foreach=None``): on CUDA the foreach path for
+  plain tensors and DTensors (``_default_to_fused_or_foreach``), whose intermediates are a
+  list over every parameter of the group at once (AdamW's ``_foreach_sqrt`` of the second
+  moments: 4 B a fp32 parameter beside the weights, gradients and moments, "O(n) more memory"
+  as PyTorch's own Adafactor foreach PR puts it); on CPU the for-loop, one parameter's at a
+  time. Here: the GPU's choice (a mix of DTensors and plain tensors, which the foreach ops
+  refuse on a GPU, keeps the for-loop). Llama-2-7B in fp32 on one GPU: 101.4 -> 125.5 GiB at
+  the optimizer step.
+
 The same on both (checked, not changed): ``gelu`` and ``silu`` keep their input,
 ``_softmax``/``_log_softmax`` their output, ``native_layer_norm`` input, mean and rstd (CUDA
 keeps mean and rstd in fp32 where CPU keeps them in a 16-bit input's dtype when the weights
@@ -45,6 +54,10 @@ KERNEL_NOTES = {
                 "where CPU's composite keeps fp32 copies)",
     "dropout": "dropout as CUDA's native_dropout (keeps a 1-byte mask, where CPU keeps a noise tensor of "
                "the input's dtype)",
+    "optimizer_foreach": "the optimizer's implementation chosen as on a GPU: PyTorch's foreach path for plain "
+                         "tensors and DTensors (its intermediates, e.g. AdamW's sqrt of the second moments, one "
+                         "list over every parameter at once), where CPU takes the for-loop, one parameter at "
+                         "a time",
     "causal_mask": "a causal LM's boolean attention mask passed to SDPA as is_causal=True and no mask, as "
                    "transformers calls it on a GPU when no token is padded (fake tensors hold no values to "
                    "check; where CPU's kernel keeps an fp32 copy of the mask, T x T a call)",
@@ -116,6 +129,38 @@ def _causal_call(args, kwargs, fake, where, masks):
     return (), got
 
 
+def _gpu_optimizer_default(life, applied: dict, fake) -> None:
+    """torch.optim's default implementation (``foreach=None``) as a GPU picks it: the foreach
+    path when every parameter is a Tensor, Parameter or DTensor on a device with foreach
+    kernels (CUDA), the for-loop on CPU. A fake step's CPU tensors stand for CUDA ones and a
+    fake parameter's type (FakeTensor) for a Parameter. Parameters that mix DTensors and plain
+    tensors (tensor parallelism without FSDP over the rest) keep the for-loop: on a GPU the
+    foreach ops raise on the mix ("got mixed torch.Tensor and DTensor")."""
+    import sys
+    import torch.optim.optimizer as optimizer_module
+    from torch.distributed.tensor import DTensor
+    decide = optimizer_module._default_to_fused_or_foreach
+    devices = optimizer_module._get_foreach_kernels_supported_devices
+    types = [*optimizer_module._foreach_supported_types, fake]
+
+    def gpu_default(params, differentiable, use_fused=False):
+        fused, foreach = decide(params, differentiable, use_fused)
+        if fused or foreach or differentiable:
+            return fused, foreach
+        kinds = {isinstance(p, DTensor) for p in params if p is not None}
+        foreach = len(kinds) <= 1 and all(
+            p is None or (type(p) in types and (p.device.type in devices() or type(p) is fake
+                                                  or isinstance(p, DTensor))) for p in params)
+        if foreach:
+            applied["optimizer_foreach"] = applied.get("optimizer_foreach", 0) + 1
+        return fused, foreach
+
+    # each optimizer module imported the function by name (``from .optimizer import ...``)
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("torch.optim")]:
+        if getattr(module, "_default_to_fused_or_foreach", None) is decide:
+            life.patch(module, "_default_to_fused_or_foreach", gpu_default)
+
+
 def gpu_kernel_hook(life, ours, applied: dict, where=None, masks=None) -> None:
     """Patch ``F.rms_norm``, ``F.dropout`` and, with ``where`` (-> (module, model) running) and
     ``masks`` (the step's :class:`~.attn_masks.MaskFacts`), ``F.scaled_dot_product_attention``
@@ -151,6 +196,7 @@ def gpu_kernel_hook(life, ours, applied: dict, where=None, masks=None) -> None:
                 return sdpa(*causal[0], **causal[1])
         return sdpa(*args, **kwargs)
 
+    _gpu_optimizer_default(life, applied, FakeTensor)
     for name, new, old in (("rms_norm", gpu_rms_norm, rms_norm), ("dropout", gpu_dropout, dropout),
                            ("scaled_dot_product_attention", gpu_sdpa, sdpa)):
         # NB: the original's name too: code that patches F by the function's __name__
