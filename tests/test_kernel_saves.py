@@ -282,6 +282,9 @@ def test_mixed_dtensor_and_plain_parameters_keep_the_for_loop():
     rec = run_audit(os.path.join(root, "examples", "gpt2_tiny.py"), world_size=2, mesh="tp=2", steps=1).record
     assert not [o for o in rec.ops if o["op"].startswith("aten._foreach_")]
     assert any(o["op"] == "aten.lerp_.Scalar" for o in rec.ops if o["phase"] == "optimizer")
+    # and the report says what a GPU run of it would hit
+    assert "got mixed torch.Tensor and DTensor" in rec.meta["gpu_kernels"]["optimizer_mixed"]["note"]
+    assert "optimizer_foreach" not in rec.meta["gpu_kernels"]
 
 
 def test_te_steps_without_the_foreach_list():

@@ -58,6 +58,10 @@ KERNEL_NOTES = {
                          "tensors and DTensors (its intermediates, e.g. AdamW's sqrt of the second moments, one "
                          "list over every parameter at once), where CPU takes the for-loop, one parameter at "
                          "a time",
+    "optimizer_mixed": "the optimizer's parameters mix DTensors and plain tensors (tensor parallelism without "
+                       "FSDP over the rest): on a GPU torch.optim's default foreach path raises on the mix "
+                       "(\"got mixed torch.Tensor and DTensor\"); the step ran the for-loop, as foreach=False "
+                       "would: pass foreach=False to the optimizer, or shard every parameter",
     "causal_mask": "a causal LM's boolean attention mask passed to SDPA as is_causal=True and no mask, as "
                    "transformers calls it on a GPU when no token is padded (fake tensors hold no values to "
                    "check; where CPU's kernel keeps an fp32 copy of the mask, T x T a call)",
@@ -148,6 +152,8 @@ def _gpu_optimizer_default(life, applied: dict, fake) -> None:
         if fused or foreach or differentiable:
             return fused, foreach
         kinds = {isinstance(p, DTensor) for p in params if p is not None}
+        if len(kinds) > 1:
+            applied["optimizer_mixed"] = applied.get("optimizer_mixed", 0) + 1
         foreach = len(kinds) <= 1 and all(
             p is None or (type(p) in types and (p.device.type in devices() or type(p) is fake
                                                   or isinstance(p, DTensor))) for p in params)
