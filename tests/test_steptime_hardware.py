@@ -64,3 +64,14 @@ def test_env_file_new_part_needs_its_figures(tmp_path, monkeypatch, restore_regi
     monkeypatch.setenv(hardware.HARDWARE_ENV, str(path))
     with pytest.raises(ValueError, match="not a known part"):
         get_gpu("z2")
+
+
+@pytest.mark.parametrize("name, mem_gib", [
+    ("V100 SXM", 31.74), ("A100 SXM", 79.15), ("H200 SXM", 139.80), ("B200 SXM", 178.35),
+    ("H100 96GB 500W", 95.0),
+])
+def test_runtime_memory_of_the_other_parts(name, mem_gib):
+    """The parts the table above leaves out: the runtime's total, in GiB, sourced in the row."""
+    g = get_gpu(name)
+    assert g.memory_bytes == pytest.approx(mem_gib * 2**30)
+    assert f"{mem_gib:g}" in g.sources["memory"].replace("139.80", "139.8")

@@ -16,8 +16,9 @@ __all__ = ["USER_ERRORS", "where", "raised", "step_error", "device_hint", "messa
 USER_ERRORS = (Exception, SystemExit, GeneratorExit)
 
 
-def device_hint(e: Exception, device: str) -> str:
-    """What to try when a build or step failed because of the device it ran on."""
+def device_hint(e: Exception, device: str, world=None) -> str:
+    """What to try when a build or step failed because of the device it ran on (``world``: the
+    simulated world the step ran in, where only fake tensors run)."""
     name, text = type(e).__name__, text_of(e)
     if device in ("fake", "meta") and "Expected inputs of BF16" in text:
         return (f"; torch's grouped_mm (mixture-of-experts layers) checks for bf16 inputs on {device} "
@@ -37,10 +38,20 @@ def device_hint(e: Exception, device: str) -> str:
                 "model in its dtype (torch.set_default_dtype, or dtype= in its constructor) or use "
                 "--device meta")
     if device == "fake" and ("Fake" in name or "DataDependent" in name or "DynamicOutputShape" in name):
-        return "; fake tensors have no values: try --device cpu (or --device meta)"
+        return _no_values(world)
     if device == "meta" and ("meta tensor" in text or "DataDependent" in name):
         return "; meta tensors have no values and this reads one: try --device cpu (or --device fake)"
     return ""
+
+
+def _no_values(world) -> str:
+    """What to try when a fake step read a value: another device, except in a simulated world
+    (``--world-size``/``--mesh``), which runs on fake tensors only (--device cpu is refused)."""
+    if world is None:
+        return "; fake tensors have no values: try --device cpu (or --device meta)"
+    return ("; fake tensors have no values, and a simulated world (--world-size/--mesh) runs on them "
+            "only: keep the value-reading call out of the step, or run real ranks with torchrun and "
+            "merge them with `torchledger report rank*.json`")
 
 
 def _ddp_hint(e: BaseException, device: str, model) -> str:
@@ -104,13 +115,9 @@ def step_error(e: BaseException, path: str, device: str, world=None, model=None)
     if layout:
         return AuditError(f"{where(e, path)}: the step cannot run on {device} tensors ({name}: "
                           f"{message_of(e)}){layout}")
-    hint = device_hint(e, device) or (
-        "; try --device cpu (or --device meta)" if device == "fake" and "fake" in text_of(e).lower()[:200] else "")
-    if hint and world is not None and "--device cpu" in hint:
-        # a simulated world runs on fake tensors only: --device cpu is refused there
-        hint = ("; fake tensors have no values, and a simulated world (--world-size/--mesh) runs on them "
-                "only: keep the value-reading call out of the step, or run real ranks with torchrun and "
-                "merge them with `torchledger report rank*.json`")
+    hint = device_hint(e, device, world)
+    if not hint and device == "fake" and "fake" in text_of(e).lower()[:200]:
+        hint = "; try --device cpu (or --device meta)" if world is None else _no_values(world)
     if hint:
         return AuditError(f"{where(e, path)}: the step cannot run on {device} tensors ({name}: "
                           f"{message_of(e)}){hint}")

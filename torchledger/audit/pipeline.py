@@ -65,7 +65,7 @@ from ..analyzers.compare import record_predictions
 from ..formulas.pipeline import (bubble_fraction, chunk_sizes, in_flight, in_flight_bytes, rank_chunks,
                                  schedule_problem)
 from ..parallel.layout import Layout
-from ..parallel.plan import cp_inputs, default_optimizer, find_decoder, make_optimizer
+from ..parallel.plan import cp_inputs, default_optimizer, make_optimizer
 from ..record import StepRecord
 from ..record.tokens import infer_tokens
 from ..render.sarif import spec_location
@@ -172,9 +172,9 @@ def _probe(fn, path, entry, layout):
             spec = as_spec(fn())
     except Exception as e:
         raise AuditError(f"{where(e, path)}: {entry}() {raised(e)}") from None
-    if find_decoder(spec.model) is not None:
-        keep_blocks(spec.model, layout, path)
     dec = decoder(spec.model, layout, path)
+    if dec is not None:
+        keep_blocks(spec.model, layout, path)       # the same blocks list dec holds
     if dec is None:
         raise AuditError(f"{path}: pp: pipeline stages are cut by blocks of decoders the standard plan "
                      f"recognises (torchledger's models, Hugging Face Llama/Mistral/Qwen2, "

@@ -11,8 +11,8 @@ import click
 
 from ..parallel.layout import CHECKPOINTING, KERNELS, PRECISIONS
 from ..audit.supervise import supervised
-from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, POS_INT, SECONDS, InputError,
-                    PlainNumber, check_folder, check_output, echo_out, gpu_part)
+from .types import (BANDWIDTH, FLOPS, FRACTION, GLOBAL_BATCH, MICRO_BATCHES, ON_OFF, POS_INT, SECONDS,
+                    InputError, PlainNumber, check_folder, check_output, echo_out, gpu_part, on_off)
 
 __all__ = ["audit", "report"]
 
@@ -184,7 +184,7 @@ def _exit_code(findings, fail_on: str) -> int:
                    "model, as --compiled), te (Megatron-Core / NeMo with Transformer Engine: cuDNN fused "
                    "attention, fused norm/activation/bias, TP communication overlapped with GEMMs, fused Adam, "
                    "distributed optimizer).")
-@click.option("--sequence-parallel", type=click.Choice(["on", "off"]), default=None,
+@click.option("--sequence-parallel", type=click.Choice(ON_OFF), default=None,
               help="Standard plan with tp: whether tensor parallelism also splits the sequence between the "
                    "blocks (Megatron's sequence parallelism) [default: on for RoPE decoders, off for learned "
                    "positions (GPT-2/3: Megatron's GPT ran without it before 2022) and Hugging Face decoders].")
@@ -299,7 +299,7 @@ def _plan(virtual_stages, micro_batches, global_batch, schedule, checkpointing, 
     return {"virtual_stages": virtual_stages, "micro_batches": micro_batches, "global_batch": global_batch,
             "schedule": schedule, "micro_batch_size": micro_batch_size, "checkpointing": checkpointing,
             "precision": precision, "kernels": kernels,
-            "sequence_parallel": {"on": True, "off": False}.get(sequence_parallel)}
+            "sequence_parallel": on_off(sequence_parallel)}
 
 
 def _check_world(*, device, world_size, mesh, virtual_stages, micro_batches, global_batch, schedule,

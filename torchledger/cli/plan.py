@@ -10,7 +10,7 @@ import os
 import click
 
 from ..parallel.layout import KERNELS, PRECISIONS
-from .types import FRACTION, GLOBAL_BATCH, POS_INT, InputError, PlainNumber, gpu_part
+from .types import FRACTION, GLOBAL_BATCH, ON_OFF, POS_INT, InputError, PlainNumber, gpu_part, on_off
 
 __all__ = ["plan"]
 
@@ -38,7 +38,7 @@ def _names(text: str, flag: str) -> tuple:
               help="The standard plan's precision (as audit --precision).")
 @click.option("--kernels", type=click.Choice(list(KERNELS)), default="eager", show_default=True,
               help="The kernels the step is priced as (as audit --kernels).")
-@click.option("--sequence-parallel", type=click.Choice(["on", "off"]), default=None,
+@click.option("--sequence-parallel", type=click.Choice(ON_OFF), default=None,
               help="Every layout's tensor parallelism with or without sequence parallelism (as audit "
                    "--sequence-parallel) [default: the standard plan's choice for the model].")
 @click.option("--max-memory", type=FRACTION, default=0.9, show_default=True,
@@ -78,7 +78,7 @@ def plan(file, gpu, gpus, global_batch, global_tokens, seq, top, precision, kern
     if not os.path.isfile(file):
         raise InputError(f"{file}: no such file; expected a Python model file that defines audit_spec()")
     result = _search(file, gpu, int(gpus), global_batch, global_tokens, seq, lists, precision, kernels,
-                     max_memory, top, int(jobs), {"on": True, "off": False}.get(sequence_parallel))
+                     max_memory, top, int(jobs), on_off(sequence_parallel))
     from ..render.plan import render_plan
     click.echo(render_plan(result, fmt))
     return 0 if any(p["fits"] for p in result["plans"]) else 1

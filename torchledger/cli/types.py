@@ -63,6 +63,15 @@ def check_folder(flag: str, path) -> None:
                          f"{existing} is not writable; write elsewhere")
 
 
+#: ``--sequence-parallel``'s choices and what they mean to a ``Layout`` (None: not given).
+ON_OFF = ("on", "off")
+
+
+def on_off(value) -> "bool | None":
+    """``"on"`` -> True, ``"off"`` -> False, None -> None (the option not given)."""
+    return {"on": True, "off": False}.get(value)
+
+
 def gpu_part(name, flag: str = "--gpu", ctx=None, param=None):
     """The ``GPUSpec`` of ``name``. A bad ``TORCHLEDGER_HARDWARE`` file is bad input (one line
     naming the file, the part and the field), not a bad ``--gpu``; an unknown or empty name

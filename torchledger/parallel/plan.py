@@ -230,9 +230,9 @@ def _apply_tp(model, dec: Decoder, tp_mesh, blocks, notes) -> None:
         root = {}
         # a learned position table: its rows split like the token table's, each rank's T/tp
         # positions reduce-scattered (Shard(0) of the (T, d) lookup), added to its T/tp tokens
+        table = getattr(model, dec.pos_embed, None) if dec.pos_embed else None
         pos = ((dec.pos_embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))),) \
-            if dec.pos_embed and getattr(model, dec.pos_embed, None) is not None \
-            and not _is_placeholder(getattr(model, dec.pos_embed)) else ()
+            if table is not None and not _is_placeholder(table) else ()
         for fqn, style in ((dec.embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))),
                            *pos,
                            (dec.norm, SequenceParallel()),

@@ -312,21 +312,21 @@ def predict_step_time(rec, gpu, options=None) -> dict:
     # into chunks that run under the neighbouring GEMM's chunks; it overlaps no all-reduce, so
     # TP without sequence parallelism stays exposed): exposed only beyond the matmul time
     serial = comm.serial + max(0.0, comm.tp_serial - micro * comp.kinds["matmul"])
+    fwd_total, bwd_total, after_total = comp.group_total("forward"), comp.group_total("backward"), comp.after_total()
+    passes_compute = micro * (fwd_total + bwd_total)
     # an interleaved te pipeline's sends and receives (Megatron-Core's overlap_p2p_comm, which
     # NeMo / Megatron-Bridge turn on whenever virtual stages > 1): each is issued
     # asynchronously beside the chunk it feeds or follows: exposed only beyond the passes'
     # compute. Without interleaving Megatron batches them and waits (batch_p2p_comm): exposed
-    passes_compute = micro * (comp.group_total("forward") + comp.group_total("backward"))
     serial += max(0.0, comm.p2p_overlapped - passes_compute)
     if ctx["composed"]:
         comm_step = comm.total
     else:
         comm_step = micro * (comm.total - comm.reduced_once - comm.after) + comm.reduced_once + comm.after
-    fwd_total, bwd_total, after_total = comp.group_total("forward"), comp.group_total("backward"), comp.after_total()
     passes = _passes(comp, comm, micro)
-    compute_step = micro * (fwd_total + bwd_total) + after_total
+    compute_step = passes_compute + after_total
     seconds = passes + serial + after_total + comm.after
-    bubble, assumptions = _bubble(ctx, micro * (fwd_total + bwd_total))
+    bubble, assumptions = _bubble(ctx, passes_compute)
     seconds += bubble
     exposed = max(0.0, seconds - compute_step - bubble)
     # compute under collectives in flight runs slower (NCCL's CTAs and copies take SMs and HBM)

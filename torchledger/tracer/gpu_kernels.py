@@ -133,13 +133,14 @@ def _causal_call(args, kwargs, fake, where, masks):
     return (), got
 
 
-def _gpu_optimizer_default(life, applied: dict, fake) -> None:
+def _gpu_optimizer_default(life, ours, applied: dict, fake) -> None:
     """torch.optim's default implementation (``foreach=None``) as a GPU picks it: the foreach
     path when every parameter is a Tensor, Parameter or DTensor on a device with foreach
     kernels (CUDA), the for-loop on CPU. A fake step's CPU tensors stand for CUDA ones and a
     fake parameter's type (FakeTensor) for a Parameter. Parameters that mix DTensors and plain
     tensors (tensor parallelism without FSDP over the rest) keep the for-loop: on a GPU the
-    foreach ops raise on the mix ("got mixed torch.Tensor and DTensor")."""
+    foreach ops raise on the mix ("got mixed torch.Tensor and DTensor"). Other threads'
+    optimizers decide as torch does."""
     import sys
     import torch.optim.optimizer as optimizer_module
     from torch.distributed.tensor import DTensor
@@ -149,14 +150,15 @@ def _gpu_optimizer_default(life, applied: dict, fake) -> None:
 
     def gpu_default(params, differentiable, use_fused=False):
         fused, foreach = decide(params, differentiable, use_fused)
-        if fused or foreach or differentiable:
+        if fused or foreach or differentiable or not ours():
             return fused, foreach
         kinds = {isinstance(p, DTensor) for p in params if p is not None}
         if len(kinds) > 1:
             applied["optimizer_mixed"] = applied.get("optimizer_mixed", 0) + 1
-        foreach = len(kinds) <= 1 and all(
-            p is None or (type(p) in types and (p.device.type in devices() or type(p) is fake
-                                                  or isinstance(p, DTensor))) for p in params)
+            return fused, False
+        gpu = devices()
+        foreach = all(p is None or (type(p) in types and (type(p) is fake or isinstance(p, DTensor)
+                                                          or p.device.type in gpu)) for p in params)
         if foreach:
             applied["optimizer_foreach"] = applied.get("optimizer_foreach", 0) + 1
         return fused, foreach
@@ -202,7 +204,7 @@ def gpu_kernel_hook(life, ours, applied: dict, where=None, masks=None) -> None:
                 return sdpa(*causal[0], **causal[1])
         return sdpa(*args, **kwargs)
 
-    _gpu_optimizer_default(life, applied, FakeTensor)
+    _gpu_optimizer_default(life, ours, applied, FakeTensor)
     for name, new, old in (("rms_norm", gpu_rms_norm, rms_norm), ("dropout", gpu_dropout, dropout),
                            ("scaled_dot_product_attention", gpu_sdpa, sdpa)):
         # NB: the original's name too: code that patches F by the function's __name__
